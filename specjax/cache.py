@@ -1,0 +1,70 @@
+"""`KVCache`: an explicit key/value cache pytree with per-row lengths.
+
+Shape letters: L layers, B batch, S cache size, K key/value heads, D head dim,
+T tokens written in one call.
+
+Each row has its own length (rows of a batch accept different numbers of draft
+tokens). Writing a chunk puts T tokens at positions `lengths[b] + t`; rollback
+is setting `lengths`: positions at or past a row's length are stale, and the
+attention mask never reads them.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass(kw_only=True)
+class KVCache:
+  """Keys and values of every layer, and how much of each row is valid.
+
+  Attributes:
+    k: [L, B, S, K, D] keys, rotary embedding applied.
+    v: [L, B, S, K, D] values.
+    lengths: [B] int32, number of valid positions per row.
+  """
+
+  k: jax.Array
+  v: jax.Array
+  lengths: jax.Array
+
+  @classmethod
+  def zeros(cls, *, num_layers: int, batch: int, size: int, num_kv_heads: int,
+            head_dim: int, dtype=jnp.float32) -> "KVCache":
+    shape = (num_layers, batch, size, num_kv_heads, head_dim)
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+               lengths=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def size(self) -> int:
+    """S, the number of positions per row."""
+    return self.k.shape[2]
+
+  @property
+  def batch(self) -> int:
+    return self.k.shape[1]
+
+  def rollback(self, lengths: jax.Array) -> "KVCache":
+    """Keeps the first `lengths[b]` positions of each row valid."""
+    return self.replace(lengths=lengths.astype(jnp.int32))
+
+
+def write_rows(buffer: jax.Array, chunk: jax.Array,
+               offsets: jax.Array) -> jax.Array:
+  """Writes `chunk[b]` into `buffer[b]` starting at `offsets[b]` on axis 1.
+
+  Args:
+    buffer: [B, S, ...].
+    chunk: [B, T, ...], T <= S.
+    offsets: [B] int32; callers guarantee `offsets + T <= S` (XLA would clamp
+      an out-of-range start silently, so range checks live at the API edge).
+
+  Returns:
+    [B, S, ...] with the chunk written.
+  """
+  def one(buf, x, off):
+    start = (off,) + (0,) * (buf.ndim - 1)
+    return jax.lax.dynamic_update_slice(buf, x.astype(buf.dtype), start)
+  return jax.vmap(one)(buffer, chunk, offsets)

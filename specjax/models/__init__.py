@@ -1,0 +1,122 @@
+"""Llama-family models: `ModelConfig`, the Flax `Transformer`, and `Model`.
+
+Shape letters: B batch, T chunk, P padded prompt, S cache size, E hidden,
+V vocab.
+
+`Model` is the handle loaders return and decoders take: a pytree whose leaves
+are the parameters and whose static part is the config, so it can be passed
+straight into `jax.jit`. Decoders only use the `LanguageModel` protocol below,
+so any model (a fake with fixed logits, another Flax model with its own cache)
+can be verified or drafted with by implementing three methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from specjax import cache as cache_lib
+from specjax.models.config import ARCHITECTURES
+from specjax.models.config import check_params
+from specjax.models.config import ModelConfig
+from specjax.models.config import param_shapes
+from specjax.models.config import RopeScaling
+from specjax.models.transformer import Transformer
+
+__all__ = [
+    "ARCHITECTURES", "LanguageModel", "Model", "ModelConfig", "RopeScaling",
+    "Transformer", "check_params", "init_random", "param_shapes",
+]
+
+
+class LanguageModel(Protocol):
+  """What the decoders need from a model.
+
+  The cache is any pytree with a `lengths` [B] int32 field and a
+  `rollback(lengths)` method; `vocab_size` sizes the output buffers.
+  """
+
+  vocab_size: int
+
+  def init_cache(self, batch: int, size: int) -> Any:
+    """An empty cache for `batch` rows of `size` positions."""
+
+  def __call__(self, tokens: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+    """tokens [B, T] at `cache.lengths` -> logits [B, T, V] float32, cache.
+
+    The returned cache holds the chunk and has `lengths` advanced by T.
+    """
+
+  def prefill(self, tokens: jax.Array, lengths: jax.Array,
+              cache: Any) -> tuple[jax.Array, Any]:
+    """Right-padded prompts [B, P] with [B] lengths -> last logits [B, V].
+
+    The returned cache has `lengths` advanced by the prompt lengths.
+    """
+
+
+@flax.struct.dataclass
+class Model:
+  """A specjax transformer: static config plus a parameter pytree.
+
+  Attributes:
+    config: the hyper-parameters (static under jit).
+    params: pytree laid out as `param_shapes(config)`.
+  """
+
+  config: ModelConfig = flax.struct.field(pytree_node=False)
+  params: Any
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    return self.params["embed"].dtype
+
+  @property
+  def module(self) -> Transformer:
+    return Transformer(self.config, param_dtype=self.dtype)
+
+  def init_cache(self, batch: int, size: int) -> cache_lib.KVCache:
+    c = self.config
+    return cache_lib.KVCache.zeros(
+        num_layers=c.num_layers, batch=batch, size=size,
+        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype)
+
+  def hidden(self, tokens: jax.Array, cache: cache_lib.KVCache):
+    """tokens [B, T] -> hidden [B, T, E], cache (see `Transformer`)."""
+    return self.module.apply({"params": self.params}, tokens, cache)
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """hidden [..., E] -> logits [..., V] float32."""
+    return self.module.apply({"params": self.params}, hidden,
+                             method=Transformer.logits)
+
+  def __call__(self, tokens: jax.Array, cache: cache_lib.KVCache):
+    hidden, cache = self.hidden(tokens, cache)
+    return self.logits(hidden), cache
+
+  def prefill(self, tokens: jax.Array, lengths: jax.Array,
+              cache: cache_lib.KVCache):
+    offsets = cache.lengths
+    hidden, cache = self.hidden(tokens, cache)  # [B, P, E]
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)
+    logits = self.logits(last[:, 0])  # [B, V]; only the last prompt position
+    return logits, cache.rollback(offsets + lengths)
+
+
+def init_random(config: ModelConfig, key: jax.Array,
+                dtype: jnp.dtype = jnp.float32) -> Model:
+  """A model with freshly initialised (random) parameters."""
+  module = Transformer(config, param_dtype=dtype)
+  cache = cache_lib.KVCache.zeros(
+      num_layers=config.num_layers, batch=1, size=1,
+      num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype)
+  params = jax.jit(module.init)(key, jnp.zeros((1, 1), jnp.int32),
+                                cache)["params"]
+  return Model(config=config, params=params)

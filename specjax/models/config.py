@@ -1,0 +1,182 @@
+"""`ModelConfig`: the static description of a Llama-family transformer.
+
+The config is frozen and hashable, so it can be a static argument of `jax.jit`
+(it fixes every shape); parameters live in a separate plain pytree whose layout
+`param_shapes` defines once for the module, the loaders and the tests.
+
+Shape letters: V vocab, E hidden (embedding) size, F MLP hidden size, L layers,
+H query heads, K key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama 3 frequency-dependent rope scaling (`rope_type: llama3`).
+
+  Attributes:
+    factor: how much longer the extended context is than the original.
+    low_freq_factor: wavelengths above original/low_freq_factor are scaled.
+    high_freq_factor: wavelengths below original/high_freq_factor are kept.
+    original_max_position_embeddings: the context the model was trained on.
+  """
+
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM).
+
+  Attributes:
+    arch: one of `ARCHITECTURES`; informational, the math is set by the flags.
+    vocab_size: V.
+    hidden_size: E.
+    intermediate_size: F, the SwiGLU hidden size.
+    num_layers: L.
+    num_heads: H, query heads.
+    num_kv_heads: K, key/value heads (grouped-query attention when K < H).
+    head_dim: D.
+    rope_theta: rotary base frequency.
+    rope_scaling: Llama 3 rope scaling, or None.
+    rms_norm_eps: epsilon of every RMSNorm.
+    qkv_bias: whether q, k and v projections have a bias (Qwen2).
+    tie_embeddings: whether the output projection reuses the input embedding.
+    sliding_window: attend only to the last `sliding_window` positions
+      (Mistral), or None for full causal attention.
+    max_position_embeddings: the longest context the model supports.
+  """
+
+  arch: str
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
+  rms_norm_eps: float = 1e-6
+  qkv_bias: bool = False
+  tie_embeddings: bool = False
+  sliding_window: int | None = None
+  max_position_embeddings: int = 4096
+
+  def __post_init__(self):
+    if self.arch not in ARCHITECTURES:
+      raise ValueError(
+          f"Unknown architecture {self.arch!r}; expected one of "
+          f"{ARCHITECTURES}.")
+    for name in ("vocab_size", "hidden_size", "intermediate_size",
+                 "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"ModelConfig.{name} must be >= 1, got "
+                         f"{getattr(self, name)}.")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads={self.num_heads} is not a multiple of "
+          f"num_kv_heads={self.num_kv_heads}.")
+
+  @property
+  def num_params(self) -> int:
+    return sum(_prod(s) for s in _flatten(param_shapes(self)).values())
+
+  def replace(self, **kwargs: Any) -> "ModelConfig":
+    return dataclasses.replace(self, **kwargs)
+
+
+def param_shapes(config: ModelConfig) -> dict[str, Any]:
+  """The parameter pytree layout, as nested containers of shapes.
+
+  Matrices are stored [in, out]. On XLA CPU this keeps a (γ+1)-row
+  verification pass close to the cost of a one-row pass (measured in
+  BENCHMARKS.md; [out, in] cost 2.3x for 5 rows). Layers are a list of
+  per-layer dicts, unrolled at trace time: slicing one stacked [L, ...] array
+  per layer (scan or static slices) copied the weights and ran 4-10x slower,
+  so each layer is its own dict `layers_{i}` (Flax's names for a list of
+  submodules).
+
+  Args:
+    config: the model.
+
+  Returns:
+    `{'embed': (V, E), 'final_norm': (E,), 'layers_0': layer, ...,
+    'layers_{L-1}': layer}` where each layer is `{'attn_norm': (E,), 'q': (E, H*D), 'k': (E, K*D), 'v': (E, K*D),
+    'o': (H*D, E), 'mlp_norm': (E,), 'gate': (E, F), 'up': (E, F),
+    'down': (F, E)}` plus `q_bias`, `k_bias`, `v_bias` when `config.qkv_bias`;
+    and `'lm_head': (E, V)` when embeddings are not tied (tied models project
+    with `embed`).
+  """
+  c = config
+  e, f = c.hidden_size, c.intermediate_size
+  q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  layer = {
+      "attn_norm": (e,),
+      "q": (e, q),
+      "k": (e, kv),
+      "v": (e, kv),
+      "o": (q, e),
+      "mlp_norm": (e,),
+      "gate": (e, f),
+      "up": (e, f),
+      "down": (f, e),
+  }
+  if c.qkv_bias:
+    layer.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
+  shapes = {"embed": (c.vocab_size, e), "final_norm": (e,)}
+  shapes.update({f"layers_{i}": dict(layer) for i in range(c.num_layers)})
+  if not c.tie_embeddings:
+    shapes["lm_head"] = (e, c.vocab_size)
+  return shapes
+
+
+def check_params(config: ModelConfig, params: Any) -> None:
+  """Raises ValueError naming every missing, extra or misshapen tensor."""
+  want = _flatten(param_shapes(config))
+  got = _flatten(params)
+  problems = []
+  for name, shape in want.items():
+    if name not in got:
+      problems.append(f"missing tensor {name!r} (expected shape {shape})")
+    elif tuple(got[name].shape) != tuple(shape):
+      problems.append(f"tensor {name!r} has shape {tuple(got[name].shape)}, "
+                      f"expected {shape}")
+  problems += [f"unexpected tensor {name!r}" for name in got if name not in want]
+  if problems:
+    raise ValueError(f"Parameters do not match the {config.arch} config: "
+                     + "; ".join(problems))
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  """{'a': {'b': x}, 'l': [y]} -> {'a/b': x, 'l/0': y}."""
+  if isinstance(tree, dict):
+    items = tree.items()
+  elif isinstance(tree, (list, tuple)) and not _is_shape(tree):
+    items = enumerate(tree)
+  else:
+    return {prefix[:-1]: tree}
+  out = {}
+  for k, v in items:
+    out.update(_flatten(v, f"{prefix}{k}/"))
+  return out
+
+
+def _is_shape(x: Any) -> bool:
+  return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+
+
+def _prod(shape) -> int:
+  n = 1
+  for s in shape:
+    n *= s
+  return n
