@@ -1,0 +1,66 @@
+"""Static-shape output buffers shared by the decoding loops.
+
+Shape letters: B batch, N max new tokens, C tokens emitted per step (1 for
+autoregressive decoding, γ+1 for speculative), W = N + C buffer width.
+
+Tokens are written at each row's count with a per-row dynamic update; the
+buffer has C slots of slack so a write never clamps. Stops (EOS, max tokens)
+are applied by truncating the count; everything past it is padding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax import cache as cache_lib
+
+
+def eos_array(eos_id) -> jnp.ndarray:
+  """None | int | sequence of ints -> [E] int32 (-1 never matches)."""
+  if eos_id is None:
+    ids = [-1]
+  elif isinstance(eos_id, int):
+    ids = [eos_id]
+  else:
+    ids = [int(i) for i in eos_id] or [-1]
+  return jnp.asarray(ids, jnp.int32)
+
+
+def emit(buffer: jax.Array, counts: jax.Array, done: jax.Array,
+         tokens: jax.Array, num_new: jax.Array, eos_ids: jax.Array,
+         max_new_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Appends up to C tokens per active row and applies the stop rules.
+
+  Args:
+    buffer: [B, W] int32 output buffer, W >= max_new_tokens + C.
+    counts: [B] int32 tokens generated so far.
+    done: [B] bool rows that already stopped (left unchanged).
+    tokens: [B, C] int32 candidates; the first `num_new[b]` are real.
+    num_new: [B] int32 in [1, C].
+    eos_ids: [E] int32 end-of-sequence ids.
+    max_new_tokens: N.
+
+  Returns:
+    buffer, counts, done. A row stops after its first EOS (kept in the
+    output) or when it reaches N tokens.
+  """
+  c = tokens.shape[1]
+  real = jnp.arange(c)[None] < num_new[:, None]  # [B, C]
+  is_eos = jnp.any(tokens[..., None] == eos_ids, axis=-1) & real
+  has_eos = jnp.any(is_eos, axis=-1)
+  num_new = jnp.where(has_eos, jnp.argmax(is_eos, axis=-1) + 1, num_new)
+  new_counts = jnp.minimum(counts + num_new, max_new_tokens)
+  buffer = cache_lib.write_rows(buffer, tokens, counts)
+  active = ~done
+  counts = jnp.where(active, new_counts, counts)
+  done |= active & (has_eos | (new_counts >= max_new_tokens))
+  return buffer, counts, done
+
+
+def finalize(buffer: jax.Array, counts: jax.Array, max_new_tokens: int,
+             pad_id: int) -> jax.Array:
+  """[B, W] -> [B, N] with every slot at or past a row's count set to pad."""
+  out = buffer[:, :max_new_tokens]
+  keep = jnp.arange(max_new_tokens)[None] < counts[:, None]
+  return jnp.where(keep, out, pad_id)

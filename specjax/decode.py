@@ -1,0 +1,330 @@
+"""Public decoding API: `generate` and `speculative_generate`.
+
+Shape letters: B batch, P padded prompt (a power-of-two bucket), S cache size,
+N max new tokens, G = γ.
+
+Both take prompts as a list of token-id lists of different lengths and return
+`tokens` [B, N] (generated ids only, `pad_id` after each row's end) and
+`lengths` [B]. Each generation is one compiled call: prefill, then a
+`lax.while_loop` that runs until every row hit EOS or N tokens. Shapes are
+fixed by (B, P, S, N, γ) and the models' configs; temperature, top-k, top-p,
+EOS ids, seeds and the draft stop threshold are traced, so changing them does
+not recompile.
+
+Models are anything implementing `specjax.models.LanguageModel` (a
+`specjax.models.Model`, or an adapter around another Flax model); the draft may
+also be any `specjax.drafters.Drafter`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import buffers
+from specjax import sampling
+from specjax import speculate
+from specjax.drafters import DraftModel
+from specjax.drafters import Drafter
+from specjax.models import LanguageModel
+from specjax.speculate import SpecState
+from specjax.speculate import SpecStats
+from specjax.speculate import StepParams
+
+__all__ = [
+    "GenerateOutput", "SpecOutput", "SpecStats", "generate",
+    "prepare_prompts", "speculative_generate",
+]
+
+_MIN_BUCKET = 16
+_CACHE_ALIGN = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+  """Result of `generate`.
+
+  Attributes:
+    tokens: [B, N] int32 generated ids, `pad_id` after each row's end.
+    lengths: [B] int32 generated tokens per row (an EOS is counted and kept).
+  """
+
+  tokens: np.ndarray
+  lengths: np.ndarray
+
+  def row(self, b: int) -> list[int]:
+    """The tokens generated for row b, without padding."""
+    return self.tokens[b, :self.lengths[b]].tolist()
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecOutput(GenerateOutput):
+  """Result of `speculative_generate`.
+
+  Attributes:
+    stats: counters (see `specjax.speculate.SpecStats`), as numpy arrays.
+    gamma: γ used.
+    synthetic: True when acceptance was synthetic (fixed-rate, not
+      distribution-preserving): such figures must be labelled synthetic.
+  """
+
+  stats: SpecStats = None
+  gamma: int = 0
+  synthetic: bool = False
+
+
+@flax.struct.dataclass(kw_only=True)
+class _ARState:
+  tokens: jax.Array  # [B, N + 1]
+  lengths: jax.Array  # [B]
+  done: jax.Array  # [B]
+  last_token: jax.Array  # [B]
+  cache: Any
+  key: jax.Array
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
+                    max_new_tokens: int, cache_size: int | None,
+                    reserve: int = 1) -> tuple[np.ndarray, np.ndarray, int]:
+  """Validates prompts and pads them to a bucket.
+
+  Args:
+    prompts: B lists of token ids.
+    vocab_size: V; every id must be in [0, V).
+    max_new_tokens: N.
+    cache_size: S, or None to size it from the prompts.
+    reserve: extra positions the loop may write past the N tokens (γ + 1 for
+      speculative decoding).
+
+  Returns:
+    tokens [B, P] int32 right-padded with 0, lengths [B] int32, and S.
+
+  Raises:
+    ValueError: on an empty batch or prompt, an out-of-range id, or a cache
+      too small for the longest prompt plus N plus `reserve`.
+  """
+  if isinstance(prompts, (str, bytes)) or not len(prompts):
+    raise ValueError("prompts must be a non-empty list of token-id lists.")
+  rows = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+  for b, row in enumerate(rows):
+    if row.size == 0:
+      raise ValueError(f"Prompt {b} is empty; every prompt needs at least "
+                       "one token (e.g. a BOS id).")
+    if row.min() < 0 or row.max() >= vocab_size:
+      raise ValueError(f"Prompt {b} has token ids outside [0, {vocab_size}).")
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+  lengths = np.array([r.size for r in rows], np.int32)
+  longest = int(lengths.max())
+  needed = longest + max_new_tokens + reserve
+  bucket = max(_MIN_BUCKET, _next_pow2(longest))
+  if cache_size is None:
+    cache_size = -(-(max(needed, bucket)) // _CACHE_ALIGN) * _CACHE_ALIGN
+  elif needed > cache_size:
+    raise ValueError(
+        f"The cache is too short: the longest prompt has {longest} tokens, "
+        f"plus max_new_tokens={max_new_tokens} plus {reserve} positions of "
+        f"slack needs {needed} positions, but cache_size={cache_size}.")
+  bucket = min(bucket, cache_size)
+  tokens = np.zeros((len(rows), bucket), np.int32)
+  for b, row in enumerate(rows):
+    tokens[b, :row.size] = row
+  return tokens, lengths, cache_size
+
+
+def _key(key: jax.Array | int | None) -> jax.Array:
+  if key is None:
+    return jax.random.key(0)
+  if isinstance(key, int):
+    return jax.random.key(key)
+  return key
+
+
+def _prefill(target: LanguageModel, prompts: jax.Array, lengths: jax.Array,
+             cache_size: int, params: sampling.SamplingParams,
+             key: jax.Array):
+  """Prefills the target and samples the first token [B]."""
+  cache = target.init_cache(prompts.shape[0], cache_size)
+  logits, cache = target.prefill(prompts, lengths, cache)  # [B, V]
+  first = sampling.sample(key, sampling.probabilities(logits, params))
+  return first, cache
+
+
+def _first_emit(first: jax.Array, width: int, eos_ids: jax.Array,
+                max_new_tokens: int):
+  """Buffer [B, width], lengths, done after the prefill's token."""
+  batch = first.shape[0]
+  return buffers.emit(
+      jnp.zeros((batch, width), jnp.int32), jnp.zeros((batch,), jnp.int32),
+      jnp.zeros((batch,), bool), first[:, None], jnp.ones((batch,), jnp.int32),
+      eos_ids, max_new_tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "cache_size",
+                                             "pad_id"))
+def _generate(model, prompts, lengths, params, eos_ids, key, *,
+              max_new_tokens, cache_size, pad_id):
+  key, first_key = jax.random.split(key)
+  first, cache = _prefill(model, prompts, lengths, cache_size, params,
+                          first_key)
+  tokens, counts, done = _first_emit(first, max_new_tokens + 1, eos_ids,
+                                     max_new_tokens)
+  state = _ARState(tokens=tokens, lengths=counts, done=done, last_token=first,
+                   cache=cache, key=key)
+
+  def step(s: _ARState) -> _ARState:
+    key, sample_key = jax.random.split(s.key)
+    start = s.cache.lengths
+    logits, cache = model(s.last_token[:, None], s.cache)  # [B, 1, V]
+    token = sampling.sample(
+        sample_key, sampling.probabilities(logits[:, 0], params))  # [B]
+    # Done rows do not advance, so they never run past the cache.
+    cache = cache.rollback(jnp.where(s.done, start, cache.lengths))
+    tokens, counts, done = buffers.emit(
+        s.tokens, s.lengths, s.done, token[:, None],
+        jnp.ones_like(s.lengths), eos_ids, max_new_tokens)
+    return s.replace(tokens=tokens, lengths=counts, done=done,
+                     last_token=token, cache=cache, key=key)
+
+  state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+  return (buffers.finalize(state.tokens, state.lengths, max_new_tokens,
+                           pad_id), state.lengths)
+
+
+def generate(model: LanguageModel, prompts: Sequence[Sequence[int]], *,
+             max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, eos_id: int | Sequence[int] | None = None,
+             key: jax.Array | int | None = None,
+             cache_size: int | None = None,
+             pad_id: int = 0) -> GenerateOutput:
+  """Batched autoregressive decoding, compiled as one call.
+
+  Args:
+    model: a `LanguageModel` (e.g. `specjax.models.Model`).
+    prompts: B lists of token ids, of any lengths >= 1.
+    max_new_tokens: N, the most tokens generated per row.
+    temperature: 0 for greedy; otherwise softmax temperature.
+    top_k: keep the k most likely tokens (0 disables).
+    top_p: nucleus mass in (0, 1] (1 disables).
+    eos_id: one id or several; a row stops after emitting one.
+    key: PRNG key or int seed (default seed 0).
+    cache_size: S; default fits the longest prompt plus N.
+    pad_id: written after each row's end.
+
+  Returns:
+    `GenerateOutput` with tokens [B, N] and lengths [B].
+  """
+  params = sampling.SamplingParams.create(temperature, top_k, top_p)
+  tokens, lengths, cache_size = prepare_prompts(
+      prompts, model.vocab_size, max_new_tokens=max_new_tokens,
+      cache_size=cache_size, reserve=1)
+  out, counts = _generate(
+      model, jnp.asarray(tokens), jnp.asarray(lengths), params,
+      buffers.eos_array(eos_id), _key(key), max_new_tokens=max_new_tokens,
+      cache_size=cache_size, pad_id=pad_id)
+  return GenerateOutput(tokens=np.asarray(out), lengths=np.asarray(counts))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "gamma", "max_new_tokens", "cache_size", "pad_id", "synthetic"))
+def _speculative_generate(target, drafter, prompts, lengths, params, key, *,
+                          gamma, max_new_tokens, cache_size, pad_id,
+                          synthetic):
+  key, first_key = jax.random.split(key)
+  first, target_cache = _prefill(target, prompts, lengths, cache_size,
+                                 params.sampling, first_key)
+  tokens, counts, done = _first_emit(first, max_new_tokens + gamma + 1,
+                                     params.eos_ids, max_new_tokens)
+  batch = prompts.shape[0]
+  state = SpecState(
+      tokens=tokens, lengths=counts, done=done, last_token=first,
+      target_cache=target_cache,
+      drafter_state=drafter.init(prompts, lengths, first, cache_size),
+      key=key, stats=SpecStats.zeros(batch, gamma, max(max_new_tokens - 1, 1)))
+  step = functools.partial(
+      speculate.speculate_step, target=target, drafter=drafter, params=params,
+      gamma=gamma, max_new_tokens=max_new_tokens, synthetic=synthetic)
+  state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+  tokens = buffers.finalize(state.tokens, state.lengths, max_new_tokens,
+                            pad_id)
+  return tokens, state.lengths, state.stats
+
+
+def speculative_generate(
+    target: LanguageModel, draft: LanguageModel | Drafter,
+    prompts: Sequence[Sequence[int]], *, gamma: int, max_new_tokens: int,
+    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+    eos_id: int | Sequence[int] | None = None,
+    key: jax.Array | int | None = None, cache_size: int | None = None,
+    pad_id: int = 0, draft_stop_threshold: float = 0.0,
+    synthetic_acceptance: float | None = None) -> SpecOutput:
+  """Speculative decoding, compiled as one call.
+
+  The output is distributed exactly as `generate(target, ...)` with the same
+  sampling settings; with temperature 0 it equals it token for token (up to
+  floating-point near-ties between a one-token and a (γ+1)-token pass).
+
+  Args:
+    target: the `LanguageModel` whose distribution is sampled.
+    draft: a smaller `LanguageModel` with the same vocabulary, or any
+      `Drafter`.
+    prompts: B lists of token ids, of any lengths >= 1.
+    gamma: γ >= 1, draft tokens proposed per step.
+    max_new_tokens: N.
+    temperature: 0 for greedy; applied to draft and target alike.
+    top_k: keep the k most likely tokens (0 disables).
+    top_p: nucleus mass in (0, 1] (1 disables).
+    eos_id: one id or several; a row stops after emitting one.
+    key: PRNG key or int seed (default seed 0).
+    cache_size: S for both models; must hold the longest prompt + N + γ + 1.
+    pad_id: written after each row's end.
+    draft_stop_threshold: stop drafting a row early when the draft's top
+      probability falls below this (0 never stops).
+    synthetic_acceptance: if set, accept each draft token with this fixed
+      probability instead of verifying it (system benchmarks on random
+      weights only: the output is then NOT the target's distribution).
+
+  Returns:
+    `SpecOutput` with tokens [B, N], lengths [B] and statistics.
+  """
+  if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
+    raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}.")
+  drafter = draft if hasattr(draft, "propose") else DraftModel(draft)
+  if drafter.vocab_size != target.vocab_size:
+    raise ValueError(
+        f"Draft and target vocabularies differ: draft has "
+        f"{drafter.vocab_size} tokens, target has {target.vocab_size}. "
+        "Speculative decoding needs one shared tokenizer.")
+  synthetic = synthetic_acceptance is not None
+  rate = float(synthetic_acceptance) if synthetic else 0.0
+  if not 0.0 <= rate <= 1.0:
+    raise ValueError(
+        f"synthetic_acceptance must be in [0, 1], got {synthetic_acceptance}.")
+  if not 0.0 <= draft_stop_threshold <= 1.0:
+    raise ValueError("draft_stop_threshold must be in [0, 1], got "
+                     f"{draft_stop_threshold}.")
+  params = StepParams(
+      sampling=sampling.SamplingParams.create(temperature, top_k, top_p),
+      eos_ids=buffers.eos_array(eos_id),
+      stop_threshold=jnp.float32(draft_stop_threshold),
+      synthetic_rate=jnp.float32(rate))
+  tokens, lengths, cache_size = prepare_prompts(
+      prompts, target.vocab_size, max_new_tokens=max_new_tokens,
+      cache_size=cache_size, reserve=int(gamma) + 1)
+  out, counts, stats = _speculative_generate(
+      target, drafter, jnp.asarray(tokens), jnp.asarray(lengths), params,
+      _key(key), gamma=int(gamma), max_new_tokens=max_new_tokens,
+      cache_size=cache_size, pad_id=pad_id, synthetic=synthetic)
+  return SpecOutput(tokens=np.asarray(out), lengths=np.asarray(counts),
+                    stats=jax.tree.map(np.asarray, stats), gamma=int(gamma),
+                    synthetic=synthetic)

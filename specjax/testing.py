@@ -1,0 +1,74 @@
+"""Tiny configs and fakes for tests, notebooks and smoke runs.
+
+Shape letters: B batch, T chunk, V vocab.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from specjax.models import init_random
+from specjax.models import Model
+from specjax.models import ModelConfig
+
+TINY_TARGET = ModelConfig(
+    arch="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+TINY_DRAFT = ModelConfig(
+    arch="llama", vocab_size=128, hidden_size=32, intermediate_size=64,
+    num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+
+
+def tiny_pair(seed: int = 0, vocab_size: int = 128,
+              dtype=jnp.float32) -> tuple[Model, Model]:
+  """A random tiny (target, draft) pair sharing a vocabulary."""
+  t_key, d_key = jax.random.split(jax.random.key(seed))
+  target = init_random(TINY_TARGET.replace(vocab_size=vocab_size), t_key,
+                       dtype)
+  draft = init_random(TINY_DRAFT.replace(vocab_size=vocab_size), d_key, dtype)
+  return target, draft
+
+
+@flax.struct.dataclass
+class LengthCache:
+  """A cache that only tracks lengths, for models without state.
+
+  Attributes:
+    lengths: [B] int32.
+  """
+
+  lengths: jax.Array
+
+  def rollback(self, lengths: jax.Array) -> "LengthCache":
+    return self.replace(lengths=lengths.astype(jnp.int32))
+
+
+@flax.struct.dataclass
+class FixedLogitsModel:
+  """A `LanguageModel` whose logits depend only on the previous token.
+
+  `table[prev]` is the logit vector after token `prev`, so every expected
+  output can be computed by hand.
+
+  Attributes:
+    table: [V, V] float32 logits.
+  """
+
+  table: jax.Array
+
+  @property
+  def vocab_size(self) -> int:
+    return self.table.shape[0]
+
+  def init_cache(self, batch: int, size: int) -> LengthCache:
+    del size
+    return LengthCache(jnp.zeros((batch,), jnp.int32))
+
+  def __call__(self, tokens, cache):
+    return self.table[tokens], cache.rollback(cache.lengths + tokens.shape[1])
+
+  def prefill(self, tokens, lengths, cache):
+    last = jnp.take_along_axis(tokens, (lengths - 1)[:, None], axis=1)[:, 0]
+    return self.table[last], cache.rollback(cache.lengths + lengths)
