@@ -4,9 +4,10 @@ Shape letters: B batch, P padded prompt, G = γ, V vocab.
 
 Each step feeds the tokens the draft has not seen yet (one, or two when the
 previous step accepted the whole block and the draft never consumed its last
-token), then drafts autoregressively in a `lax.while_loop`. The loop stops
-early when every row's top draft probability fell below the threshold; the
-padding stays static. Rollback sets the cache's per-row lengths.
+token), then drafts autoregressively in a `lax.while_loop`. A row stops
+drafting once the draft's top probability (raw softmax, before sampling
+processing) falls below the threshold, and the loop ends when no row is still
+drafting; the padding stays static. Rollback sets the cache's per-row lengths.
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ class DraftModel:
       logits, cache = self.model(prev, cache)
       qi = sampling.probabilities(logits[:, 0], params)  # [B, V]
       di = sampling.sample(keys[i], qi)
-      drafting &= jnp.max(qi, axis=-1) >= stop_threshold
+      # Confidence from the raw softmax: under greedy decoding q is one-hot.
+      confidence = jnp.max(jax.nn.softmax(logits[:, 0], axis=-1), axis=-1)
+      drafting &= confidence >= stop_threshold
       num_drafted += drafting.astype(jnp.int32)
       tokens = jax.lax.dynamic_update_slice_in_dim(tokens, di[:, None], i, 1)
       q = jax.lax.dynamic_update_slice_in_dim(q, qi[:, None], i, 1)

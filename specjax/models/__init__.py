@@ -54,7 +54,8 @@ class LanguageModel(Protocol):
               cache: Any) -> tuple[jax.Array, Any]:
     """Right-padded prompts [B, P] with [B] lengths -> last logits [B, V].
 
-    The returned cache has `lengths` advanced by the prompt lengths.
+    `cache` is fresh from `init_cache`. The returned cache has `lengths` set
+    to the prompt lengths; what the padding wrote past them is stale.
     """
 
 
@@ -88,9 +89,11 @@ class Model:
         num_layers=c.num_layers, batch=batch, size=size,
         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype)
 
-  def hidden(self, tokens: jax.Array, cache: cache_lib.KVCache):
+  def hidden(self, tokens: jax.Array, cache: cache_lib.KVCache,
+             cache_is_empty: bool = False):
     """tokens [B, T] -> hidden [B, T, E], cache (see `Transformer`)."""
-    return self.module.apply({"params": self.params}, tokens, cache)
+    return self.module.apply({"params": self.params}, tokens, cache,
+                             cache_is_empty)
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """hidden [..., E] -> logits [..., V] float32."""
@@ -103,11 +106,10 @@ class Model:
 
   def prefill(self, tokens: jax.Array, lengths: jax.Array,
               cache: cache_lib.KVCache):
-    offsets = cache.lengths
-    hidden, cache = self.hidden(tokens, cache)  # [B, P, E]
+    hidden, cache = self.hidden(tokens, cache, cache_is_empty=True)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)
     logits = self.logits(last[:, 0])  # [B, V]; only the last prompt position
-    return logits, cache.rollback(offsets + lengths)
+    return logits, cache.rollback(lengths)
 
 
 def init_random(config: ModelConfig, key: jax.Array,

@@ -109,17 +109,18 @@ class Block(nn.Module):
     return self.param(name, init, shape, self.param_dtype)
 
   @nn.compact
-  def __call__(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-               positions: jax.Array, cache_mask: jax.Array,
-               chunk_mask: jax.Array):
+  def __call__(self, x: jax.Array, k_cache: jax.Array | None,
+               v_cache: jax.Array | None, positions: jax.Array,
+               cache_mask: jax.Array | None, chunk_mask: jax.Array):
     """One layer over a chunk.
 
     Args:
       x: [B, T, E] residual stream.
-      k_cache: [B, S, K, D] this layer's cached keys (read only).
-      v_cache: [B, S, K, D] this layer's cached values (read only).
+      k_cache: [B, S, K, D] this layer's cached keys (read only), or None
+        when the cache is empty (prefill).
+      v_cache: [B, S, K, D] this layer's cached values, or None.
       positions: [B, T] absolute positions of the chunk.
-      cache_mask: [B, T, S] which cache slots each query reads.
+      cache_mask: [B, T, S] which cache slots each query reads, or None.
       chunk_mask: [1, T, T] which chunk tokens each query reads.
 
     Returns:
@@ -147,16 +148,19 @@ class Block(nn.Module):
     # Queries grouped by key/value head: [B, T, H, D] -> [B, T, K, G, D].
     q = q.reshape(b, t, nk, nh // nk, d) / np.sqrt(d).astype(q.dtype)
     f32 = jnp.float32
-    s_cache = jnp.einsum("btkgd,bskd->bkgts", q, k_cache.astype(q.dtype),
-                         preferred_element_type=f32)  # [B, K, G, T, S]
-    s_chunk = jnp.einsum("btkgd,bukd->bkgtu", q, k,
-                         preferred_element_type=f32)  # [B, K, G, T, T]
-    s_cache = jnp.where(cache_mask[:, None, None], s_cache, -jnp.inf)
-    s_chunk = jnp.where(chunk_mask[:, None, None], s_chunk, -jnp.inf)
-    probs = jax.nn.softmax(jnp.concatenate([s_cache, s_chunk], -1), axis=-1)
-    p_cache, p_chunk = jnp.split(probs.astype(v.dtype), [k_cache.shape[1]], -1)
-    attn = (jnp.einsum("bkgts,bskd->btkgd", p_cache, v_cache.astype(v.dtype))
-            + jnp.einsum("bkgtu,bukd->btkgd", p_chunk, v))  # [B, T, K, G, D]
+    scores = jnp.einsum("btkgd,bukd->bkgtu", q, k,
+                        preferred_element_type=f32)  # [B, K, G, T, T]
+    scores = jnp.where(chunk_mask[:, None, None], scores, -jnp.inf)
+    if k_cache is not None:
+      s_cache = jnp.einsum("btkgd,bskd->bkgts", q, k_cache.astype(q.dtype),
+                           preferred_element_type=f32)  # [B, K, G, T, S]
+      s_cache = jnp.where(cache_mask[:, None, None], s_cache, -jnp.inf)
+      scores = jnp.concatenate([s_cache, scores], -1)  # [B, K, G, T, S+T]
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    attn = jnp.einsum("bkgtu,bukd->btkgd", probs[..., -t:], v)
+    if k_cache is not None:
+      attn += jnp.einsum("bkgts,bskd->btkgd", probs[..., :-t],
+                         v_cache.astype(v.dtype))  # [B, T, K, G, D]
     x = x + attn.reshape(b, t, nh * d) @ self._param("o", (nh * d, e))
 
     h = rms_norm(x, self._param("mlp_norm", (e,), ones), c.rms_norm_eps)
@@ -190,13 +194,17 @@ class Transformer(nn.Module):
                                 (c.hidden_size, c.vocab_size),
                                 self.param_dtype)
 
-  def __call__(self, tokens: jax.Array, cache: cache_lib.KVCache):
+  def __call__(self, tokens: jax.Array, cache: cache_lib.KVCache,
+               cache_is_empty: bool = False):
     """Runs a chunk of tokens per row at the rows' cache offsets.
 
     Args:
       tokens: [B, T] int32.
       cache: KVCache with k, v [L, B, S, K, D]; row b's chunk goes at
         `cache.lengths[b]`.
+      cache_is_empty: static promise that every row's length is 0 (prefill):
+        attention then skips the cache, which saves work and keeps XLA from
+        constant-folding attention over a zero cache at compile time.
 
     Returns:
       hidden [B, T, E] (final norm applied) and the cache with the chunk
@@ -210,8 +218,11 @@ class Transformer(nn.Module):
     x = jnp.take(self.embed, tokens, axis=0)  # [B, T, E]
     ks, vs = [], []
     for i, layer in enumerate(self.layers):
-      x, k, v = layer(x, cache.k[i], cache.v[i], positions, cache_mask,
-                      chunk_mask)
+      if cache_is_empty:
+        x, k, v = layer(x, None, None, positions, None, chunk_mask)
+      else:
+        x, k, v = layer(x, cache.k[i], cache.v[i], positions, cache_mask,
+                        chunk_mask)
       ks.append(k)
       vs.append(v)
     x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)

