@@ -1,8 +1,7 @@
 """Runs the README's "Use from your own model" snippet.
 
 The snippet is the first fenced `python` block under the heading
-`## Use from your own model` in README.md, or in colab/README_SNIPPET.md while
-the README has no such section. It wraps a Flax GRU language model (not a
+`## Use from your own model` in README.md. It wraps a Flax GRU language model (not a
 specjax transformer) in a `LanguageModel` adapter, decodes with
 `speculative_generate` and asserts greedy equality with `generate`, so a
 protocol change that breaks user models fails here.
@@ -36,11 +35,7 @@ def _section(text: str) -> str:
 
 def snippet() -> tuple[str, pathlib.Path]:
   """(code of the first python block in the section, the file it came from)."""
-  readme = ROOT / "README.md"
-  source = readme
-  if not readme.exists() or HEADING not in readme.read_text(
-      "utf-8").splitlines():
-    source = ROOT / "colab" / "README_SNIPPET.md"
+  source = ROOT / "README.md"
   blocks = re.findall(r"^```python\n(.*?)^```", _section(
       source.read_text("utf-8")), flags=re.MULTILINE | re.DOTALL)
   assert blocks, f"No ```python block under {HEADING!r} in {source}."
