@@ -38,8 +38,8 @@ from specjax.speculate import SpecStats
 from specjax.speculate import StepParams
 
 __all__ = [
-    "GenerateOutput", "SpecOutput", "SpecStats", "generate",
-    "prepare_prompts", "speculative_generate",
+    "GenerateOutput", "SpecOutput", "SpecStats", "StepParams", "generate",
+    "init_spec_state", "prepare_prompts", "speculative_generate",
 ]
 
 _MIN_BUCKET = 16
@@ -235,22 +235,48 @@ def generate(model: LanguageModel, prompts: Sequence[Sequence[int]], *,
   return GenerateOutput(tokens=np.asarray(out), lengths=np.asarray(counts))
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "gamma", "max_new_tokens", "cache_size", "pad_id", "synthetic"))
-def _speculative_generate(target, drafter, prompts, lengths, params, key, *,
-                          gamma, max_new_tokens, cache_size, pad_id,
-                          synthetic):
+def init_spec_state(target: LanguageModel, drafter: Drafter,
+                    prompts: jax.Array, lengths: jax.Array,
+                    params: StepParams, key: jax.Array, *, gamma: int,
+                    max_new_tokens: int, cache_size: int) -> SpecState:
+  """Prefills target and drafter and emits the target's first token.
+
+  Args:
+    target: the verifying `LanguageModel`.
+    drafter: a `Drafter` (e.g. `DraftModel(draft)`).
+    prompts: [B, P] int32 right-padded prompts (`prepare_prompts`).
+    lengths: [B] int32 prompt lengths.
+    params: traced settings (`StepParams.create`).
+    key: PRNG key.
+    gamma: G.
+    max_new_tokens: N.
+    cache_size: S.
+
+  Returns:
+    The `SpecState` that `speculate.speculate_step` advances.
+  """
   key, first_key = jax.random.split(key)
   first, target_cache = _prefill(target, prompts, lengths, cache_size,
                                  params.sampling, first_key)
   tokens, counts, done = _first_emit(first, max_new_tokens + gamma + 1,
                                      params.eos_ids, max_new_tokens)
-  batch = prompts.shape[0]
-  state = SpecState(
+  return SpecState(
       tokens=tokens, lengths=counts, done=done, last_token=first,
       target_cache=target_cache,
       drafter_state=drafter.init(prompts, lengths, first, cache_size),
-      key=key, stats=SpecStats.zeros(batch, gamma, max(max_new_tokens - 1, 1)))
+      key=key,
+      stats=SpecStats.zeros(prompts.shape[0], gamma,
+                            max(max_new_tokens - 1, 1)))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "gamma", "max_new_tokens", "cache_size", "pad_id", "synthetic"))
+def _speculative_generate(target, drafter, prompts, lengths, params, key, *,
+                          gamma, max_new_tokens, cache_size, pad_id,
+                          synthetic):
+  state = init_spec_state(target, drafter, prompts, lengths, params, key,
+                          gamma=gamma, max_new_tokens=max_new_tokens,
+                          cache_size=cache_size)
   step = functools.partial(
       speculate.speculate_step, target=target, drafter=drafter, params=params,
       gamma=gamma, max_new_tokens=max_new_tokens, synthetic=synthetic)
@@ -305,19 +331,11 @@ def speculative_generate(
         f"Draft and target vocabularies differ: draft has "
         f"{drafter.vocab_size} tokens, target has {target.vocab_size}. "
         "Speculative decoding needs one shared tokenizer.")
+  params = StepParams.create(
+      temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
+      draft_stop_threshold=draft_stop_threshold,
+      synthetic_acceptance=synthetic_acceptance)
   synthetic = synthetic_acceptance is not None
-  rate = float(synthetic_acceptance) if synthetic else 0.0
-  if not 0.0 <= rate <= 1.0:
-    raise ValueError(
-        f"synthetic_acceptance must be in [0, 1], got {synthetic_acceptance}.")
-  if not 0.0 <= draft_stop_threshold <= 1.0:
-    raise ValueError("draft_stop_threshold must be in [0, 1], got "
-                     f"{draft_stop_threshold}.")
-  params = StepParams(
-      sampling=sampling.SamplingParams.create(temperature, top_k, top_p),
-      eos_ids=buffers.eos_array(eos_id),
-      stop_threshold=jnp.float32(draft_stop_threshold),
-      synthetic_rate=jnp.float32(rate))
   tokens, lengths, cache_size = prepare_prompts(
       prompts, target.vocab_size, max_new_tokens=max_new_tokens,
       cache_size=cache_size, reserve=int(gamma) + 1)

@@ -79,6 +79,24 @@ class StepParams:
   stop_threshold: jax.Array
   synthetic_rate: jax.Array
 
+  @classmethod
+  def create(cls, *, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, eos_id=None, draft_stop_threshold: float = 0.0,
+             synthetic_acceptance: float | None = None) -> "StepParams":
+    """Validates host values (see `decode.speculative_generate`)."""
+    rate = 0.0 if synthetic_acceptance is None else float(synthetic_acceptance)
+    if not 0.0 <= rate <= 1.0:
+      raise ValueError("synthetic_acceptance must be in [0, 1], got "
+                       f"{synthetic_acceptance}.")
+    if not 0.0 <= draft_stop_threshold <= 1.0:
+      raise ValueError("draft_stop_threshold must be in [0, 1], got "
+                       f"{draft_stop_threshold}.")
+    return cls(
+        sampling=sampling.SamplingParams.create(temperature, top_k, top_p),
+        eos_ids=buffers.eos_array(eos_id),
+        stop_threshold=jnp.float32(draft_stop_threshold),
+        synthetic_rate=jnp.float32(rate))
+
 
 @flax.struct.dataclass(kw_only=True)
 class SpecState:
