@@ -145,7 +145,7 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
     return (gguf_lib.load_gguf(path, dtype, progress=progress),
             Tokenizer.from_gguf(path))
   # A Hub id: load_hf downloads it (or raises a clear offline error).
-  directory = hf_lib._resolve(key)  # pylint: disable=protected-access
+  directory = hf_lib.resolve(key)
   return hf_lib.load_hf(directory, dtype), Tokenizer.from_pretrained_dir(
       directory)
 
@@ -169,8 +169,7 @@ def load_tokenizer(name_or_path: str | os.PathLike,
     return Tokenizer.from_pretrained_dir(path)
   if path.suffix == ".gguf":
     return Tokenizer.from_gguf(path)
-  # pylint: disable-next=protected-access
-  return Tokenizer.from_pretrained_dir(hf_lib._resolve(key))
+  return Tokenizer.from_pretrained_dir(hf_lib.resolve(key))
 
 
 def _restore_converted(directory: pathlib.Path,

@@ -69,7 +69,7 @@ def load_hf(path: str | os.PathLike[str],
     ValueError: the architecture or a config feature is unsupported, or a
       tensor is missing, unexpected or misshapen.
   """
-  directory = _resolve(os.fspath(path))
+  directory = resolve(os.fspath(path))
   config_path = os.path.join(directory, CONFIG_NAME)
   if not os.path.isfile(config_path):
     raise FileNotFoundError(
@@ -86,7 +86,7 @@ def load_hf(path: str | os.PathLike[str],
   return Model(config=config, params=params)
 
 
-def _resolve(path: str) -> str:
+def resolve(path: str) -> str:
   """A local directory for `path`, downloading Hub ids if possible."""
   if os.path.isdir(path):
     return path

@@ -37,6 +37,13 @@ class LanguageModel(Protocol):
 
   The cache is any pytree with a `lengths` [B] int32 field and a
   `rollback(lengths)` method; `vocab_size` sizes the output buffers.
+
+  Decoders rely on rollback being only "set `lengths`": a chunk may carry
+  tokens past what a row keeps (prompt padding in `prefill`, rejected drafts
+  in verification, a junk second token when the draft model catches up one
+  token), and the row then resumes from a shorter length. A cache must
+  therefore be able to resume from any length it has passed, e.g. keep
+  per-position keys/values (transformers) or per-position states (RNNs).
   """
 
   vocab_size: int

