@@ -109,15 +109,17 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
         _f(r["mean_accepted_tokens"], ".2f"), _f(r["draft_cost_ratio"], ".3f"),
         _f(r["baseline_tokens_per_s"], ".2f"),
         _f(r["spec_tokens_per_s"], ".2f"), _f(r["speedup"], ".2f", "x"),
+        _f(r.get("decode_speedup"), ".2f", "x"),
         _f(r["predicted_speedup"], ".2f", "x"),
         _f(r.get("predicted_speedup_measured_verify"), ".2f", "x"),
         _lossless(r)])
   lines.append(table(["B", "γ", "α", "τ", "c", "base tok/s", "spec tok/s",
-                      "speedup", "predicted", "pred. (verify)", "lossless"],
-                     run_rows))
-  lines.append("predicted: Leviathan et al. with measured α and c; pred. "
-               "(verify): the same with the measured verify/forward time in "
-               "place of 1.")
+                      "speedup", "decode", "predicted", "pred. (verify)",
+                      "lossless"], run_rows))
+  lines.append("speedup: end to end, prompt passes included; decode: after "
+               "the first token, the phase the prediction models. predicted:"
+               " Leviathan et al. with measured α and c; pred. (verify): the "
+               "same with the measured verify/forward time in place of 1.")
   head = (f"B={results['batch_size']}, γ={results['gamma']}")
   lines += ["", f"per-position acceptance ({head}): " + " ".join(
       _f(a, ".3f") for a in results["per_position_acceptance"])]
@@ -137,7 +139,8 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
   lines += ["", f"headline ({head}): α={_f(results['acceptance_rate'], '.3f')}"
             f" τ={_f(results['mean_accepted_tokens'], '.2f')} "
             f"c={_f(results['draft_cost_ratio'], '.3f')} speedup "
-            f"{_f(results['speedup'], '.2f', 'x')} (predicted "
+            f"{_f(results['speedup'], '.2f', 'x')}, decoding phase "
+            f"{_f(results.get('decode_speedup'), '.2f', 'x')} (predicted "
             f"{_f(results['predicted_speedup'], '.2f', 'x')}), lossless="
             f"{results['lossless']}"]
   return "\n".join(lines)
@@ -197,6 +200,10 @@ def save_plots(results: dict[str, Any],
       line, = ax.plot([x_of(r) for r in sel],
                       [_nan(r["speedup"]) for r in sel], marker="o",
                       label=f"measured, {group_name}={g}")
+      ax.plot([x_of(r) for r in sel],
+              [_nan(r.get("decode_speedup")) for r in sel], marker="s",
+              ls=":", color=line.get_color(),
+              label=f"measured decoding phase, {group_name}={g}")
       ax.plot([x_of(r) for r in sel],
               [_nan(r["predicted_speedup"]) for r in sel], ls="--",
               marker="x", color=line.get_color(),

@@ -1,7 +1,7 @@
 """Public decoding API: `generate` and `speculative_generate`.
 
-Shape letters: B batch, P padded prompt (a power-of-two bucket), S cache size,
-N max new tokens, G = γ.
+Shape letters: B batch, P padded prompt (`prompt_bucket`), S cache size, N max
+new tokens, G = γ.
 
 Both take prompts as a list of token-id lists of different lengths and return
 `tokens` [B, N] (generated ids only, `pad_id` after each row's end) and
@@ -39,10 +39,12 @@ from specjax.speculate import StepParams
 
 __all__ = [
     "GenerateOutput", "SpecOutput", "SpecStats", "StepParams", "generate",
-    "init_spec_state", "prepare_prompts", "speculative_generate",
+    "init_spec_state", "prepare_prompts", "prompt_bucket",
+    "speculative_generate",
 ]
 
 _MIN_BUCKET = 16
+_BUCKET_STEP = 64
 _CACHE_ALIGN = 128
 
 
@@ -89,8 +91,17 @@ class _ARState:
   key: jax.Array
 
 
-def _next_pow2(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
+def prompt_bucket(longest: int, cache_size: int | None = None) -> int:
+  """P, the padded prompt length for a longest prompt of `longest` tokens.
+
+  Powers of two from 16 to 64, then multiples of 64: few shapes to compile,
+  and at most 63 padded positions of wasted prefill compute.
+  """
+  if longest <= _BUCKET_STEP:
+    bucket = max(_MIN_BUCKET, 1 << max(longest - 1, 0).bit_length())
+  else:
+    bucket = -(-longest // _BUCKET_STEP) * _BUCKET_STEP
+  return bucket if cache_size is None else min(bucket, cache_size)
 
 
 def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
@@ -127,7 +138,7 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
   lengths = np.array([r.size for r in rows], np.int32)
   longest = int(lengths.max())
   needed = longest + max_new_tokens + reserve
-  bucket = max(_MIN_BUCKET, _next_pow2(longest))
+  bucket = prompt_bucket(longest)
   if cache_size is None:
     cache_size = -(-(max(needed, bucket)) // _CACHE_ALIGN) * _CACHE_ALIGN
   elif needed > cache_size:
@@ -135,7 +146,7 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
         f"The cache is too short: the longest prompt has {longest} tokens, "
         f"plus max_new_tokens={max_new_tokens} plus {reserve} positions of "
         f"slack needs {needed} positions, but cache_size={cache_size}.")
-  bucket = min(bucket, cache_size)
+  bucket = prompt_bucket(longest, cache_size)
   tokens = np.zeros((len(rows), bucket), np.int32)
   for b, row in enumerate(rows):
     tokens[b, :row.size] = row

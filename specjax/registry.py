@@ -42,7 +42,8 @@ SOURCE_FILE = "source.json"  # provenance of a converted directory
 
 def default_dtype() -> jnp.dtype:
   """float32 on CPU (XLA CPU bf16 matmuls are ~25x slower), else bfloat16."""
-  return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+  return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu"
+                   else jnp.bfloat16)
 
 
 def converted_dir(name: str, dtype: Any = None,

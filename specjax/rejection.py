@@ -31,6 +31,11 @@ def _gather(probs: jax.Array, tokens: jax.Array) -> jax.Array:
   return jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
 
 
+def _at(probs: jax.Array, index: jax.Array) -> jax.Array:
+  """probs [B, G', V] at per-row position index [B] -> [B, V]."""
+  return jnp.take_along_axis(probs, index[:, None, None], axis=1)[:, 0]
+
+
 def _proposed(num_drafted: jax.Array | None, batch: int,
               gamma: int) -> jax.Array:
   """[B, G] bool: which positions were proposed."""
@@ -62,10 +67,8 @@ def _next_token(key: jax.Array, num_accepted: jax.Array, q: jax.Array,
   batch, gamma, vocab = q.shape
   q = jnp.where(proposed[..., None], q, 0.0)
   q = jnp.concatenate([q, jnp.zeros((batch, 1, vocab), q.dtype)], axis=1)
-  idx = num_accepted[:, None, None]
-  p_n = jnp.take_along_axis(p, idx, axis=1)[:, 0]  # [B, V]
-  q_n = jnp.take_along_axis(q, idx, axis=1)[:, 0]  # [B, V]
-  residual = jnp.maximum(p_n - q_n, 0.0)
+  p_n = _at(p, num_accepted)  # [B, V]
+  residual = jnp.maximum(p_n - _at(q, num_accepted), 0.0)
   mass = jnp.sum(residual, axis=-1, keepdims=True)
   dist = jnp.where(mass > _RESIDUAL_EPS, residual / jnp.maximum(mass, 1e-30),
                    p_n)
@@ -134,5 +137,4 @@ def synthetic_sample(
   accept = jax.random.uniform(accept_key, (batch, gamma)) < rate
   accept &= _proposed(num_drafted, batch, gamma)
   num_accepted = _leading_true(accept)
-  p_n = jnp.take_along_axis(p, num_accepted[:, None, None], axis=1)[:, 0]
-  return num_accepted, sampling.sample(next_key, p_n)
+  return num_accepted, sampling.sample(next_key, _at(p, num_accepted))
