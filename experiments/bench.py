@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import platform
 import statistics
@@ -452,9 +453,16 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
       bar.update()
     base_time = sum(c.seconds for c in baseline)
     base_tokens = sum(int(c.output.lengths.sum()) for c in baseline)
+    decode_tps = _ratio(sum(c.decode_tokens for c in baseline),
+                        sum(c.decode_s for c in baseline))
     baselines[str(batch_size)] = {
         "batch_size": batch_size, "time_s": base_time, "tokens": base_tokens,
         "tokens_per_s": _ratio(base_tokens, base_time),
+        "decode_tokens_per_s": decode_tps,
+        # Decode steps/s times the roofline time of a step: 1 = at roofline.
+        "roofline_efficiency": (decode_tps / batch_size
+                                * cost.get("target_roofline_ms", math.nan)
+                                / 1e3),
         "warmup_s": sum(c.warmup_s for c in baseline)}
     for gamma in gammas:
       bar.set_postfix_str(f"B={batch_size} γ={gamma}")

@@ -10,6 +10,10 @@ verification pass (T = γ+1 tokens) is timed the same way: Leviathan et al.'s
 predicted speedup assumes it costs one target forward. Separate calls
 include a dispatch overhead the compiled decoding loop does not pay; it is
 negligible for real models and dominant for tiny ones.
+
+The memory-bandwidth roofline of a decode step is the target's weight bytes
+per token divided by the bandwidth of a large-array read (a jitted sum over
+`_READ_BYTES`), timed in the same round-robin as the forwards.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import jax.numpy as jnp
 
 from specjax import decode
 
-__all__ = ["forward_step", "measure_cost", "median_ms"]
+__all__ = ["forward_step", "measure_cost", "median_ms", "read_step"]
+
+_READ_BYTES = 1 << 30
 
 
 @functools.partial(jax.jit, donate_argnums=(2,))
@@ -70,6 +76,13 @@ def forward_step(model: Any, prompts: Sequence[Sequence[int]],
   return step
 
 
+def read_step(num_bytes: int = _READ_BYTES) -> Callable[[], jax.Array]:
+  """A callable that reads a `num_bytes` float32 array once (a jitted sum)."""
+  data = jnp.ones((num_bytes // 4,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  return lambda: total(data)
+
+
 def median_ms(steps: dict[str, Callable[[], Any]], repeats: int,
               warmup: int = 2) -> dict[str, float]:
   """Median ms per call of each step, timed round-robin.
@@ -95,16 +108,33 @@ def measure_cost(target: Any, draft: Any, prompts: Sequence[Sequence[int]],
   """Forward times of both models on the same B rows, and c.
 
   Returns:
-    `draft_forward_ms`, `target_forward_ms`, `draft_cost_ratio` (c), and
-    per γ `target_verify_ms` and `verify_cost_ratio` (verify / forward).
+    `draft_forward_ms`, `target_forward_ms`, `draft_cost_ratio` (c), per γ
+    `target_verify_ms` and `verify_cost_ratio` (verify / forward); for
+    models that report `weight_bytes_per_token`, the read bandwidth and the
+    target's roofline (`target_roofline_ms`, and `target_forward_efficiency`
+    = roofline / measured).
   """
   steps = {"draft": forward_step(draft, prompts, cache_size, 1),
            "target": forward_step(target, prompts, cache_size, 1)}
   for g in gammas:
     steps[str(g)] = forward_step(target, prompts, cache_size, g + 1)
+  weight_bytes = getattr(target, "weight_bytes_per_token", None)
+  if weight_bytes:
+    steps["read"] = read_step()
   ms = median_ms(steps, repeats)
   draft_ms, target_ms = ms.pop("draft"), ms.pop("target")
+  roofline = {}
+  if weight_bytes:
+    bandwidth = _READ_BYTES / (ms.pop("read") / 1e3)  # bytes/s
+    roofline_ms = 1e3 * weight_bytes / bandwidth
+    roofline = {
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "target_weight_gb": weight_bytes / 1e9,
+        "target_roofline_ms": roofline_ms,
+        "target_forward_efficiency": roofline_ms / target_ms,
+    }
   return {
+      **roofline,
       "batch_size": len(prompts),
       "draft_forward_ms": draft_ms,
       "target_forward_ms": target_ms,

@@ -101,6 +101,17 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
                       _f(c["draft_cost_ratio"], ".3f"), verify])
   lines.append(table(["B", "draft ms", "target ms", "c",
                       "target verify (γ+1 tokens)"], cost_rows))
+  for b, c in results["cost"].items():
+    if "target_roofline_ms" not in c:
+      continue
+    base = results["baselines"][b]
+    lines.append(
+        f"roofline (B={b}): {c['target_weight_gb']:.2f} GB of target weights"
+        f" per step / {c['read_bandwidth_gb_s']:.1f} GB/s large-array read ="
+        f" {c['target_roofline_ms']:.1f} ms; one forward reaches "
+        f"{100 * c['target_forward_efficiency']:.0f}%, autoregressive "
+        f"decoding {100 * base['roofline_efficiency']:.0f}% "
+        f"({base['decode_tokens_per_s']:.2f} tok/s after the first token)")
   lines += ["", "baseline vs speculative (tokens/s over all prompts):"]
   run_rows = []
   for r in results["runs"]:

@@ -87,6 +87,16 @@ class Model:
     return self.params["embed"].dtype
 
   @property
+  def weight_bytes_per_token(self) -> int:
+    """Parameter bytes one decode step reads: all of them, except that the
+    input embedding is only gathered (T rows) when a separate `lm_head`
+    exists. Divided by memory bandwidth, the decode roofline."""
+    total = sum(x.nbytes for x in jax.tree.leaves(self.params))
+    if "lm_head" in self.params:
+      total -= self.params["embed"].nbytes
+    return total
+
+  @property
   def module(self) -> Transformer:
     return Transformer(self.config, param_dtype=self.dtype)
 
