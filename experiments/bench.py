@@ -358,20 +358,24 @@ def _bucket(batch: Sequence[Sequence[int]], run_kwargs: dict) -> int:
                               run_kwargs["cache_size"])
 
 
+def num_cores() -> int:
+  """CPU cores this process may use."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:
+    return os.cpu_count() or 1
+
+
 def device_info() -> dict[str, Any]:
   """What ran the experiment (results.json `device`)."""
   devices = jax.devices()
-  try:
-    cores = len(os.sched_getaffinity(0))
-  except AttributeError:
-    cores = os.cpu_count()
   return {
       "platform": jax.default_backend(),
       "devices": [str(d) for d in devices],
       "device_kind": devices[0].device_kind,
       "num_devices": len(devices),
       "jax_version": jax.__version__,
-      "cpu_cores": cores,
+      "cpu_cores": num_cores(),
       "machine": platform.machine(),
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
   }

@@ -57,13 +57,6 @@ _MODES = flags.DEFINE_list(
     "modes", ["baseline", "assisted"], "Which runs: baseline, assisted.")
 
 
-def _cores() -> int:
-  try:
-    return len(os.sched_getaffinity(0))
-  except AttributeError:
-    return os.cpu_count() or 1
-
-
 def load_model(name: str, dtype: Any, cache_dir: str | None):
   """A transformers causal LM from a registry name, .gguf file, dir or id."""
   import transformers  # pylint: disable=g-import-not-at-top
@@ -239,7 +232,7 @@ def run(config, specjax_path: str | None, output_dir: str,
       "per_prompt": rows,
       "config": config.to_dict(),
       "device": {"platform": "cpu", "torch_threads": torch.get_num_threads(),
-                 "cpu_cores": _cores(), "dtype": str(dtype)},
+                 "cpu_cores": bench.num_cores(), "dtype": str(dtype)},
       "prompts": {"set": prompt_set.name, "source": prompt_set.source,
                   "count": len(encoded), "tokens": [len(p) for p in encoded],
                   "chat_template": config.chat_template},
@@ -314,7 +307,8 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config = _CONFIG.value
   output_dir = _OUTPUT_DIR.value or os.path.join(config.output_dir, "hf")
-  run(config, _SPECJAX.value, output_dir, _THREADS.value or _cores(),
+  threads = _THREADS.value or bench.num_cores()
+  run(config, _SPECJAX.value, output_dir, threads,
       _MODES.value)
 
 

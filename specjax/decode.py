@@ -161,35 +161,34 @@ def _key(key: jax.Array | int | None) -> jax.Array:
   return key
 
 
-def _prefill(target: LanguageModel, prompts: jax.Array, lengths: jax.Array,
-             cache_size: int, params: sampling.SamplingParams,
-             key: jax.Array):
-  """Prefills the target and samples the first token [B]."""
+def _start(target: LanguageModel, prompts: jax.Array, lengths: jax.Array,
+           params: sampling.SamplingParams, eos_ids: jax.Array, key: jax.Array,
+           *, cache_size: int, width: int, max_new_tokens: int):
+  """Prefills the target, samples and emits the first token.
+
+  Returns:
+    first [B] token, the target's cache, the output buffer [B, width], counts
+    [B], done [B], and the key left for the loop.
+  """
+  key, first_key = jax.random.split(key)
   cache = target.init_cache(prompts.shape[0], cache_size)
   logits, cache = target.prefill(prompts, lengths, cache)  # [B, V]
-  first = sampling.sample(key, sampling.probabilities(logits, params))
-  return first, cache
-
-
-def _first_emit(first: jax.Array, width: int, eos_ids: jax.Array,
-                max_new_tokens: int):
-  """Buffer [B, width], lengths, done after the prefill's token."""
+  first = sampling.sample(first_key, sampling.probabilities(logits, params))
   batch = first.shape[0]
-  return buffers.emit(
+  tokens, counts, done = buffers.emit(
       jnp.zeros((batch, width), jnp.int32), jnp.zeros((batch,), jnp.int32),
       jnp.zeros((batch,), bool), first[:, None], jnp.ones((batch,), jnp.int32),
       eos_ids, max_new_tokens)
+  return first, cache, tokens, counts, done, key
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "cache_size",
                                              "pad_id"))
 def _generate(model, prompts, lengths, params, eos_ids, key, *,
               max_new_tokens, cache_size, pad_id):
-  key, first_key = jax.random.split(key)
-  first, cache = _prefill(model, prompts, lengths, cache_size, params,
-                          first_key)
-  tokens, counts, done = _first_emit(first, max_new_tokens + 1, eos_ids,
-                                     max_new_tokens)
+  first, cache, tokens, counts, done, key = _start(
+      model, prompts, lengths, params, eos_ids, key, cache_size=cache_size,
+      width=max_new_tokens + 1, max_new_tokens=max_new_tokens)
   state = _ARState(tokens=tokens, lengths=counts, done=done, last_token=first,
                    cache=cache, key=key)
 
@@ -266,11 +265,10 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
   Returns:
     The `SpecState` that `speculate.speculate_step` advances.
   """
-  key, first_key = jax.random.split(key)
-  first, target_cache = _prefill(target, prompts, lengths, cache_size,
-                                 params.sampling, first_key)
-  tokens, counts, done = _first_emit(first, max_new_tokens + gamma + 1,
-                                     params.eos_ids, max_new_tokens)
+  first, target_cache, tokens, counts, done, key = _start(
+      target, prompts, lengths, params.sampling, params.eos_ids, key,
+      cache_size=cache_size, width=max_new_tokens + gamma + 1,
+      max_new_tokens=max_new_tokens)
   return SpecState(
       tokens=tokens, lengths=counts, done=done, last_token=first,
       target_cache=target_cache,
