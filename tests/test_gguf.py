@@ -10,6 +10,7 @@ import pathlib
 import zipfile
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -332,3 +333,43 @@ def test_registry_metadata():
     assert source.sha256 and len(source.sha256) == 64
     assert all("==" in r for r in source.requirements)
   assert json.dumps(sorted(weights.SOURCES))
+
+
+def test_registry_converts_once_then_reads_the_converted_file(
+    tmp_path, monkeypatch):
+  path = tmp_path / "tiny.gguf"
+  write_gguf(path, arch="qwen2", types={"q_proj": Q.Q8_0, "gate": Q.F16})
+  source = _fake_source(tmp_path, path.read_bytes(), name="tiny-fake")
+  monkeypatch.setitem(weights.SOURCES, source.name, source)
+  cache = tmp_path / "cache"
+  want = gguf_lib.load_gguf(path, jnp.float32, progress=False)
+
+  def same_params(model):
+    return jax.tree.all(jax.tree.map(
+        lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
+        model.params, want.params))
+
+  first, tok = registry.load_pretrained(source.name, jnp.float32,
+                                        cache_dir=cache, progress=False)
+  directory = registry.converted_dir(source.name, jnp.float32, cache)
+  assert registry.is_converted(directory)
+  assert first.config == want.config and same_params(first)
+
+  def no_dequantization(*args, **kwargs):
+    raise AssertionError("a converted model was dequantized again")
+
+  with monkeypatch.context() as m:
+    m.setattr(gguf_lib, "load_gguf", no_dequantization)
+    again, tok2 = registry.load_pretrained(source.name, jnp.float32,
+                                           cache_dir=cache, progress=False)
+    by_path, _ = registry.load_pretrained(directory, jnp.float32)
+  assert same_params(again) and same_params(by_path)
+  assert tok2.encode("<|im_start|>hello") == tok.encode("<|im_start|>hello")
+
+  # A damaged conversion is not trusted: it is rebuilt from the GGUF.
+  model_file = directory / registry.MODEL_FILE
+  model_file.write_bytes(model_file.read_bytes()[:-8])
+  assert not registry.is_converted(directory)
+  rebuilt, _ = registry.load_pretrained(source.name, jnp.float32,
+                                        cache_dir=cache, progress=False)
+  assert registry.is_converted(directory) and same_params(rebuilt)

@@ -38,7 +38,7 @@ HUB_PATTERNS = [
     "special_tokens_map.json", "tokenizer.model",
 ]
 
-_DTYPES = {
+DTYPES = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
@@ -141,14 +141,14 @@ class SafetensorsDir(Mapping[str, np.ndarray]):
   def _header(self, file: str) -> tuple[dict[str, Any], int]:
     """(header, data start) of one file, parsed once."""
     if file not in self._headers:
-      self._headers[file] = read_header(file)
+      self._headers[file] = read_header(file)[:2]
     return self._headers[file]
 
   def __getitem__(self, name: str) -> np.ndarray:
     file = self.files[name]
     header, start = self._header(file)
     info = header[name]
-    dtype = _DTYPES[info["dtype"]]
+    dtype = DTYPES[info["dtype"]]
     shape = tuple(info["shape"])
     begin, _ = info["data_offsets"]
     if not shape or 0 in shape:
@@ -191,15 +191,15 @@ def _weight_files(directory: str) -> dict[str, str]:
       f"{present}).{hint}")
 
 
-def read_header(file: str) -> tuple[dict[str, Any], int]:
-  """Parses a safetensors header.
+def read_header(file: str) -> tuple[dict[str, Any], int, dict[str, str]]:
+  """Parses and checks a safetensors header.
 
   Args:
     file: path of a `.safetensors` file.
 
   Returns:
     ({tensor name: {'dtype', 'shape', 'data_offsets'}}, byte offset where
-    the data section starts). Metadata (`__metadata__`) is dropped.
+    the data section starts, the `__metadata__` strings or {}).
 
   Raises:
     ValueError: the file is truncated, not safetensors, or uses a dtype that
@@ -218,16 +218,22 @@ def read_header(file: str) -> tuple[dict[str, Any], int]:
       header = json.loads(f.read(length))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
       raise ValueError(f"{file!r} has a corrupt safetensors header.") from e
-  header.pop("__metadata__", None)
+  if not isinstance(header, dict):
+    raise ValueError(f"{file!r} has a corrupt safetensors header.")
+  metadata = header.pop("__metadata__", None) or {}
   start = 8 + length
   for name, info in header.items():
-    if info["dtype"] not in _DTYPES:
+    try:
+      dtype, shape, (begin, end) = (info["dtype"], info["shape"],
+                                    info["data_offsets"])
+      nbytes = int(np.prod(shape, dtype=np.int64))
+    except (KeyError, TypeError, ValueError) as e:
+      raise ValueError(f"Tensor {name!r} in {file!r} has a corrupt header "
+                       f"entry {info!r}.") from e
+    if dtype not in DTYPES:
       raise ValueError(f"Tensor {name!r} in {file!r} has unsupported dtype "
-                       f"{info['dtype']}.")
-    begin, end = info["data_offsets"]
-    nbytes = int(np.prod(info["shape"], dtype=np.int64)) * (
-        _DTYPES[info["dtype"]].itemsize)
-    if end - begin != nbytes or start + end > size:
+                       f"{dtype}.")
+    if end - begin != nbytes * DTYPES[dtype].itemsize or start + end > size:
       raise ValueError(f"Tensor {name!r} in {file!r} is truncated or its "
                        "offsets do not match its shape.")
-  return header, start
+  return header, start, metadata

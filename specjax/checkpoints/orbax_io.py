@@ -18,8 +18,6 @@ model in our measurements.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-import dataclasses
 import json
 import os
 import shutil
@@ -33,8 +31,8 @@ import orbax.checkpoint as ocp
 from specjax.models import check_params
 from specjax.models import Model
 from specjax.models import ModelConfig
-from specjax.models import param_shapes
-from specjax.models import RopeScaling
+from specjax.models.config import flatten
+from specjax.models.config import unflatten
 
 FORMAT = "specjax-orbax"
 VERSION = 1
@@ -73,9 +71,9 @@ def save(model: Model, directory: str | os.PathLike[str]) -> None:
     meta = {
         "format": FORMAT,
         "version": VERSION,
-        "config": dataclasses.asdict(model.config),
+        "config": model.config.to_dict(),
         "dtypes": {path: np.dtype(x.dtype).name
-                   for path, x in _flatten(model.params).items()},
+                   for path, x in flatten(model.params).items()},
     }
     with open(os.path.join(tmp, META_NAME), "w") as f:
       json.dump(meta, f, indent=1)
@@ -117,27 +115,22 @@ def restore(directory: str | os.PathLike[str]) -> Model:
     raise ValueError(f"{directory!r} is a version {meta['version']} specjax "
                      f"checkpoint; this specjax reads up to {VERSION}.")
   try:
-    config = config_from_dict(meta["config"])
+    config = ModelConfig.from_dict(meta["config"])
     dtypes = {k: np.dtype(v) for k, v in meta["dtypes"].items()}
   except (KeyError, TypeError, ValueError) as e:
     raise ValueError(f"{directory!r} has a corrupt {META_NAME}: {e!r}") from e
   sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
-  def target(make, prefix, shapes):
-    if isinstance(shapes, dict):
-      return {k: target(make, f"{prefix}{k}/", v) for k, v in shapes.items()}
-    path = prefix[:-1]
+  def dtype(path):
     if path not in dtypes:
       raise ValueError(f"{META_NAME} in {directory!r} lacks the dtype of "
                        f"parameter {path!r}.")
-    return make(shapes, dtypes[path])
+    return dtypes[path]
 
-  shapes = param_shapes(config)
-  item = target(lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=sharding),
-                "", shapes)
-  restore_args = target(
-      lambda s, d: ocp.ArrayRestoreArgs(sharding=sharding, global_shape=s,
-                                        dtype=d), "", shapes)
+  item = unflatten(config, lambda path, shape: jax.ShapeDtypeStruct(
+      shape, dtype(path), sharding=sharding))
+  restore_args = unflatten(config, lambda path, shape: ocp.ArrayRestoreArgs(
+      sharding=sharding, global_shape=shape, dtype=dtype(path)))
   with _checkpointer() as checkpointer:
     params = checkpointer.restore(
         os.path.join(directory, PARAMS_NAME),
@@ -159,14 +152,6 @@ def is_checkpoint(directory: str | os.PathLike[str]) -> bool:
     return False
 
 
-def config_from_dict(fields: dict[str, Any]) -> ModelConfig:
-  """Inverts `dataclasses.asdict(config)`, rebuilding `RopeScaling`."""
-  fields = dict(fields)
-  if fields.get("rope_scaling") is not None:
-    fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-  return ModelConfig(**fields)
-
-
 def _checkpointer() -> ocp.Checkpointer:
   return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
 
@@ -174,13 +159,3 @@ def _checkpointer() -> ocp.Checkpointer:
 def _is_empty_dir(path: str) -> bool:
   return os.path.isdir(path) and not os.listdir(path)
 
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-  """{'a': {'b': x}} -> {'a/b': x}."""
-  out = {}
-  for k, v in tree.items():
-    if isinstance(v, Mapping):
-      out.update(_flatten(v, f"{prefix}{k}/"))
-    else:
-      out[f"{prefix}{k}"] = v
-  return out

@@ -89,10 +89,22 @@ class ModelConfig:
 
   @property
   def num_params(self) -> int:
-    return sum(_prod(s) for s in _flatten(param_shapes(self)).values())
+    return sum(_prod(s) for s in flatten(param_shapes(self)).values())
 
   def replace(self, **kwargs: Any) -> "ModelConfig":
     return dataclasses.replace(self, **kwargs)
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-ready fields; `from_dict` inverts it."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, fields: dict[str, Any]) -> "ModelConfig":
+    """Inverts `to_dict`, rebuilding `RopeScaling`."""
+    fields = dict(fields)
+    if fields.get("rope_scaling") is not None:
+      fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    return cls(**fields)
 
 
 def param_shapes(config: ModelConfig) -> dict[str, Any]:
@@ -142,8 +154,8 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
 
 def check_params(config: ModelConfig, params: Any) -> None:
   """Raises ValueError naming every missing, extra or misshapen tensor."""
-  want = _flatten(param_shapes(config))
-  got = _flatten(params)
+  want = flatten(param_shapes(config))
+  got = flatten(params)
   problems = []
   for name, shape in want.items():
     if name not in got:
@@ -157,8 +169,12 @@ def check_params(config: ModelConfig, params: Any) -> None:
                      + "; ".join(problems))
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-  """{'a': {'b': x}, 'l': [y]} -> {'a/b': x, 'l/0': y}."""
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  """{'a': {'b': x}, 'l': [y]} -> {'a/b': x, 'l/0': y}.
+
+  Leaves are arrays or shapes (tuples of ints); the paths name parameters in
+  checkpoints.
+  """
   if isinstance(tree, dict):
     items = tree.items()
   elif isinstance(tree, (list, tuple)) and not _is_shape(tree):
@@ -167,8 +183,27 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
   out = {}
   for k, v in items:
-    out.update(_flatten(v, f"{prefix}{k}/"))
+    out.update(flatten(v, f"{prefix}{k}/"))
   return out
+
+
+def unflatten(config: ModelConfig, leaf: Any) -> dict[str, Any]:
+  """The param pytree of `config` with `leaf(path, shape)` at each leaf.
+
+  Args:
+    config: fixes the tree (`param_shapes`).
+    leaf: called with each parameter's `flatten` path and shape.
+
+  Returns:
+    A nested dict shaped like `param_shapes(config)`.
+  """
+
+  def build(tree, prefix):
+    if isinstance(tree, dict):
+      return {k: build(v, f"{prefix}{k}/") for k, v in tree.items()}
+    return leaf(prefix[:-1], tree)
+
+  return build(param_shapes(config), "")
 
 
 def _is_shape(x: Any) -> bool:
