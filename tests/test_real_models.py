@@ -136,6 +136,7 @@ def test_greedy_and_speculative_match_transformers_on_the_real_pair():
     i = _first_difference(got, want)
     if i is None:
       assert got == want
+      print(f"prompt {b}: {len(got)} tokens equal to transformers'")
       continue
     # A disagreement is only acceptable at a numerical near-tie: the top-2
     # logits at the first differing position (specjax's logits, same prefix)
