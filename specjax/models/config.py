@@ -123,10 +123,11 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
 
   Returns:
     `{'embed': (V, E), 'final_norm': (E,), 'layers_0': layer, ...,
-    'layers_{L-1}': layer}` where each layer is `{'attn_norm': (E,), 'q': (E, H*D), 'k': (E, K*D), 'v': (E, K*D),
-    'o': (H*D, E), 'mlp_norm': (E,), 'gate': (E, F), 'up': (E, F),
-    'down': (F, E)}` plus `q_bias`, `k_bias`, `v_bias` when `config.qkv_bias`;
-    and `'lm_head': (E, V)` when embeddings are not tied (tied models project
+    'layers_{L-1}': layer}` where each layer is `{'attn_norm': (E,),
+    'q': (E, H*D), 'k': (E, K*D), 'v': (E, K*D), 'o': (H*D, E),
+    'mlp_norm': (E,), 'gate': (E, F), 'up': (E, F), 'down': (F, E)}` plus
+    `q_bias`, `k_bias`, `v_bias` when `config.qkv_bias`; and
+    `'lm_head': (E, V)` when embeddings are not tied (tied models project
     with `embed`).
   """
   c = config
@@ -163,7 +164,8 @@ def check_params(config: ModelConfig, params: Any) -> None:
     elif tuple(got[name].shape) != tuple(shape):
       problems.append(f"tensor {name!r} has shape {tuple(got[name].shape)}, "
                       f"expected {shape}")
-  problems += [f"unexpected tensor {name!r}" for name in got if name not in want]
+  problems += [f"unexpected tensor {name!r}" for name in got
+               if name not in want]
   if problems:
     raise ValueError(f"Parameters do not match the {config.arch} config: "
                      + "; ".join(problems))
