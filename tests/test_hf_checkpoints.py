@@ -79,6 +79,23 @@ def _right_pad(tokens: np.ndarray, lengths, rng) -> np.ndarray:
   return tokens
 
 
+def _prefilled_sequences(model, torch_model, seed, lengths):
+  """Random sequences, their reference logits, and a prefill of their prompts.
+
+  Returns:
+    seq [B, S], transformers' logits for it [B, S, V], and specjax's
+    `prefill` of the first `lengths` [B] tokens of each row (right-padded
+    with junk to P): last logits [B, V] and the cache.
+  """
+  rng = np.random.default_rng(seed)
+  seq = rng.integers(0, V, (B, S))  # [B, S]
+  prompt = _right_pad(seq[:, :P], lengths, rng)  # [B, P]
+  last, cache = _prefill(model, jnp.asarray(prompt, jnp.int32),
+                         jnp.asarray(lengths, jnp.int32),
+                         model.init_cache(B, S))
+  return seq, _hf_logits(torch_model, seq), last, cache
+
+
 # ---------------------------------------------------------------------------
 # Logits against transformers.
 
@@ -102,14 +119,9 @@ def test_full_forward_of_padded_prompts_matches_hf(loaded, hf_arch):
 
 def test_decode_one_token_at_a_time_matches_hf(loaded, hf_arch):
   model, torch_model = loaded(hf_arch)
-  rng = np.random.default_rng(2)
-  seq = rng.integers(0, V, (B, S))  # [B, S]
-  ref = _hf_logits(torch_model, seq)  # [B, S, V]
   lengths = np.array([9, 5, 2])
-  prompt = _right_pad(seq[:, :P], lengths, rng)  # [B, P]
-  last, cache = _prefill(model, jnp.asarray(prompt, jnp.int32),
-                         jnp.asarray(lengths, jnp.int32),
-                         model.init_cache(B, S))
+  seq, ref, last, cache = _prefilled_sequences(model, torch_model, 2,
+                                               lengths)
   rows = np.arange(B)
   assert _max_diff(last, ref[rows, lengths - 1]) <= ATOL
   for i in range(8):
@@ -122,13 +134,8 @@ def test_decode_one_token_at_a_time_matches_hf(loaded, hf_arch):
 
 def test_decode_chunks_at_per_row_offsets_matches_hf(loaded, hf_arch):
   model, torch_model = loaded(hf_arch)
-  rng = np.random.default_rng(3)
-  seq = rng.integers(0, V, (B, S))  # [B, S]
-  ref = _hf_logits(torch_model, seq)  # [B, S, V]
   lengths = np.array([11, 4, 1])
-  prompt = _right_pad(seq[:, :P], lengths, rng)  # [B, P]
-  _, cache = _prefill(model, jnp.asarray(prompt, jnp.int32),
-                      jnp.asarray(lengths, jnp.int32), model.init_cache(B, S))
+  seq, ref, _, cache = _prefilled_sequences(model, torch_model, 3, lengths)
   t = 3
   for j in range(3):
     pos = lengths[:, None] + j * t + np.arange(t)  # [B, T]
