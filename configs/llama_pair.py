@@ -20,7 +20,8 @@ Pairs (`configs/llama_pair.py:pair=NAME`):
 
 Other arguments: `gamma=4`, `gammas=1/2/4/8` (sweep, `/`-separated),
 `batch=1`, `batches=1/2/4/8` (sweep), `prompts=mtbench`, `n=8` (prompts),
-`tokens=64` (max new tokens), `temperature=0.0`, `dtype=auto`, e.g.
+`tokens=64` (max new tokens), `temperature=0.0`, `dtype=auto`,
+`matmul=auto` (or a forced plan, e.g. `matmul=in_out/xla`), e.g.
 
   python -m experiments.run \
     --config=configs/llama_pair.py:gammas=1/2/4/8,n=4,tokens=32
@@ -65,7 +66,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The experiment config; see the module docstring for `arg`."""
   arg = configs.parse_arg(
       arg, pair="qwen", gamma=4, gammas="", batch=1, batches="", prompts="",
-      n=8, tokens=64, temperature=0.0, dtype="auto")
+      n=8, tokens=64, temperature=0.0, dtype="auto", matmul="auto")
   if arg["pair"] not in PAIRS:
     raise ValueError(f"Unknown pair {arg['pair']!r} in the config argument "
                      f"'pair='; known pairs: {sorted(PAIRS)}.")
@@ -83,6 +84,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Parameter dtype: `auto` (float32 on CPU, bfloat16 on GPU/TPU), `float32`,
   # `bfloat16` or `float16`. XLA CPU bf16 matmuls are ~25x slower than fp32.
   config.dtype = arg["dtype"]
+  # How matrix products are computed (`specjax.models.matmul`): `auto`
+  # measures the candidates on this machine once (cached per CPU, JAX
+  # version and shapes), or force `in_out/xla`, `out_in/xla` or
+  # `out_in/kernel` (the specjax CPU kernel).
+  config.matmul = arg["matmul"]
 
   # γ: draft tokens proposed per speculative step.
   config.gamma = arg["gamma"]

@@ -44,9 +44,11 @@ from experiments import report
 from experiments.validation import ConfigError
 from experiments.validation import validate_config
 from specjax import decode
+from specjax import hardware
 from specjax import metrics
 from specjax import registry
 from specjax import testing
+from specjax.tuning import matmul as tuning
 
 __all__ = [
     "ConfigError", "Pair", "load_pair", "run_and_save", "run_experiment",
@@ -95,14 +97,20 @@ def load_pair(config: Any) -> Pair:
   """
   start = time.perf_counter()
   dtype = resolve_dtype(config.dtype)
+  rows = tune_rows(config)
   if config.target == "tiny":
     tokenizer = prompts_lib.ByteTokenizer()
     target, draft = testing.tiny_pair(config.seed, tokenizer.vocab_size,
                                       dtype=dtype)
+    target, _ = tuning.apply(target, config.matmul, rows=rows,
+                             cache_dir=config.cache_dir or None)
+    draft, _ = tuning.apply(draft, config.matmul, rows=rows,
+                            cache_dir=config.cache_dir or None)
   else:
     load = functools.partial(registry.load_pretrained, dtype=dtype,
                              cache_dir=config.cache_dir or None,
-                             progress=config.progress)
+                             progress=config.progress, matmul=config.matmul,
+                             tune_rows=rows)
     logging.info("Loading target %s (%s)", config.target, dtype)
     target, tokenizer = load(config.target)
     draft = None
@@ -118,6 +126,20 @@ def load_pair(config: Any) -> Pair:
         f"{target.vocab_size}; speculative decoding needs a shared "
         "tokenizer.")
   return Pair(target, draft, tokenizer, time.perf_counter() - start)
+
+
+def tune_rows(config: Any) -> tuple[int, int]:
+  """Rows of the headline decode step and verification pass: B, B(γ+1)."""
+  return config.batch_size, config.batch_size * (config.gamma + 1)
+
+
+def matmul_info(config: Any, model: Any) -> dict[str, Any] | None:
+  """The model's matmul plan and the timings it was chosen by (cached)."""
+  if not hasattr(model, "plan"):
+    return None
+  return tuning.tune(model.config, model.dtype, rows=tune_rows(config),
+                     matmul=config.matmul,
+                     cache_dir=config.cache_dir or None).to_json()
 
 
 def encode_prompts(config: Any, tokenizer: Any
@@ -495,8 +517,11 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
       "cost": costs,
       "config": config.to_dict(),
       "device": device_info(),
+      "machine": hardware.machine(),
       "models": {"target": model_info(config.target, pair.target),
                  "draft": model_info(config.draft, pair.draft)},
+      "matmul": {"target": matmul_info(config, pair.target),
+                 "draft": matmul_info(config, pair.draft)},
       "prompts": {
           "set": prompt_set.name, "source": prompt_set.source,
           "count": len(encoded), "chat_template": config.chat_template,

@@ -19,16 +19,16 @@ per token divided by the bandwidth of a large-array read (a jitted sum over
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from specjax import decode
+from specjax.hardware import median_ms
 
-__all__ = ["forward_step", "measure_cost", "median_ms", "read_step"]
+__all__ = ["compiled_forward_hlo", "forward_step", "measure_cost",
+           "median_ms", "read_step"]
 
 _READ_BYTES = 1 << 30
 
@@ -44,6 +44,11 @@ def _forward(model, tokens, cache):
 @jax.jit
 def _prefill(model, tokens, lengths, cache):
   return model.prefill(tokens, lengths, cache)
+
+
+def compiled_forward_hlo(model: Any, tokens: jax.Array, cache: Any) -> str:
+  """The optimised HLO text of the forward `forward_step` runs."""
+  return _forward.lower(model, tokens, cache).compile().as_text()
 
 
 def forward_step(model: Any, prompts: Sequence[Sequence[int]],
@@ -83,63 +88,47 @@ def read_step(num_bytes: int = _READ_BYTES) -> Callable[[], jax.Array]:
   return lambda: total(data)
 
 
-def median_ms(steps: dict[str, Callable[[], Any]], repeats: int,
-              warmup: int = 2) -> dict[str, float]:
-  """Median ms per call of each step, timed round-robin.
-
-  Interleaving the steps spreads load changes on a shared machine over all
-  of them instead of biasing whichever ran during a busy spell.
-  """
-  for _ in range(warmup):
-    for step in steps.values():
-      jax.block_until_ready(step())
-  times = {name: [] for name in steps}
-  for _ in range(repeats):
-    for name, step in steps.items():
-      start = time.perf_counter()
-      jax.block_until_ready(step())
-      times[name].append(time.perf_counter() - start)
-  return {name: 1e3 * statistics.median(t) for name, t in times.items()}
-
-
 def measure_cost(target: Any, draft: Any, prompts: Sequence[Sequence[int]],
                  cache_size: int, gammas: Sequence[int],
                  repeats: int) -> dict[str, Any]:
   """Forward times of both models on the same B rows, and c.
 
   Returns:
-    `draft_forward_ms`, `target_forward_ms`, `draft_cost_ratio` (c), per γ
-    `target_verify_ms` and `verify_cost_ratio` (verify / forward); for
-    models that report `weight_bytes_per_token`, the read bandwidth and the
-    target's roofline (`target_roofline_ms`, and `target_forward_efficiency`
-    = roofline / measured).
+    For each of `draft` and `target`: `{m}_forward_ms`, per γ
+    `{m}_verify_ms` (γ+1 tokens) and `{m}_verify_ratio` (verify / forward);
+    `draft_cost_ratio` (c) and `verify_cost_ratio` (the target's); for
+    models that report `weight_bytes_per_token`, the read bandwidth and
+    each model's roofline (`{m}_weight_gb`, `{m}_roofline_ms`, and
+    `{m}_forward_efficiency` = roofline / measured forward).
   """
-  steps = {"draft": forward_step(draft, prompts, cache_size, 1),
-           "target": forward_step(target, prompts, cache_size, 1)}
-  for g in gammas:
-    steps[str(g)] = forward_step(target, prompts, cache_size, g + 1)
-  weight_bytes = getattr(target, "weight_bytes_per_token", None)
-  if weight_bytes:
+  models = {"draft": draft, "target": target}
+  steps = {}
+  for name, model in models.items():
+    steps[(name, 1)] = forward_step(model, prompts, cache_size, 1)
+    for g in gammas:
+      steps[(name, g + 1)] = forward_step(model, prompts, cache_size, g + 1)
+  weight_bytes = {name: getattr(model, "weight_bytes_per_token", None)
+                  for name, model in models.items()}
+  if weight_bytes["target"]:
     steps["read"] = read_step()
   ms = median_ms(steps, repeats)
-  draft_ms, target_ms = ms.pop("draft"), ms.pop("target")
-  roofline = {}
-  if weight_bytes:
-    bandwidth = _READ_BYTES / (ms.pop("read") / 1e3)  # bytes/s
-    roofline_ms = 1e3 * weight_bytes / bandwidth
-    roofline = {
-        "read_bandwidth_gb_s": bandwidth / 1e9,
-        "target_weight_gb": weight_bytes / 1e9,
-        "target_roofline_ms": roofline_ms,
-        "target_forward_efficiency": roofline_ms / target_ms,
-    }
-  return {
-      **roofline,
-      "batch_size": len(prompts),
-      "draft_forward_ms": draft_ms,
-      "target_forward_ms": target_ms,
-      "draft_cost_ratio": draft_ms / target_ms,
-      "target_verify_ms": ms,
-      "verify_cost_ratio": {g: v / target_ms for g, v in ms.items()},
-      "repeats": repeats,
-  }
+  out = {"batch_size": len(prompts), "repeats": repeats}
+  for name in models:
+    forward = ms[(name, 1)]
+    verify = {str(g): ms[(name, g + 1)] for g in gammas}
+    out[f"{name}_forward_ms"] = forward
+    out[f"{name}_verify_ms"] = verify
+    out[f"{name}_verify_ratio"] = {g: v / forward for g, v in verify.items()}
+  out["draft_cost_ratio"] = out["draft_forward_ms"] / out["target_forward_ms"]
+  out["verify_cost_ratio"] = out["target_verify_ratio"]  # the one c needs
+  if "read" in ms:
+    bandwidth = _READ_BYTES / (ms["read"] / 1e3)  # bytes/s
+    out["read_bandwidth_gb_s"] = bandwidth / 1e9
+    for name in models:
+      if weight_bytes[name]:
+        roofline_ms = 1e3 * weight_bytes[name] / bandwidth
+        out[f"{name}_weight_gb"] = weight_bytes[name] / 1e9
+        out[f"{name}_roofline_ms"] = roofline_ms
+        out[f"{name}_forward_efficiency"] = (roofline_ms
+                                            / out[f"{name}_forward_ms"])
+  return out

@@ -73,6 +73,55 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
                    + [line(r) for r in rows])
 
 
+def _roofline_lines(results: dict[str, Any]) -> list[str]:
+  """Forward and verify passes of both models against their rooflines."""
+  lines = []
+  for b, c in results["cost"].items():
+    if "read_bandwidth_gb_s" not in c:
+      continue
+    base = results["baselines"][b]
+    lines += ["", f"roofline (B={b}; weight bytes / "
+              f"{c['read_bandwidth_gb_s']:.1f} GB/s large-array read):"]
+    rows = []
+    for m in ("target", "draft"):
+      if f"{m}_roofline_ms" not in c:
+        continue
+      verify = ", ".join(
+          f"γ={g}: {v:.1f} ms = {c[f'{m}_verify_ratio'][g]:.2f}x"
+          for g, v in c[f"{m}_verify_ms"].items())
+      rows.append([m, _f(c[f"{m}_weight_gb"], ".2f"),
+                   _f(c[f"{m}_roofline_ms"], ".1f"),
+                   _f(c[f"{m}_forward_ms"], ".1f"),
+                   _f(100 * c[f"{m}_forward_efficiency"], ".0f", "%"),
+                   verify])
+    lines.append(table(["model", "GB", "roofline ms", "forward ms",
+                        "of roofline", "verify (γ+1 tokens) / forward"],
+                       rows))
+    lines.append(
+        f"autoregressive decoding: {base['decode_tokens_per_s']:.2f} tok/s "
+        f"after the first token = {100 * base['roofline_efficiency']:.0f}% "
+        "of the target's roofline")
+  return lines
+
+
+def _matmul_lines(results: dict[str, Any]) -> list[str]:
+  """Which matmul plan each model uses, and the timings behind it."""
+  lines = []
+  for m, info in (results.get("matmul") or {}).items():
+    if not info:
+      continue
+    rows = info["rows"]
+    timed = "; ".join(
+        f"{name} " + "/".join(f"{t[str(r)]:.1f}" for r in rows) + " ms ("
+        + "/".join(f"{info['ratio_to_first_rows'][name][str(r)]:.2f}x"
+                   for r in rows[1:]) + ")"
+        for name, t in info["timings_ms"].items())
+    lines.append(f"matmul plan ({m}): {info['plan']} [{info['source']}]"
+                 + (f"; layer stack at M={'/'.join(map(str, rows))} rows: "
+                    f"{timed}" if timed else ""))
+  return ([""] + lines) if lines else []
+
+
 def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
   """The readable summary printed at the end of a run."""
   cfg, dev = results["config"], results["device"]
@@ -82,7 +131,8 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
       f"specjax speculative decoding: draft {cfg['draft']} -> target "
       f"{cfg['target']}{synthetic}",
       f"device {dev['platform']} ({dev['device_kind']}, "
-      f"{dev['cpu_cores']} cores), dtype "
+      f"{results.get('machine', {}).get('cpu_model', '?')}, "
+      f"{dev['cpu_cores']} cores, jax {dev['jax_version']}), dtype "
       f"{results['models']['target'].get('dtype', cfg['dtype'])}, "
       f"prompts {prompts['set']} x{prompts['count']} "
       f"({'chat template' if prompts['chat_template'] else 'raw'}; "
@@ -101,17 +151,8 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
                       _f(c["draft_cost_ratio"], ".3f"), verify])
   lines.append(table(["B", "draft ms", "target ms", "c",
                       "target verify (γ+1 tokens)"], cost_rows))
-  for b, c in results["cost"].items():
-    if "target_roofline_ms" not in c:
-      continue
-    base = results["baselines"][b]
-    lines.append(
-        f"roofline (B={b}): {c['target_weight_gb']:.2f} GB of target weights"
-        f" per step / {c['read_bandwidth_gb_s']:.1f} GB/s large-array read ="
-        f" {c['target_roofline_ms']:.1f} ms; one forward reaches "
-        f"{100 * c['target_forward_efficiency']:.0f}%, autoregressive "
-        f"decoding {100 * base['roofline_efficiency']:.0f}% "
-        f"({base['decode_tokens_per_s']:.2f} tok/s after the first token)")
+  lines += _roofline_lines(results)
+  lines += _matmul_lines(results)
   lines += ["", "baseline vs speculative (tokens/s over all prompts):"]
   run_rows = []
   for r in results["runs"]:

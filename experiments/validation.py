@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from experiments import prompts as prompts_lib
+from specjax.tuning import matmul as tuning
 
 __all__ = ["ConfigError", "DTYPES", "validate_config"]
 
@@ -78,6 +79,9 @@ def validate_config(config: Any) -> None:
         "config.target cannot be 'same' (only the draft can).")
   check(config.dtype in DTYPES,
         f"config.dtype must be one of {DTYPES}, got {config.dtype!r}.")
+  check(config.matmul == "auto" or config.matmul in tuning.PLANS,
+        f"config.matmul must be 'auto' or one of {tuning.PLANS}, got "
+        f"{config.matmul!r}.")
   for name in ("gamma", "batch_size"):
     value = config[name]
     check(_is_int(value) and value >= 1,

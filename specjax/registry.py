@@ -14,7 +14,9 @@ Resolution of `name_or_path`, in order:
 4. anything else: a Hugging Face Hub id, through `load_hf` (which downloads
    it, and fails with a clear error offline).
 
-Nothing runs at import time.
+Checkpoints hold matrices [in, out]; the loaded model then gets the matmul
+plan measured fastest on this machine (`specjax.tuning.matmul`), which may
+transpose them once. Nothing runs at import time.
 """
 
 from __future__ import annotations
@@ -24,16 +26,18 @@ import os
 import pathlib
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from specjax import tuning
 from specjax import weights
 from specjax.checkpoints import gguf as gguf_lib
 from specjax.checkpoints import hf as hf_lib
 from specjax.checkpoints import native
 from specjax.checkpoints import orbax_io
+from specjax.models import MatmulPlan
 from specjax.models import Model
 from specjax.tokenizer import Tokenizer
 
@@ -112,7 +116,10 @@ def convert(name: str, dtype: Any = None,
 
 def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
                     cache_dir: str | os.PathLike | None = None,
-                    progress: bool = True) -> tuple[Model, Tokenizer]:
+                    progress: bool = True,
+                    matmul: str | MatmulPlan | None = "auto",
+                    tune_rows: Sequence[int] = (1, 5)
+                    ) -> tuple[Model, Tokenizer]:
   """A model and its tokenizer from a registry name, directory, file or id.
 
   Args:
@@ -121,6 +128,12 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
       checkpoint saved in another dtype is cast.
     cache_dir: cache root for registry models.
     progress: show progress bars.
+    matmul: the model's `MatmulPlan`: "auto" measures the candidates on this
+      machine once and caches the choice (`specjax.tuning.matmul`); a plan
+      or its name ("in_out/xla", "out_in/xla", "out_in/kernel") forces one;
+      None keeps the checkpoint layout ("in_out/xla").
+    tune_rows: rows per product that "auto" optimises for: a decode step
+      and a verification pass (B and B(γ+1)).
 
   Returns:
     (model, tokenizer).
@@ -130,7 +143,18 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
       downloaded or its file failed verification.
     FileNotFoundError / ConnectionError / ValueError: from the loaders.
   """
-  dtype = jnp.dtype(default_dtype() if dtype is None else dtype)
+  model, tokenizer = _load(name_or_path, jnp.dtype(
+      default_dtype() if dtype is None else dtype), cache_dir, progress)
+  if matmul is not None:
+    model, _ = tuning.matmul.apply(model, matmul, rows=tune_rows, donate=True,
+                                   cache_dir=cache_dir)
+  return model, tokenizer
+
+
+def _load(name_or_path: str | os.PathLike, dtype: jnp.dtype,
+          cache_dir: str | os.PathLike | None,
+          progress: bool) -> tuple[Model, Tokenizer]:
+  """`load_pretrained` before the matmul plan is applied."""
   key = os.fspath(name_or_path)
   if key in weights.SOURCES:
     directory = converted_dir(key, dtype, cache_dir)

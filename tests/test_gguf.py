@@ -21,6 +21,7 @@ from specjax.checkpoints import convert
 from specjax.checkpoints import gguf as gguf_lib
 from specjax.checkpoints import gguf_reader
 from specjax.tokenizer import Tokenizer
+from specjax.tuning import matmul as tuning
 
 Q = gguf.GGMLQuantizationType
 E, F, H, K, D, L, V = 64, 96, 4, 2, 16, 2, 40
@@ -345,15 +346,19 @@ def test_registry_converts_once_then_reads_the_converted_file(
   want = gguf_lib.load_gguf(path, jnp.float32, progress=False)
 
   def same_params(model):
+    # Loads apply the machine's tuned matmul plan; compare in the
+    # checkpoint layout.
     return jax.tree.all(jax.tree.map(
         lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
-        model.params, want.params))
+        model.with_plan("in_out/xla").params, want.params))
 
   first, tok = registry.load_pretrained(source.name, jnp.float32,
                                         cache_dir=cache, progress=False)
   directory = registry.converted_dir(source.name, jnp.float32, cache)
   assert registry.is_converted(directory)
   assert first.config == want.config and same_params(first)
+  tuned = tuning.tune(want.config, jnp.float32, cache_dir=cache)
+  assert tuned.source == "cache" and first.plan == tuned.plan
 
   def no_dequantization(*args, **kwargs):
     raise AssertionError("a converted model was dequantized again")
@@ -362,7 +367,8 @@ def test_registry_converts_once_then_reads_the_converted_file(
     m.setattr(gguf_lib, "load_gguf", no_dequantization)
     again, tok2 = registry.load_pretrained(source.name, jnp.float32,
                                            cache_dir=cache, progress=False)
-    by_path, _ = registry.load_pretrained(directory, jnp.float32)
+    by_path, _ = registry.load_pretrained(directory, jnp.float32,
+                                          cache_dir=cache)
   assert same_params(again) and same_params(by_path)
   assert tok2.encode("<|im_start|>hello") == tok.encode("<|im_start|>hello")
 

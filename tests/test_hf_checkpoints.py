@@ -24,11 +24,13 @@ from safetensors.numpy import load_file
 from safetensors.numpy import save_file
 import torch
 
+from specjax import kernels
 from specjax.checkpoints import convert
 from specjax.checkpoints import hf
 from specjax.checkpoints import orbax_io
 from specjax.models import Model
 from specjax.models import RopeScaling
+from specjax.tuning import matmul as matmul_tuning
 
 ATOL = 1e-4
 V = 128  # vocab of the tiny checkpoints
@@ -42,13 +44,20 @@ def loaded(hf_checkpoint):
   """arch -> (specjax Model, torch model), each loaded once."""
   models = {}
 
-  def get(arch):
+  def get(arch, plan="in_out/xla"):
     if arch not in models:
       directory, torch_model = hf_checkpoint(arch)
       models[arch] = (hf.load_hf(directory), torch_model)
-    return models[arch]
+    model, torch_model = models[arch]
+    return model.with_plan(plan), torch_model
 
   return get
+
+
+# Every plan `specjax.tuning.matmul` can pick (the kernel only where it can
+# be built) must match transformers to the same tolerance.
+PLANS = [p for p in matmul_tuning.PLANS
+         if p != "out_in/kernel" or kernels.available()]
 
 
 @jax.jit
@@ -100,8 +109,9 @@ def _prefilled_sequences(model, torch_model, seed, lengths):
 # Logits against transformers.
 
 
-def test_full_forward_of_padded_prompts_matches_hf(loaded, hf_arch):
-  model, torch_model = loaded(hf_arch)
+@pytest.mark.parametrize("plan", PLANS)
+def test_full_forward_of_padded_prompts_matches_hf(loaded, hf_arch, plan):
+  model, torch_model = loaded(hf_arch, plan)
   rng = np.random.default_rng(1)
   lengths = [12, 7, 3]  # longer and shorter than Mistral's window of 4
   tokens = _right_pad(rng.integers(0, V, (B, P)), lengths, rng)  # [B, P]
@@ -117,8 +127,9 @@ def test_full_forward_of_padded_prompts_matches_hf(loaded, hf_arch):
     assert _max_diff(last[b], ref[-1]) <= ATOL, (b, n)
 
 
-def test_decode_one_token_at_a_time_matches_hf(loaded, hf_arch):
-  model, torch_model = loaded(hf_arch)
+@pytest.mark.parametrize("plan", PLANS)
+def test_decode_one_token_at_a_time_matches_hf(loaded, hf_arch, plan):
+  model, torch_model = loaded(hf_arch, plan)
   lengths = np.array([9, 5, 2])
   seq, ref, last, cache = _prefilled_sequences(model, torch_model, 2,
                                                lengths)
@@ -132,8 +143,9 @@ def test_decode_one_token_at_a_time_matches_hf(loaded, hf_arch):
   np.testing.assert_array_equal(cache.lengths, lengths + 8)
 
 
-def test_decode_chunks_at_per_row_offsets_matches_hf(loaded, hf_arch):
-  model, torch_model = loaded(hf_arch)
+@pytest.mark.parametrize("plan", PLANS)
+def test_decode_chunks_at_per_row_offsets_matches_hf(loaded, hf_arch, plan):
+  model, torch_model = loaded(hf_arch, plan)
   lengths = np.array([11, 4, 1])
   seq, ref, _, cache = _prefilled_sequences(model, torch_model, 3, lengths)
   t = 3

@@ -21,13 +21,17 @@ import jax.numpy as jnp
 from specjax import cache as cache_lib
 from specjax.models.config import ARCHITECTURES
 from specjax.models.config import check_params
+from specjax.models.config import flatten
+from specjax.models.config import unflatten
 from specjax.models.config import ModelConfig
 from specjax.models.config import param_shapes
 from specjax.models.config import RopeScaling
+from specjax.models.matmul import MatmulPlan
 from specjax.models.transformer import Transformer
 
 __all__ = [
-    "ARCHITECTURES", "LanguageModel", "Model", "ModelConfig", "RopeScaling",
+    "ARCHITECTURES", "LanguageModel", "MatmulPlan", "Model", "ModelConfig",
+    "RopeScaling",
     "Transformer", "check_params", "init_random", "param_shapes",
 ]
 
@@ -72,11 +76,15 @@ class Model:
 
   Attributes:
     config: the hyper-parameters (static under jit).
-    params: pytree laid out as `param_shapes(config)`.
+    params: pytree laid out as `param_shapes(config)`, with the projection
+      matrices transposed to [out, in] when `plan.layout` is "out_in".
+    plan: how matrix products are computed (static; see `with_plan`).
   """
 
   config: ModelConfig = flax.struct.field(pytree_node=False)
   params: Any
+  plan: MatmulPlan = flax.struct.field(pytree_node=False,
+                                       default=MatmulPlan())
 
   @property
   def vocab_size(self) -> int:
@@ -98,7 +106,27 @@ class Model:
 
   @property
   def module(self) -> Transformer:
-    return Transformer(self.config, param_dtype=self.dtype)
+    return Transformer(self.config, param_dtype=self.dtype, plan=self.plan)
+
+  def with_plan(self, plan: MatmulPlan | str, *,
+                donate: bool = False) -> "Model":
+    """The same model computing its products as `plan` says.
+
+    Switching between the "in_out" and "out_in" layouts transposes each
+    projection matrix once. With `donate`, each old matrix is freed as its
+    copy is made (this model is unusable afterwards), so the peak is the
+    model plus its largest matrix; loaders do this.
+    """
+    if isinstance(plan, str):
+      plan = MatmulPlan.parse(plan)
+    params = self.params
+    if plan.transposed != self.plan.transposed:
+      flat = flatten(params)
+      for path in _matrix_paths(self.config):
+        flat[path] = (_transpose_donated if donate else _transpose)(
+            flat[path])
+      params = unflatten(self.config, lambda path, _: flat[path])
+    return self.replace(params=params, plan=plan)
 
   def init_cache(self, batch: int, size: int) -> cache_lib.KVCache:
     c = self.config
@@ -127,6 +155,21 @@ class Model:
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)
     logits = self.logits(last[:, 0])  # [B, V]; only the last prompt position
     return logits, cache.rollback(lengths)
+
+
+# Projections whose storage layout a `MatmulPlan` chooses; `embed` is always
+# [V, E] (gathered by token, and the tied head's [out, in]).
+_MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def _matrix_paths(config: ModelConfig) -> list[str]:
+  paths = [f"layers_{i}/{m}" for i in range(config.num_layers)
+           for m in _MATRICES]
+  return paths + ([] if config.tie_embeddings else ["lm_head"])
+
+
+_transpose = jax.jit(jnp.transpose)
+_transpose_donated = jax.jit(jnp.transpose, donate_argnums=0)
 
 
 def init_random(config: ModelConfig, key: jax.Array,

@@ -16,6 +16,8 @@ whole: only the new chunk is written.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,8 @@ import numpy as np
 
 from specjax import cache as cache_lib
 from specjax.models.config import ModelConfig
+from specjax.models.matmul import MatmulPlan
+from specjax.models.matmul import project
 
 _INIT = nn.initializers.normal(0.02)
 
@@ -104,9 +108,16 @@ class Block(nn.Module):
 
   config: ModelConfig
   param_dtype: jnp.dtype = jnp.float32
+  plan: MatmulPlan = MatmulPlan()
 
   def _param(self, name, shape, init=_INIT):
     return self.param(name, init, shape, self.param_dtype)
+
+  def _dense(self, x: jax.Array, name: str, features_in: int,
+             features_out: int) -> jax.Array:
+    """x [B, T, in] times weight `name` (stored as the plan says) -> out."""
+    w = self._param(name, self.plan.stored_shape((features_in, features_out)))
+    return project(x, w, self.plan)
 
   @nn.compact
   def __call__(self, x: jax.Array, k_cache: jax.Array | None,
@@ -132,9 +143,9 @@ class Block(nn.Module):
     ones = nn.initializers.ones
 
     h = rms_norm(x, self._param("attn_norm", (e,), ones), c.rms_norm_eps)
-    q = h @ self._param("q", (e, nh * d))
-    k = h @ self._param("k", (e, nk * d))
-    v = h @ self._param("v", (e, nk * d))
+    q = self._dense(h, "q", e, nh * d)
+    k = self._dense(h, "k", e, nk * d)
+    v = self._dense(h, "v", e, nk * d)
     if c.qkv_bias:
       zeros = nn.initializers.zeros
       q += self._param("q_bias", (nh * d,), zeros)
@@ -161,13 +172,13 @@ class Block(nn.Module):
     if k_cache is not None:
       attn += jnp.einsum("bkgts,bskd->btkgd", probs[..., :-t],
                          v_cache.astype(v.dtype))  # [B, T, K, G, D]
-    x = x + attn.reshape(b, t, nh * d) @ self._param("o", (nh * d, e))
+    x = x + self._dense(attn.reshape(b, t, nh * d), "o", nh * d, e)
 
     h = rms_norm(x, self._param("mlp_norm", (e,), ones), c.rms_norm_eps)
-    gate = h @ self._param("gate", (e, c.intermediate_size))
-    up = h @ self._param("up", (e, c.intermediate_size))
-    x = x + (jax.nn.silu(gate) * up) @ self._param(
-        "down", (c.intermediate_size, e))
+    gate = self._dense(h, "gate", e, c.intermediate_size)
+    up = self._dense(h, "up", e, c.intermediate_size)
+    x = x + self._dense(jax.nn.silu(gate) * up, "down", c.intermediate_size,
+                        e)
     return x, k, v
 
 
@@ -181,18 +192,21 @@ class Transformer(nn.Module):
 
   config: ModelConfig
   param_dtype: jnp.dtype = jnp.float32
+  plan: MatmulPlan = MatmulPlan()
 
   def setup(self):
     c = self.config
     self.embed = self.param("embed", _INIT, (c.vocab_size, c.hidden_size),
                             self.param_dtype)
-    self.layers = [Block(c, self.param_dtype) for _ in range(c.num_layers)]
+    self.layers = [Block(c, self.param_dtype, self.plan)
+                   for _ in range(c.num_layers)]
     self.final_norm = self.param("final_norm", nn.initializers.ones,
                                  (c.hidden_size,), self.param_dtype)
     if not c.tie_embeddings:
-      self.lm_head = self.param("lm_head", _INIT,
-                                (c.hidden_size, c.vocab_size),
-                                self.param_dtype)
+      self.lm_head = self.param(
+          "lm_head", _INIT,
+          self.plan.stored_shape((c.hidden_size, c.vocab_size)),
+          self.param_dtype)
 
   def __call__(self, tokens: jax.Array, cache: cache_lib.KVCache,
                cache_is_empty: bool = False):
@@ -236,9 +250,8 @@ class Transformer(nn.Module):
   def logits(self, hidden: jax.Array) -> jax.Array:
     """[..., E] -> [..., V] float32."""
     if self.config.tie_embeddings:
-      out = jnp.einsum("...e,ve->...v", hidden, self.embed,
-                       preferred_element_type=jnp.float32)
+      # The embedding [V, E] is always stored [out, in] for this product.
+      head, plan = self.embed, dataclasses.replace(self.plan, layout="out_in")
     else:
-      out = jnp.matmul(hidden, self.lm_head,
-                       preferred_element_type=jnp.float32)
-    return out.astype(jnp.float32)
+      head, plan = self.lm_head, self.plan
+    return project(hidden, head, plan, out_dtype=jnp.float32)

@@ -1,0 +1,144 @@
+"""Native CPU kernels reached through `jax.ffi`, built on first use.
+
+Shape letters: M rows (batch times chunk), K input features, N output
+features.
+
+`smallm_matmul(x [M, K], w [N, K]) -> [M, N]` is the small-M product that a
+decode step (M = B) and a verification pass (M = B(γ+1)) spend their time in.
+XLA CPU lowers a small-M dot to a GEMM that packs or re-reads the weight, so
+on some CPUs a 5-row pass costs 2x a 1-row pass (BENCHMARKS.md). The kernel
+(`smallm.cc`) reads each weight row once and applies it to all M rows.
+
+The source ships with the package and is compiled once per machine with the
+host's C++ compiler and `-march=native` into
+`$SPECJAX_CACHE/kernels/<hash>/`, keyed by the source, compiler, flags, JAX
+version and CPU model, then registered as an XLA FFI target. Without a
+compiler, `available()` is False, and `specjax.tuning.matmul` then chooses
+among XLA formulations only. `SPECJAX_NO_KERNELS=1` disables the kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+from specjax import hardware
+from specjax import weights
+
+__all__ = ["KernelError", "available", "build", "smallm_matmul",
+           "MAX_ROWS"]
+
+_SOURCE = pathlib.Path(__file__).with_name("smallm.cc")
+_TARGET = "specjax_smallm_f32"
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+# Rows the kernel accepts in one call; larger products (prefill) go to XLA.
+MAX_ROWS = 64
+
+_log = logging.getLogger(__name__)
+
+
+class KernelError(RuntimeError):
+  """A native kernel could not be built or loaded."""
+
+
+def _compiler() -> str | None:
+  for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+    if name and shutil.which(name):
+      return shutil.which(name)
+  return None
+
+
+def _build_key(compiler: str) -> str:
+  version = subprocess.run([compiler, "--version"], capture_output=True,
+                           text=True, check=False).stdout
+  parts = [_SOURCE.read_text(), version, " ".join(_FLAGS), jax.__version__,
+           hardware.cpu_model()]
+  return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def build(cache_dir: str | None = None) -> pathlib.Path:
+  """Compiles the kernel library once per machine and returns its path.
+
+  Raises:
+    KernelError: no C++ compiler, or compilation failed (the message carries
+      the compiler's output).
+  """
+  compiler = _compiler()
+  if compiler is None:
+    raise KernelError("No C++ compiler (CXX, c++, g++ or clang++) found; "
+                      "specjax falls back to XLA's matrix products.")
+  out_dir = weights.resolve_cache_dir(cache_dir) / "kernels" / _build_key(
+      compiler)
+  library = out_dir / "smallm.so"
+  if library.is_file():
+    return library
+  out_dir.mkdir(parents=True, exist_ok=True)
+  # Build beside the target and rename: concurrent builders never see a
+  # half-written library.
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+  os.close(fd)
+  cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o",
+         tmp]
+  _log.info("Building specjax kernels: %s", " ".join(cmd))
+  result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if result.returncode != 0:
+    os.unlink(tmp)
+    raise KernelError(f"Compiling {_SOURCE.name} failed:\n{result.stderr}")
+  os.replace(tmp, library)
+  return library
+
+
+@functools.cache
+def _register() -> None:
+  library = ctypes.cdll.LoadLibrary(str(build()))
+  jax.ffi.register_ffi_target(
+      _TARGET, jax.ffi.pycapsule(library.SpecjaxSmallM), platform="cpu")
+
+
+@functools.cache
+def available() -> bool:
+  """Whether the kernels can run here (CPU backend, built and registered)."""
+  if os.environ.get("SPECJAX_NO_KERNELS"):
+    return False
+  if jax.default_backend() != "cpu":
+    return False
+  try:
+    _register()
+  except (KernelError, OSError) as e:
+    _log.warning("specjax kernels unavailable: %s", e)
+    return False
+  return True
+
+
+def smallm_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [M, K] float32 times w [N, K] float32 (contracted on K) -> [M, N].
+
+  Raises:
+    KernelError: the kernels are not available here.
+    ValueError: wrong dtypes, ranks or sizes.
+  """
+  if not available():
+    raise KernelError("The specjax CPU kernels are not available on this "
+                      "machine (see the log); use an XLA matmul plan.")
+  if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+    raise ValueError(f"smallm_matmul needs float32, got {x.dtype} and "
+                     f"{w.dtype}.")
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+    raise ValueError(f"smallm_matmul needs x [M, K] and w [N, K], got "
+                     f"{x.shape} and {w.shape}.")
+  if x.shape[0] > MAX_ROWS:
+    raise ValueError(f"smallm_matmul takes at most {MAX_ROWS} rows, got "
+                     f"{x.shape[0]}.")
+  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+  return jax.ffi.ffi_call(_TARGET, out)(x, w)

@@ -1,0 +1,114 @@
+"""How the model's matrix products are computed: `MatmulPlan` and `project`.
+
+Shape letters: `...` leading axes (B batch, T chunk), I input features,
+O output features, M = prod(...) rows.
+
+A decode step multiplies M = B rows, and a verification pass M = B(γ+1)
+rows, by every weight matrix. Both are bound by reading the weights, so
+they should cost about the same. Whether they do depends on the CPU, the
+stored layout and the dot implementation (BENCHMARKS.md: the same XLA dot
+was cheap at 5 rows on one machine of a kind and 2x dearer on another).
+A plan fixes the choice for a whole model:
+
+- `layout="in_out"`: matrices stored [I, O], product `x @ W` (XLA dot);
+- `layout="out_in"`: stored [O, I] (the checkpoint's own layout), contracted
+  on the last axis;
+- `kernel=True` (with "out_in", float32, CPU): products of at most
+  `kernel_max_rows` rows go to `specjax.kernels.smallm_matmul`, which reads
+  each weight row once for all rows; larger ones (prefill) to XLA.
+
+Checkpoints and `param_shapes(config)` always use [I, O]; `Model.with_plan`
+transposes once at load. `specjax.tuning.matmul` measures the candidates on
+the model's shapes and picks one per machine. Every plan computes the same
+products: the logits agree to float32 rounding (tests check each plan
+against transformers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax import kernels
+
+__all__ = ["LAYOUTS", "MatmulPlan", "project"]
+
+LAYOUTS = ("in_out", "out_in")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulPlan:
+  """A static, hashable choice of weight layout and dot implementation.
+
+  Attributes:
+    layout: "in_out" (stored [I, O]) or "out_in" (stored [O, I]).
+    kernel: route small products to the specjax CPU kernel (needs out_in).
+    kernel_max_rows: the most rows M sent to the kernel.
+  """
+
+  layout: str = "in_out"
+  kernel: bool = False
+  kernel_max_rows: int = 32
+
+  def __post_init__(self):
+    if self.layout not in LAYOUTS:
+      raise ValueError(f"Unknown matmul layout {self.layout!r}; expected one "
+                       f"of {LAYOUTS}.")
+    if self.kernel and self.layout != "out_in":
+      raise ValueError("The specjax kernel reads weights stored [out, in]: "
+                       "use layout='out_in' with kernel=True.")
+    if not 1 <= self.kernel_max_rows <= kernels.MAX_ROWS:
+      raise ValueError(f"kernel_max_rows must be in [1, {kernels.MAX_ROWS}],"
+                       f" got {self.kernel_max_rows}.")
+
+  @property
+  def name(self) -> str:
+    """'in_out/xla', 'out_in/xla' or 'out_in/kernel'."""
+    return f"{self.layout}/{'kernel' if self.kernel else 'xla'}"
+
+  @classmethod
+  def parse(cls, name: str) -> "MatmulPlan":
+    """Inverts `name`, e.g. MatmulPlan.parse('out_in/kernel')."""
+    layout, _, impl = name.partition("/")
+    if impl not in ("xla", "kernel"):
+      raise ValueError(f"Unknown matmul plan {name!r}; expected "
+                       "'in_out/xla', 'out_in/xla' or 'out_in/kernel'.")
+    return cls(layout=layout, kernel=impl == "kernel")
+
+  @property
+  def transposed(self) -> bool:
+    """Whether matrices are stored [O, I], i.e. transposed from checkpoints."""
+    return self.layout == "out_in"
+
+  def stored_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
+    """The stored shape of a matrix that checkpoints hold as [I, O]."""
+    return tuple(reversed(shape)) if self.transposed else tuple(shape)
+
+
+def project(x: jax.Array, w: jax.Array, plan: MatmulPlan,
+            out_dtype: jnp.dtype | None = None) -> jax.Array:
+  """x [..., I] times a weight stored per `plan` -> [..., O].
+
+  Args:
+    x: [..., I] activations.
+    w: [I, O] ("in_out") or [O, I] ("out_in").
+    plan: the model's plan (static).
+    out_dtype: the result's dtype (accumulation is float32); default x's.
+
+  Returns:
+    [..., O].
+  """
+  lead = x.shape[:-1]
+  rows = 1
+  for n in lead:
+    rows *= n
+  if (plan.kernel and rows <= plan.kernel_max_rows
+      and x.dtype == jnp.float32 and w.dtype == jnp.float32):
+    out = kernels.smallm_matmul(x.reshape(rows, x.shape[-1]), w)  # [M, O]
+    return out.reshape(*lead, w.shape[0]).astype(out_dtype or x.dtype)
+  contract = 1 if plan.transposed else 0
+  return jax.lax.dot_general(
+      x, w, (((x.ndim - 1,), (contract,)), ((), ())),
+      preferred_element_type=jnp.float32).astype(out_dtype or x.dtype)

@@ -1,0 +1,5 @@
+"""Measured choices that depend on the machine (see `matmul`)."""
+
+from specjax.tuning import matmul
+
+__all__ = ["matmul"]

@@ -1,0 +1,234 @@
+"""Choosing a model's `MatmulPlan` by measuring, once per machine.
+
+Shape letters: E hidden, F MLP, Q = H·D query width, C = K·D key/value
+width, V vocab, M rows per product (batch times chunk).
+
+Which formulation of the model's matrix products keeps a verification pass
+(M = B(γ+1) rows) as cheap as a decode step (M = B) depends on the CPU, not
+only on its kind (BENCHMARKS.md). `tune` therefore times every candidate
+plan (`candidates`) on a stack of weight matrices of the model's own shapes
+(q, k, v, o, gate, up, down per layer, enough layers to exceed the caches,
+plus a slice of the vocabulary head), at each M in `rows`, interleaved
+round-robin. It picks the plan with the least total time over `rows`, i.e.
+one decode step plus one verification pass for the default rows (1, 5).
+
+The choice and the timings are cached in `$SPECJAX_CACHE/tuning/matmul.json`
+under a key naming the CPU model, core count, backend, JAX version, dtype,
+shapes and rows. Deleting the file re-measures; a corrupt file is ignored
+with a warning and rewritten. A user forces a plan with `matmul=NAME` (or
+`SPECJAX_MATMUL=NAME` in the environment), NAME one of `PLANS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import tempfile
+import warnings
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from specjax import hardware
+from specjax import kernels
+from specjax import weights
+from specjax.models import MatmulPlan
+from specjax.models import Model
+from specjax.models import ModelConfig
+from specjax.models.matmul import project
+
+__all__ = ["PLANS", "TuneResult", "apply", "cache_file", "candidates",
+           "tune"]
+
+PLANS = ("in_out/xla", "out_in/xla", "out_in/kernel")
+_STACK_BYTES = 512 << 20  # more than any CPU's last-level cache
+_HEAD_ROWS = 32768  # vocabulary rows of the head slice
+_REPEATS = 7
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult:
+  """What `tune` chose and why.
+
+  Attributes:
+    plan: the chosen plan.
+    source: "measured", "cache" or "forced".
+    timings_ms: plan name -> {str(M): median ms of the stack at M rows};
+      empty when forced.
+    rows: the M values timed.
+    key: the cache key.
+  """
+
+  plan: MatmulPlan
+  source: str
+  timings_ms: dict[str, dict[str, float]]
+  rows: tuple[int, ...]
+  key: str
+
+  def to_json(self) -> dict[str, Any]:
+    ratios = {name: {m: t[m] / t[str(self.rows[0])] for m in t}
+              for name, t in self.timings_ms.items()}
+    return {"plan": self.plan.name, "source": self.source,
+            "rows": list(self.rows), "timings_ms": self.timings_ms,
+            "ratio_to_first_rows": ratios, "key": self.key}
+
+
+def cache_file(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+  return weights.resolve_cache_dir(cache_dir) / "tuning" / "matmul.json"
+
+
+def candidates(dtype: Any) -> list[str]:
+  """Plan names worth timing here: the kernel only for float32 on CPU."""
+  names = ["in_out/xla", "out_in/xla"]
+  if jnp.dtype(dtype) == jnp.float32 and kernels.available():
+    names.append("out_in/kernel")
+  return names
+
+
+def _shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+  """(in, out) of each matrix of one layer, and of the head slice."""
+  e, f = config.hidden_size, config.intermediate_size
+  q = config.num_heads * config.head_dim
+  kv = config.num_kv_heads * config.head_dim
+  return {"q": (e, q), "k": (e, kv), "v": (e, kv), "o": (q, e),
+          "gate": (e, f), "up": (e, f), "down": (f, e),
+          "head": (e, min(config.vocab_size, _HEAD_ROWS))}
+
+
+def _key(config: ModelConfig, dtype: Any, rows: Sequence[int]) -> str:
+  shapes = ",".join(f"{k}={i}x{o}" for k, (i, o) in _shapes(config).items())
+  return (f"{hardware.machine_key()}|{jnp.dtype(dtype).name}|{shapes}|"
+          f"rows={','.join(map(str, rows))}")
+
+
+def _stack(config: ModelConfig, dtype: Any, plan: MatmulPlan):
+  """Weights of enough layers to exceed the caches, stored per `plan`."""
+  shapes = _shapes(config)
+  layer_bytes = sum(i * o for n, (i, o) in shapes.items() if n != "head")
+  layer_bytes *= jnp.dtype(dtype).itemsize
+  num_layers = max(1, min(config.num_layers, -(-_STACK_BYTES // layer_bytes)))
+  fill = jax.jit(lambda: [
+      {n: jnp.full(plan.stored_shape(s), 0.01, dtype)
+       for n, s in shapes.items() if n != "head"}
+      for _ in range(num_layers)])
+  head = jnp.full(MatmulPlan(layout="out_in").stored_shape(shapes["head"]),
+                  0.01, dtype)  # [V', E], like the tied embedding
+  return fill(), head
+
+
+def _forward(plan: MatmulPlan):
+  """Applies every matrix once to x [M, E], chaining so nothing is skipped."""
+  head_plan = dataclasses.replace(plan, layout="out_in")
+
+  @jax.jit
+  def forward(x, layers, head):
+    for w in layers:
+      qkv = project(x, w["q"], plan)
+      qkv = qkv + jnp.sum(project(x, w["k"], plan) + project(x, w["v"], plan))
+      x = x + project(qkv, w["o"], plan)
+      h = project(x, w["gate"], plan) * project(x, w["up"], plan)
+      x = x + project(h, w["down"], plan)
+    return project(x, head, head_plan)
+
+  return forward
+
+
+def _measure(config: ModelConfig, dtype: Any, names: Sequence[str],
+             rows: Sequence[int]) -> dict[str, dict[str, float]]:
+  steps = {}
+  for name in names:
+    plan = MatmulPlan.parse(name)
+    layers, head = _stack(config, dtype, plan)
+    forward = _forward(plan)
+    for m in rows:
+      x = jnp.full((m, config.hidden_size), 0.5, dtype)
+      steps[(name, m)] = (lambda f=forward, x=x, l=layers, h=head: f(x, l, h))
+  times = hardware.median_ms(steps, _REPEATS)
+  out: dict[str, dict[str, float]] = {}
+  for (name, m), ms in times.items():
+    out.setdefault(name, {})[str(m)] = ms
+  return out
+
+
+def _read_cache(path: pathlib.Path) -> dict[str, Any]:
+  if not path.exists():
+    return {}
+  try:
+    entries = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(entries, dict):
+      raise ValueError("not a JSON object")
+    for key, entry in entries.items():
+      MatmulPlan.parse(entry["plan"])
+      if not isinstance(entry["timings_ms"], dict):
+        raise ValueError(f"entry {key!r} has no timings")
+    return entries
+  except (ValueError, KeyError, TypeError) as e:
+    warnings.warn(f"Ignoring the corrupt matmul tuning cache {path} ({e}); "
+                  "re-measuring.", RuntimeWarning, stacklevel=3)
+    return {}
+
+
+def _write_cache(path: pathlib.Path, entries: dict[str, Any]) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
+  with os.fdopen(fd, "w", encoding="utf-8") as f:
+    json.dump(entries, f, indent=1, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def tune(config: ModelConfig, dtype: Any = jnp.float32, *,
+         rows: Sequence[int] = (1, 5), matmul: str | MatmulPlan = "auto",
+         cache_dir: str | os.PathLike | None = None) -> TuneResult:
+  """The plan for `config` on this machine: forced, cached, or measured.
+
+  Args:
+    config: the model's shapes.
+    dtype: its parameter dtype.
+    rows: the M values that matter (decode step and verification pass rows).
+    matmul: "auto", or a plan (name) to force.
+    cache_dir: cache root (default `$SPECJAX_CACHE` or ~/.cache/specjax).
+
+  Returns:
+    A `TuneResult`.
+  """
+  rows = tuple(int(m) for m in rows)
+  key = _key(config, dtype, rows)
+  matmul = os.environ.get("SPECJAX_MATMUL") or matmul
+  if matmul != "auto":
+    plan = matmul if isinstance(matmul, MatmulPlan) else MatmulPlan.parse(
+        matmul)
+    if plan.kernel and not kernels.available():
+      raise kernels.KernelError(
+          f"Matmul plan {plan.name!r} was forced, but the specjax CPU kernels "
+          "are not available here (CPU backend and a C++ compiler needed).")
+    return TuneResult(plan=plan, source="forced", timings_ms={}, rows=rows,
+                      key=key)
+  path = cache_file(cache_dir)
+  entries = _read_cache(path)
+  entry = entries.get(key)
+  names = candidates(dtype)
+  if entry is not None and entry["plan"] in names:
+    return TuneResult(plan=MatmulPlan.parse(entry["plan"]), source="cache",
+                      timings_ms=entry["timings_ms"], rows=rows, key=key)
+  timings = _measure(config, dtype, names, rows)
+  best = min(names, key=lambda n: sum(timings[n].values()))
+  entries[key] = {"plan": best, "timings_ms": timings,
+                  "measured": datetime.datetime.now().isoformat(
+                      timespec="seconds")}
+  _write_cache(path, entries)
+  return TuneResult(plan=MatmulPlan.parse(best), source="measured",
+                    timings_ms=timings, rows=rows, key=key)
+
+
+def apply(model: Model, matmul: str | MatmulPlan = "auto", *,
+          rows: Sequence[int] = (1, 5), donate: bool = False,
+          cache_dir: str | os.PathLike | None = None
+          ) -> tuple[Model, TuneResult]:
+  """`model` with its tuned (or forced) plan, and the tuning result."""
+  result = tune(model.config, model.dtype, rows=rows, matmul=matmul,
+                cache_dir=cache_dir)
+  return model.with_plan(result.plan, donate=donate), result

@@ -1,0 +1,82 @@
+"""`specjax.tuning.matmul`: measure once, cache, re-measure when asked."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from specjax import kernels
+from specjax import testing
+from specjax.tuning import matmul as tuning
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+  monkeypatch.delenv("SPECJAX_MATMUL", raising=False)
+  return tmp_path
+
+
+def test_measures_once_then_reads_the_cache(cache):
+  config = testing.TINY_TARGET
+  first = tuning.tune(config, rows=(1, 3), cache_dir=cache)
+  assert first.source == "measured"
+  assert set(first.timings_ms) == set(tuning.candidates("float32"))
+  assert first.plan.name == min(
+      first.timings_ms, key=lambda n: sum(first.timings_ms[n].values()))
+  second = tuning.tune(config, rows=(1, 3), cache_dir=cache)
+  assert second.source == "cache" and second.plan == first.plan
+  # Other rows or shapes are other keys.
+  assert tuning.tune(config, rows=(1, 5), cache_dir=cache).source == (
+      "measured")
+  assert tuning.tune(testing.TINY_DRAFT, rows=(1, 3),
+                     cache_dir=cache).source == "measured"
+  entries = json.loads(tuning.cache_file(cache).read_text())
+  assert len(entries) == 3
+  assert all("cores=" in key and "jax=" in key for key in entries)
+
+
+def test_deleting_the_cache_re_measures(cache):
+  tuning.tune(testing.TINY_TARGET, cache_dir=cache)
+  tuning.cache_file(cache).unlink()
+  assert tuning.tune(testing.TINY_TARGET, cache_dir=cache).source == (
+      "measured")
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]",
+                                     '{"k": {"plan": "sideways/xla"}}'])
+def test_a_corrupt_cache_is_ignored_with_a_warning(cache, content):
+  path = tuning.cache_file(cache)
+  path.parent.mkdir(parents=True)
+  path.write_text(content)
+  with pytest.warns(RuntimeWarning, match="corrupt matmul tuning cache"):
+    result = tuning.tune(testing.TINY_TARGET, cache_dir=cache)
+  assert result.source == "measured"
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # rewritten: no warning the second time
+    assert tuning.tune(testing.TINY_TARGET, cache_dir=cache).source == (
+        "cache")
+
+
+def test_forcing_a_plan(cache, monkeypatch):
+  forced = tuning.tune(testing.TINY_TARGET, matmul="out_in/xla",
+                       cache_dir=cache)
+  assert forced.source == "forced" and forced.plan.name == "out_in/xla"
+  assert not tuning.cache_file(cache).exists()  # nothing measured
+  monkeypatch.setenv("SPECJAX_MATMUL", "in_out/xla")
+  assert tuning.tune(testing.TINY_TARGET, cache_dir=cache).plan.name == (
+      "in_out/xla")
+  monkeypatch.delenv("SPECJAX_MATMUL")
+  monkeypatch.setattr(kernels, "available", lambda: False)
+  assert "out_in/kernel" not in tuning.candidates("float32")
+  with pytest.raises(kernels.KernelError, match="not available"):
+    tuning.tune(testing.TINY_TARGET, matmul="out_in/kernel", cache_dir=cache)
+
+
+def test_apply_sets_the_plan(cache):
+  target, _ = testing.tiny_pair()
+  model, result = tuning.apply(target, "out_in/xla", cache_dir=cache)
+  assert model.plan == result.plan
+  assert model.params["layers_0"]["q"].shape == (64, 64)
+  assert model.params["layers_0"]["k"].shape == (32, 64)  # [K*D, E]
