@@ -119,6 +119,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Prompt set: `humaneval` (code, 164), `mtbench` (chat, 80 first turns),
   # or the built-in fallbacks `code` and `chat` (see experiments/prompts.py).
   config.prompt_set = arg["prompts"] or pair["prompt_set"]
+  # Your own prompts instead of a built-in set: a JSONL file with one
+  # {"text": ...} or {"messages": [{"role": ..., "content": ...}]} per line
+  # ('' uses `prompt_set`).
+  config.prompt_file = ""
   # How many prompts of the set to run (the first ones, in set order).
   config.num_prompts = arg["n"]
   # Wrap each prompt in the tokenizer's chat template (instruct models).

@@ -145,8 +145,13 @@ def matmul_info(config: Any, model: Any) -> dict[str, Any] | None:
 def encode_prompts(config: Any, tokenizer: Any
                    ) -> tuple[prompts_lib.PromptSet, list[list[int]]]:
   """The first `config.num_prompts` prompts, as token ids."""
-  prompt_set = prompts_lib.load_prompts(
-      config.prompt_set, config.num_prompts, cache_dir=config.cache_dir or None)
+  if config.prompt_file:
+    prompt_set = prompts_lib.load_prompt_file(config.prompt_file,
+                                              config.num_prompts)
+  else:
+    prompt_set = prompts_lib.load_prompts(
+        config.prompt_set, config.num_prompts,
+        cache_dir=config.cache_dir or None)
   ids = [prompts_lib.encode_prompt(
       tokenizer, p, chat_template=config.chat_template,
       max_prompt_tokens=config.max_prompt_tokens) for p in prompt_set.prompts]

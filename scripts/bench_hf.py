@@ -54,7 +54,9 @@ _OUTPUT_DIR = flags.DEFINE_string(
 _THREADS = flags.DEFINE_integer(
     "threads", 0, "torch threads; 0 matches XLA (the usable cores).")
 _MODES = flags.DEFINE_list(
-    "modes", ["baseline", "assisted"], "Which runs: baseline, assisted.")
+    "modes", ["baseline", "assisted", "lookup"],
+    "Which runs: baseline, assisted (draft model), lookup (prompt lookup).")
+_LOOKUP_NGRAM = 3  # transformers' max_matching_ngram_size, as specjax's
 
 
 def load_model(name: str, dtype: Any, cache_dir: str | None):
@@ -158,9 +160,11 @@ def run(config, specjax_path: str | None, output_dir: str,
       tokenizer.eos_ids[0])
   gen_config = generation_config(config, tokenizer.eos_ids, pad_id)
 
-  def generate(ids, assisted: bool):
+  def generate(ids, mode: str):
     inputs = torch.tensor([ids], dtype=torch.long)
-    kwargs = {"assistant_model": draft} if assisted else {}
+    kwargs = {"baseline": {}, "assisted": {"assistant_model": draft},
+              "lookup": {"prompt_lookup_num_tokens": gamma,
+                         "max_matching_ngram_size": _LOOKUP_NGRAM}}[mode]
     with torch.inference_mode():
       begin = time.perf_counter()
       out = target.generate(inputs, attention_mask=torch.ones_like(inputs),
@@ -190,26 +194,34 @@ def run(config, specjax_path: str | None, output_dir: str,
   for prompt, ids in zip(prompt_set.prompts, encoded):
     row = {"id": prompt.id, "prompt_tokens": len(ids)}
     if "baseline" in modes:
-      base, row["baseline_time_s"] = generate(ids, assisted=False)
+      base, row["baseline_time_s"] = generate(ids, "baseline")
       row["baseline_tokens"] = len(base)
       row["baseline_tokens_per_s"] = len(base) / row["baseline_time_s"]
       row["baseline_ids"] = base
-    if draft is not None:
+    # "spec" is assisted generation (the draft model); "lookup" is prompt
+    # lookup. Both count target forwards to derive τ.
+    for mode, prefix in (("assisted", "spec"), ("lookup", "lookup")):
+      if mode not in modes:
+        continue
       counter = _Counter(target)
-      spec, row["spec_time_s"] = generate(ids, assisted=True)
+      out, row[f"{prefix}_time_s"] = generate(ids, mode)
       counter.remove()
-      row["spec_tokens"] = len(spec)
-      row["spec_tokens_per_s"] = len(spec) / row["spec_time_s"]
-      row["target_forwards"] = counter.calls
-      row["mean_accepted_tokens"] = len(spec) / max(counter.calls, 1)
-      row["acceptance_rate"] = (row["mean_accepted_tokens"] - 1) / gamma
-      row["completion_ids"] = spec
+      row[f"{prefix}_tokens"] = len(out)
+      row[f"{prefix}_tokens_per_s"] = len(out) / row[f"{prefix}_time_s"]
+      row[f"{prefix}_target_forwards"] = counter.calls
+      if mode == "assisted":
+        row["target_forwards"] = counter.calls
+        row["mean_accepted_tokens"] = len(out) / max(counter.calls, 1)
+        row["acceptance_rate"] = (row["mean_accepted_tokens"] - 1) / gamma
+        row["completion_ids"] = out
       if "baseline" in modes and config.temperature == 0:
-        row["lossless"] = spec == base
+        row["lossless" if mode == "assisted" else "lookup_lossless"] = (
+            out == base)
     rows.append(row)
     print(f"{prompt.id}: " + ", ".join(
         f"{k}={row[k]:.2f}" for k in ("baseline_tokens_per_s",
-                                      "spec_tokens_per_s") if k in row),
+                                      "spec_tokens_per_s",
+                                      "lookup_tokens_per_s") if k in row),
           flush=True)
 
   def total(kind):
@@ -218,6 +230,7 @@ def run(config, specjax_path: str | None, output_dir: str,
     return tokens / seconds if seconds else None
 
   base_tps, spec_tps = total("baseline"), total("spec")
+  lookup_tps = total("lookup")
   results = {
       "implementation": f"transformers {transformers.__version__}, torch "
                         f"{torch.__version__}",
@@ -226,6 +239,15 @@ def run(config, specjax_path: str | None, output_dir: str,
       "speedup": spec_tps / base_tps if base_tps and spec_tps else None,
       "gamma": gamma,
       "batch_size": 1,
+      "lookup_tokens_per_s": lookup_tps,
+      "lookup_speedup": (lookup_tps / base_tps if base_tps and lookup_tps
+                         else None),
+      "lookup_mean_accepted_tokens": (
+          sum(r.get("lookup_tokens", 0) for r in rows)
+          / max(sum(r.get("lookup_target_forwards", 0) for r in rows), 1)
+          if "lookup" in modes else None),
+      "lookup_lossless": (all(r["lookup_lossless"] for r in rows)
+                          if rows and "lookup_lossless" in rows[0] else None),
       "per_position_acceptance": None,  # not exposed by transformers
       "lossless": (all(r["lossless"] for r in rows)
                    if rows and "lossless" in rows[0] else None),
@@ -277,6 +299,8 @@ def comparison_table(specjax: dict[str, Any], hf: dict[str, Any]) -> str:
       ("baseline tokens/s", "baseline_tokens_per_s", ".2f"),
       ("speculative tokens/s", "spec_tokens_per_s", ".2f"),
       ("speedup", "speedup", ".2f"),
+      ("prompt-lookup tokens/s", "lookup_tokens_per_s", ".2f"),
+      ("prompt-lookup speedup", "lookup_speedup", ".2f"),
       ("predicted speedup", "predicted_speedup", ".2f"),
       ("α acceptance rate", "acceptance_rate", ".3f"),
       ("τ tokens per target call", "mean_accepted_tokens", ".2f"),

@@ -179,6 +179,9 @@ def test_fixed_logits_acceptance_matches_simulation(tmp_path):
     ("dtype", "int8", "config.dtype must be one of"),
     ("max_new_tokens", 0, "config.max_new_tokens must be an integer >= 1"),
     ("draft_stop_threshold", 2.0, "config.draft_stop_threshold"),
+    ("matmul", "rows/cuda", "config.matmul must be 'auto' or one of"),
+    ("prompt_file", "/no/such.jsonl", "config.prompt_file '/no/such.jsonl' "
+     "does not exist"),
 ])
 def test_bad_config_names_the_field(field, value, message):
   config = llama_pair.get_config()
@@ -224,6 +227,42 @@ def test_prompt_sets_and_fallback(monkeypatch):
   ids = prompts_lib.encode_prompt(tok, code.prompts[0], chat_template=True,
                                   max_prompt_tokens=8)
   assert len(ids) == 8 and tok.decode(ids) == "stant|>\n"
+
+
+def test_prompt_file(tmp_path):
+  path = tmp_path / "mine.jsonl"
+  path.write_text(
+      '{"text": "def add(a, b):"}\n\n'
+      '{"id": "conv", "messages": [{"role": "system", "content": "Be '
+      'brief."}, {"role": "user", "content": "Hi?"}]}\n')
+  prompts = prompts_lib.load_prompt_file(path)
+  assert [p.id for p in prompts.prompts] == ["mine/0", "conv"]
+  assert prompts.source == str(path)
+  tok = prompts_lib.ByteTokenizer()
+  raw = prompts_lib.encode_prompt(tok, prompts.prompts[0],
+                                  chat_template=False)
+  assert tok.decode(raw) == "def add(a, b):"
+  # A conversation is templated whatever the config says, system turn kept.
+  conv = tok.decode(prompts_lib.encode_prompt(tok, prompts.prompts[1],
+                                              chat_template=False))
+  assert "Be brief." in conv and "Hi?" in conv
+  with pytest.raises(ValueError, match="has 2 prompts; asked for 3"):
+    prompts_lib.load_prompt_file(path, 3)
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"text": "ok"}\n{"messages": []}\n')
+  with pytest.raises(ValueError, match=r"bad.jsonl:2 must be an object"):
+    prompts_lib.load_prompt_file(bad)
+  bad.write_text('{"text": "ok"\n')
+  with pytest.raises(ValueError, match=r"bad.jsonl:1 is not valid JSON"):
+    prompts_lib.load_prompt_file(bad)
+  config = tiny_pair.get_config("n=2,tokens=4")
+  config.prompt_file = str(path)
+  config.output_dir = str(tmp_path / "out")
+  config.plots = False
+  config.progress = False
+  results = bench.run_experiment(config)
+  assert results["prompts"]["source"] == str(path)
+  assert [p["id"] for p in results["per_prompt"]] == ["mine/0", "conv"]
 
 
 def test_batch_sweep_plot(tmp_path):

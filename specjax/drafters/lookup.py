@@ -1,0 +1,148 @@
+"""`PromptLookup`: n-gram prompt-lookup drafting, in the graph.
+
+Shape letters: B batch, S context buffer (cache size), P padded prompt,
+G = γ draft tokens.
+
+Each row keeps its context, prompt plus committed tokens, in a fixed
+[B, S] buffer. To draft, the row's last n tokens are looked up among the
+earlier positions of its context, for n from `max_ngram` down to
+`min_ngram`; at the most recent earlier occurrence of the longest n that
+matches, the up to G tokens that followed it are proposed (Saxena 2023,
+"prompt lookup decoding"; transformers' `prompt_lookup_num_tokens`). No
+model runs: `num_forwards` is 0. A row with no match proposes nothing
+(`num_drafted` 0), so its step is a plain target step.
+
+The drafter is deterministic: q is one-hot at each proposed token, so the
+proposal omits q and the rejection sampler accepts token x with
+probability p(x) and, on a rejection, draws from p with x removed and
+renormalised, which keeps the target's distribution exactly.
+
+The match is vectorised over rows and candidate positions: for each n, n
+shifted comparisons of the [B, S] buffer, with no loop over S.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from specjax import cache as cache_lib
+from specjax.drafters.base import Proposal
+
+__all__ = ["LookupState", "PromptLookup", "ngram_match"]
+
+
+def ngram_match(context: jax.Array, length: jax.Array, *, gamma: int,
+                max_ngram: int, min_ngram: int
+                ) -> tuple[jax.Array, jax.Array]:
+  """Proposes the continuation of the latest earlier match of the suffix.
+
+  Args:
+    context: [B, S] int32 token buffer; positions >= `length` are junk.
+    length: [B] int32 valid tokens per row.
+    gamma: G, the most tokens proposed (static).
+    max_ngram: the longest suffix tried first (static).
+    min_ngram: the shortest suffix tried (static).
+
+  Returns:
+    tokens [B, G] int32 (junk past the count) and num_drafted [B] int32 in
+    [0, G]: the tokens that followed the most recent earlier occurrence of
+    the longest matching suffix, as many as are known.
+  """
+  batch, size = context.shape
+  starts = jnp.arange(size)[None]  # [1, S] candidate match starts
+  best = jnp.full((batch,), -1, jnp.int32)  # start of the chosen match
+  best_n = jnp.zeros((batch,), jnp.int32)
+  for n in range(max_ngram, min_ngram - 1, -1):
+    # suffix [B, n]: the row's last n tokens.
+    suffix = jnp.take_along_axis(
+        context, jnp.clip(length[:, None] - n + jnp.arange(n), 0, size - 1),
+        axis=1)
+    match = jnp.ones((batch, size), bool)
+    for i in range(n):  # context[b, s + i] == suffix[b, i] for all i < n
+      shifted = jnp.roll(context, -i, axis=1)  # [B, S]: context[b, s + i]
+      match &= shifted == suffix[:, i:i + 1]
+    # An earlier occurrence, followed by at least one known token.
+    match &= (starts + n < length[:, None]) & (length[:, None] >= n)
+    latest = jnp.max(jnp.where(match, starts, -1), axis=1)  # [B]
+    take = (best < 0) & (latest >= 0)
+    best = jnp.where(take, latest, best)
+    best_n = jnp.where(take, n, best_n)
+  first = best + best_n  # [B] first proposed position
+  idx = jnp.clip(first[:, None] + jnp.arange(gamma)[None], 0, size - 1)
+  tokens = jnp.take_along_axis(context, idx, axis=1)  # [B, G]
+  num = jnp.where(best >= 0, jnp.clip(length - first, 0, gamma), 0)
+  return tokens.astype(jnp.int32), num.astype(jnp.int32)
+
+
+@flax.struct.dataclass(kw_only=True)
+class LookupState:
+  """A row's context for lookup.
+
+  Attributes:
+    context: [B, S] int32 prompt then committed tokens.
+    length: [B] int32 valid tokens per row.
+  """
+
+  context: jax.Array
+  length: jax.Array
+
+
+@flax.struct.dataclass
+class PromptLookup:
+  """Drafts by n-gram lookup in the row's own context; no model.
+
+  Attributes:
+    vocab_size: V, the target's vocabulary (lookup never leaves the ids it
+      saw, but the engine checks vocabularies match).
+    max_ngram: longest suffix looked up first.
+    min_ngram: shortest suffix looked up.
+  """
+
+  vocab_size: int = flax.struct.field(pytree_node=False)
+  max_ngram: int = flax.struct.field(pytree_node=False, default=3)
+  min_ngram: int = flax.struct.field(pytree_node=False, default=1)
+
+  def __post_init__(self):
+    if not isinstance(self.min_ngram, int) or self.min_ngram < 1:
+      raise ValueError(f"PromptLookup needs min_ngram >= 1, got "
+                       f"{self.min_ngram!r}.")
+    if not isinstance(self.max_ngram, int) or self.max_ngram < self.min_ngram:
+      raise ValueError(f"PromptLookup needs max_ngram >= min_ngram, got "
+                       f"max_ngram={self.max_ngram!r}, min_ngram="
+                       f"{self.min_ngram!r}.")
+
+  def init(self, prompts, prompt_lengths, first_token, cache_size):
+    """Context = prompt then the target's first token, in [B, S]."""
+    batch, width = prompts.shape
+    context = jnp.zeros((batch, cache_size), jnp.int32)
+    context = context.at[:, :width].set(prompts.astype(jnp.int32))
+    context = cache_lib.write_rows(context, first_token[:, None],
+                                   prompt_lengths)
+    return LookupState(context=context, length=prompt_lengths + 1)
+
+  def propose(self, state: LookupState, key, params, gamma, stop_threshold
+              ) -> tuple[Proposal, LookupState]:
+    del key, params, stop_threshold  # deterministic; no confidence to read
+    tokens, num = ngram_match(state.context, state.length, gamma=gamma,
+                              max_ngram=self.max_ngram,
+                              min_ngram=self.min_ngram)
+    return Proposal(tokens=tokens, q=None, num_drafted=num,
+                    num_forwards=jnp.int32(0)), state
+
+  def commit(self, state: LookupState, proposal: Proposal,
+             num_accepted: jax.Array, next_token: jax.Array,
+             active: jax.Array) -> LookupState:
+    """Appends the accepted drafts and the next token to active rows."""
+    gamma = proposal.tokens.shape[1]
+    slots = jnp.arange(gamma + 1)[None]
+    padded = jnp.concatenate([proposal.tokens, next_token[:, None]], axis=1)
+    emitted = jnp.where(slots < num_accepted[:, None], padded,
+                        next_token[:, None])  # [B, G+1]
+    # Room for the G+1 slots is reserved by the engine's cache sizing.
+    context = cache_lib.write_rows(state.context, emitted, state.length)
+    length = jnp.where(active, state.length + num_accepted + 1, state.length)
+    context = jnp.where(active[:, None], context, state.context)
+    return LookupState(context=context, length=length)
+
