@@ -52,7 +52,13 @@ void tile(const float* x, int64_t k, const float* w, float* y, int64_t ldy) {
   for (int j = 0; j < NB; ++j)
     for (int r = 0; r < R; ++r) acc[j][r] = vec{};
   const int64_t kv = k / kLanes * kLanes;
+  // The next tile's rows follow this tile's in memory: prefetch them into L2
+  // at the rate this tile consumes its own, one linear stream ahead.
+  const char* ahead = reinterpret_cast<const char*>(w + NB * k);
   for (int64_t i = 0; i < kv; i += kLanes) {
+    for (int j = 0; j < NB; ++j) {
+      __builtin_prefetch(ahead + (i * NB + j * kLanes) * sizeof(float), 0, 2);
+    }
     vec u[NB];
     for (int j = 0; j < NB; ++j) u[j] = load(w + j * k + i);
     for (int r = 0; r < R; ++r) {
