@@ -13,80 +13,21 @@ negligible for real models and dominant for tiny ones.
 
 The memory-bandwidth roofline of a decode step is the target's weight bytes
 per token divided by the bandwidth of a large-array read (a jitted sum over
-`_READ_BYTES`), timed in the same round-robin as the forwards.
+`READ_BYTES`), timed in the same round-robin as the forwards.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-import jax
-import jax.numpy as jnp
-
-from specjax import decode
 from specjax.hardware import median_ms
+from specjax.tuning.cost import compiled_forward_hlo
+from specjax.tuning.cost import forward_step
+from specjax.tuning.cost import READ_BYTES
+from specjax.tuning.cost import read_step
 
 __all__ = ["compiled_forward_hlo", "forward_step", "measure_cost",
            "median_ms", "read_step"]
-
-_READ_BYTES = 1 << 30
-
-
-@functools.partial(jax.jit, donate_argnums=(2,))
-def _forward(model, tokens, cache):
-  """tokens [B, T] at the cache's lengths -> [B] argmax; cache unchanged."""
-  start = cache.lengths
-  logits, cache = model(tokens, cache)  # [B, T, V]
-  return jnp.argmax(logits[:, -1], -1), cache.rollback(start)
-
-
-@jax.jit
-def _prefill(model, tokens, lengths, cache):
-  return model.prefill(tokens, lengths, cache)
-
-
-def compiled_forward_hlo(model: Any, tokens: jax.Array, cache: Any) -> str:
-  """The optimised HLO text of the forward `forward_step` runs."""
-  return _forward.lower(model, tokens, cache).compile().as_text()
-
-
-def forward_step(model: Any, prompts: Sequence[Sequence[int]],
-                 cache_size: int, num_tokens: int) -> Callable[[], jax.Array]:
-  """A callable running one jitted forward of `num_tokens` tokens per row.
-
-  Args:
-    model: a `LanguageModel`.
-    prompts: B prompts; they are prefilled first, so attention reads a warm
-      cache of realistic length.
-    cache_size: S.
-    num_tokens: T (1 for a decode step, γ+1 for a verification pass).
-
-  Returns:
-    A function of no arguments returning the step's [B] argmax tokens; each
-    call donates the cache and gets it back rolled back, unchanged.
-  """
-  tokens, lengths, _ = decode.prepare_prompts(
-      prompts, model.vocab_size, max_new_tokens=1, cache_size=cache_size)
-  tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)  # [B, P], [B]
-  _, cache = _prefill(model, tokens, lengths,
-                      model.init_cache(tokens.shape[0], cache_size))
-  chunk = jnp.broadcast_to(tokens[:, :1], (tokens.shape[0], num_tokens))
-  state = {"cache": cache}
-
-  def step():
-    out, state["cache"] = _forward(model, chunk, state["cache"])
-    return out
-
-  return step
-
-
-def read_step(num_bytes: int = _READ_BYTES) -> Callable[[], jax.Array]:
-  """A callable that reads a `num_bytes` float32 array once (a jitted sum)."""
-  data = jnp.ones((num_bytes // 4,), jnp.float32)
-  total = jax.jit(jnp.sum)
-  return lambda: total(data)
-
 
 def measure_cost(target: Any, draft: Any, prompts: Sequence[Sequence[int]],
                  cache_size: int, gammas: Sequence[int],
@@ -122,7 +63,7 @@ def measure_cost(target: Any, draft: Any, prompts: Sequence[Sequence[int]],
   out["draft_cost_ratio"] = out["draft_forward_ms"] / out["target_forward_ms"]
   out["verify_cost_ratio"] = out["target_verify_ratio"]  # the one c needs
   if "read" in ms:
-    bandwidth = _READ_BYTES / (ms["read"] / 1e3)  # bytes/s
+    bandwidth = READ_BYTES / (ms["read"] / 1e3)  # bytes/s
     out["read_bandwidth_gb_s"] = bandwidth / 1e9
     for name in models:
       if weight_bytes[name]:

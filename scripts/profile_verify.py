@@ -19,7 +19,7 @@ from absl import app
 from absl import flags
 import jax.numpy as jnp
 
-from experiments import cost
+from specjax.tuning import cost
 from specjax import hardware
 from specjax import profiling
 from specjax import registry

@@ -50,7 +50,7 @@ def test_a_corrupt_cache_is_ignored_with_a_warning(cache, content):
   path = tuning.cache_file(cache)
   path.parent.mkdir(parents=True)
   path.write_text(content)
-  with pytest.warns(RuntimeWarning, match="corrupt matmul tuning cache"):
+  with pytest.warns(RuntimeWarning, match="corrupt tuning cache"):
     result = tuning.tune(testing.TINY_TARGET, cache_dir=cache)
   assert result.source == "measured"
   with warnings.catch_warnings():

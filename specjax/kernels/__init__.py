@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from specjax import hardware
 from specjax import weights
 
-__all__ = ["KernelError", "available", "build", "smallm_matmul",
-           "MAX_ROWS"]
+__all__ = ["KernelError", "MAX_ROWS", "available", "build", "smallm_matmul",
+           "source_hash"]
 
 _SOURCE = pathlib.Path(__file__).with_name("smallm.cc")
 _TARGET = "specjax_smallm_f32"
@@ -56,6 +56,12 @@ def _compiler() -> str | None:
     if name and shutil.which(name):
       return shutil.which(name)
   return None
+
+
+@functools.cache
+def source_hash() -> str:
+  """A short hash of the kernel sources (a new kernel invalidates caches)."""
+  return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
 
 
 def _build_key(compiler: str) -> str:

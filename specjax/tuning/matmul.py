@@ -13,8 +13,8 @@ round-robin. It picks the plan with the least total time over `rows`, i.e.
 one decode step plus one verification pass for the default rows (1, 5).
 
 The choice and the timings are cached in `$SPECJAX_CACHE/tuning/matmul.json`
-under a key naming the CPU model, core count, backend, JAX version, dtype,
-shapes and rows. Deleting the file re-measures; a corrupt file is ignored
+under a key naming the CPU model, core count, backend, JAX version, the
+kernel sources' hash, dtype, shapes and rows. Deleting the file re-measures; a corrupt file is ignored
 with a warning and rewritten. A user forces a plan with `matmul=NAME` (or
 `SPECJAX_MATMUL=NAME` in the environment), NAME one of `PLANS`.
 """
@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import os
 import pathlib
-import tempfile
-import warnings
 from typing import Any, Sequence
 
 import jax
@@ -35,7 +32,7 @@ import jax.numpy as jnp
 
 from specjax import hardware
 from specjax import kernels
-from specjax import weights
+from specjax.tuning import store
 from specjax.models import MatmulPlan
 from specjax.models import Model
 from specjax.models import ModelConfig
@@ -78,7 +75,7 @@ class TuneResult:
 
 
 def cache_file(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-  return weights.resolve_cache_dir(cache_dir) / "tuning" / "matmul.json"
+  return store.path_for("matmul", cache_dir)
 
 
 def candidates(dtype: Any) -> list[str]:
@@ -101,8 +98,8 @@ def _shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def _key(config: ModelConfig, dtype: Any, rows: Sequence[int]) -> str:
   shapes = ",".join(f"{k}={i}x{o}" for k, (i, o) in _shapes(config).items())
-  return (f"{hardware.machine_key()}|{jnp.dtype(dtype).name}|{shapes}|"
-          f"rows={','.join(map(str, rows))}")
+  return (f"{hardware.machine_key()}|kernel={kernels.source_hash()}|"
+          f"{jnp.dtype(dtype).name}|{shapes}|rows={','.join(map(str, rows))}")
 
 
 def _stack(config: ModelConfig, dtype: Any, plan: MatmulPlan):
@@ -154,30 +151,10 @@ def _measure(config: ModelConfig, dtype: Any, names: Sequence[str],
   return out
 
 
-def _read_cache(path: pathlib.Path) -> dict[str, Any]:
-  if not path.exists():
-    return {}
-  try:
-    entries = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(entries, dict):
-      raise ValueError("not a JSON object")
-    for key, entry in entries.items():
-      MatmulPlan.parse(entry["plan"])
-      if not isinstance(entry["timings_ms"], dict):
-        raise ValueError(f"entry {key!r} has no timings")
-    return entries
-  except (ValueError, KeyError, TypeError) as e:
-    warnings.warn(f"Ignoring the corrupt matmul tuning cache {path} ({e}); "
-                  "re-measuring.", RuntimeWarning, stacklevel=3)
-    return {}
-
-
-def _write_cache(path: pathlib.Path, entries: dict[str, Any]) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
-  with os.fdopen(fd, "w", encoding="utf-8") as f:
-    json.dump(entries, f, indent=1, sort_keys=True)
-  os.replace(tmp, path)
+def _check_entry(entry: Any) -> None:
+  MatmulPlan.parse(entry["plan"])
+  if not isinstance(entry["timings_ms"], dict):
+    raise ValueError("an entry has no timings")
 
 
 def tune(config: ModelConfig, dtype: Any = jnp.float32, *,
@@ -208,7 +185,7 @@ def tune(config: ModelConfig, dtype: Any = jnp.float32, *,
     return TuneResult(plan=plan, source="forced", timings_ms={}, rows=rows,
                       key=key)
   path = cache_file(cache_dir)
-  entries = _read_cache(path)
+  entries = store.read(path, _check_entry)
   entry = entries.get(key)
   names = candidates(dtype)
   if entry is not None and entry["plan"] in names:
@@ -219,7 +196,7 @@ def tune(config: ModelConfig, dtype: Any = jnp.float32, *,
   entries[key] = {"plan": best, "timings_ms": timings,
                   "measured": datetime.datetime.now().isoformat(
                       timespec="seconds")}
-  _write_cache(path, entries)
+  store.write(path, entries)
   return TuneResult(plan=MatmulPlan.parse(best), source="measured",
                     timings_ms=timings, rows=rows, key=key)
 

@@ -1,0 +1,210 @@
+"""Measured forward costs, and the speculative throughput they predict.
+
+Shape letters: B batch, P padded prompt, S cache size, T tokens per
+forward, G = γ.
+
+A speculative step costs the drafter's work plus one target pass over
+γ+1 tokens, and emits the accepted drafts plus one token. Leviathan et al.
+(2023) assume the pass costs one forward and every position is accepted
+with the same α. Neither holds on real hardware: the (γ+1)-token pass
+costs more than a forward, by an amount that depends on the machine and
+the batch (BENCHMARKS.md), and acceptance falls with the draft position.
+`predict_tokens_per_s` therefore uses
+
+    tokens/s = B · E[τ](γ) / (γ · t_draft(B, 1) + t_target(B, γ+1)),
+    E[τ](γ) = 1 + Σ_{i=1..γ} Π_{j≤i} a_j,
+
+with t measured per model, batch size and chunk length T (`measure`,
+cached on disk per machine and shapes), and a_j the probability that
+draft position j is accepted given that every earlier one was (the
+per-position acceptance specjax reports). γ = 0 is a plain autoregressive
+step: B tokens per t_target(B, 1). A drafter without a model (prompt
+lookup) has t_draft = 0. With a constant a_j = α and t_target(B, γ+1) =
+t_target(B, 1) this is Leviathan's formula.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import os
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from specjax import decode
+from specjax import hardware
+from specjax.tuning import store
+
+__all__ = ["READ_BYTES", "ForwardCosts", "compiled_forward_hlo",
+           "expected_tokens",
+           "forward_step", "measure", "predict_tokens_per_s", "read_step"]
+
+READ_BYTES = 1 << 30
+
+
+@functools.partial(jax.jit, donate_argnums=(2,))
+def _forward(model, tokens, cache):
+  """tokens [B, T] at the cache's lengths -> [B] argmax; cache unchanged."""
+  start = cache.lengths
+  logits, cache = model(tokens, cache)  # [B, T, V]
+  return jnp.argmax(logits[:, -1], -1), cache.rollback(start)
+
+
+@jax.jit
+def _prefill(model, tokens, lengths, cache):
+  return model.prefill(tokens, lengths, cache)
+
+
+def compiled_forward_hlo(model: Any, tokens: jax.Array, cache: Any) -> str:
+  """The optimised HLO text of the forward `forward_step` runs."""
+  return _forward.lower(model, tokens, cache).compile().as_text()
+
+
+def forward_step(model: Any, prompts: Sequence[Sequence[int]],
+                 cache_size: int, num_tokens: int) -> Callable[[], jax.Array]:
+  """A callable running one jitted forward of `num_tokens` tokens per row.
+
+  Args:
+    model: a `LanguageModel`.
+    prompts: B prompts; they are prefilled first, so attention reads a warm
+      cache of realistic length.
+    cache_size: S.
+    num_tokens: T (1 for a decode step, γ+1 for a verification pass).
+
+  Returns:
+    A function of no arguments returning the step's [B] argmax tokens; each
+    call donates the cache and gets it back rolled back, unchanged.
+  """
+  tokens, lengths, _ = decode.prepare_prompts(
+      prompts, model.vocab_size, max_new_tokens=1, cache_size=cache_size)
+  tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)  # [B, P], [B]
+  _, cache = _prefill(model, tokens, lengths,
+                      model.init_cache(tokens.shape[0], cache_size))
+  chunk = jnp.broadcast_to(tokens[:, :1], (tokens.shape[0], num_tokens))
+  state = {"cache": cache}
+
+  def step():
+    out, state["cache"] = _forward(model, chunk, state["cache"])
+    return out
+
+  return step
+
+
+def read_step(num_bytes: int = READ_BYTES) -> Callable[[], jax.Array]:
+  """A callable that reads a `num_bytes` float32 array once (a jitted sum)."""
+  data = jnp.ones((num_bytes // 4,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  return lambda: total(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardCosts:
+  """Median ms of one forward of a model at batch B, by chunk length T.
+
+  Attributes:
+    batch: B.
+    forward_ms: T -> ms, for the T measured.
+    source: "measured" or "cache".
+  """
+
+  batch: int
+  forward_ms: dict[int, float]
+  source: str = "measured"
+
+  def at(self, num_tokens: int) -> float:
+    """ms of a T-token forward: measured, or linear between measured T."""
+    known = sorted(self.forward_ms)
+    if num_tokens in self.forward_ms:
+      return self.forward_ms[num_tokens]
+    if not known[0] <= num_tokens <= known[-1]:
+      raise ValueError(f"T={num_tokens} is outside the measured range "
+                       f"{known[0]}..{known[-1]}; measure it.")
+    hi = next(t for t in known if t > num_tokens)
+    lo = max(t for t in known if t < num_tokens)
+    w = (num_tokens - lo) / (hi - lo)
+    return (1 - w) * self.forward_ms[lo] + w * self.forward_ms[hi]
+
+
+def _key(model: Any, batch: int, cache_size: int,
+         chunks: Sequence[int]) -> str:
+  config = getattr(model, "config", None)
+  plan = getattr(getattr(model, "plan", None), "name", "")
+  dtype = getattr(model, "dtype", "")
+  return (f"{hardware.machine_key()}|{config}|{dtype}|{plan}|B={batch}|"
+          f"S={cache_size}|T={','.join(map(str, chunks))}")
+
+
+def _check_entry(entry: Any) -> None:
+  if not all(float(v) > 0 for v in entry["forward_ms"].values()):
+    raise ValueError("non-positive time")
+
+
+def measure(model: Any, *, batch: int, chunks: Sequence[int],
+            cache_size: int = 512, prompt_tokens: int = 128,
+            repeats: int = 5, cache_dir: str | os.PathLike | None = None,
+            refresh: bool = False) -> ForwardCosts:
+  """Forward times of `model` at B = `batch` for each T in `chunks`.
+
+  Measured once per machine, model, plan, B, S and chunks, then read from
+  `$SPECJAX_CACHE/tuning/cost.json` (deleting it re-measures; `refresh`
+  forces it). Each forward runs after a prefill of `prompt_tokens`, so
+  attention reads a cache of realistic length.
+  """
+  chunks = tuple(sorted(set(int(t) for t in chunks)))
+  path = store.path_for("cost", cache_dir)
+  entries = store.read(path, _check_entry)
+  key = _key(model, batch, cache_size, chunks)
+  if key in entries and not refresh:
+    return ForwardCosts(batch, {int(t): float(v) for t, v in
+                                entries[key]["forward_ms"].items()}, "cache")
+  prompts = [[(7 * i + b) % (model.vocab_size - 1) + 1
+              for i in range(prompt_tokens)] for b in range(batch)]
+  steps = {t: forward_step(model, prompts, cache_size, t) for t in chunks}
+  ms = hardware.median_ms(steps, repeats)
+  entries[key] = {"forward_ms": {str(t): v for t, v in ms.items()},
+                  "measured": datetime.datetime.now().isoformat(
+                      timespec="seconds")}
+  store.write(path, entries)
+  return ForwardCosts(batch, dict(ms))
+
+
+def expected_tokens(acceptance: Sequence[float], gamma: int) -> float:
+  """E[τ] = 1 + Σ_{i≤γ} Π_{j≤i} a_j for conditional acceptances a_j.
+
+  Args:
+    acceptance: a_1, a_2, ...: P(position j accepted | all before were);
+      at least γ values.
+    gamma: γ >= 0.
+  """
+  if len(acceptance) < gamma:
+    raise ValueError(f"Need {gamma} acceptance values, got "
+                     f"{len(acceptance)}.")
+  total, survive = 1.0, 1.0
+  for a in acceptance[:gamma]:
+    survive *= float(a)
+    total += survive
+  return total
+
+
+def predict_tokens_per_s(target: ForwardCosts, gamma: int,
+                         acceptance: Sequence[float],
+                         draft: ForwardCosts | None = None) -> float:
+  """Predicted tokens/s (all rows) of γ-token speculation; see the module.
+
+  Args:
+    target: the target's forward costs (T = 1 and T = γ+1 measured or
+      bracketed).
+    gamma: γ >= 0; 0 predicts autoregressive decoding.
+    acceptance: conditional per-position acceptance a_1..a_γ.
+    draft: the draft model's costs (T = 1), or None for a drafter that runs
+      no model.
+  """
+  if gamma == 0:
+    return target.batch / (target.at(1) / 1e3)
+  step_ms = target.at(gamma + 1)
+  if draft is not None:
+    step_ms += gamma * draft.at(1)
+  return target.batch * expected_tokens(acceptance, gamma) / (step_ms / 1e3)

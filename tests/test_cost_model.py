@@ -1,0 +1,59 @@
+"""`specjax.tuning.cost`: the measured cost model and its predictions."""
+
+from __future__ import annotations
+
+import pytest
+
+from specjax import metrics
+from specjax import testing
+from specjax.tuning import cost
+
+
+def test_expected_tokens_by_hand():
+  assert cost.expected_tokens([], 0) == 1.0
+  # 1 + 0.9 + 0.9 * 0.5 + 0.9 * 0.5 * 0.2
+  assert cost.expected_tokens([0.9, 0.5, 0.2], 3) == pytest.approx(2.44)
+  assert cost.expected_tokens([0.9, 0.5, 0.2], 1) == pytest.approx(1.9)
+  with pytest.raises(ValueError, match="Need 4 acceptance values"):
+    cost.expected_tokens([0.9], 4)
+
+
+def test_prediction_reduces_to_leviathan():
+  # Verify costs one forward, constant α: Leviathan et al.'s formula.
+  alpha, gamma, c = 0.8, 4, 0.25
+  target = cost.ForwardCosts(1, {1: 100.0, 5: 100.0})
+  draft = cost.ForwardCosts(1, {1: 100.0 * c})
+  spec = cost.predict_tokens_per_s(target, gamma, [alpha] * gamma, draft)
+  ar = cost.predict_tokens_per_s(target, 0, [])
+  assert ar == pytest.approx(10.0)
+  assert spec / ar == pytest.approx(metrics.predicted_speedup(alpha, gamma,
+                                                              c))
+
+
+def test_prediction_uses_measured_verify_cost_and_free_drafting():
+  target = cost.ForwardCosts(2, {1: 100.0, 3: 120.0, 5: 160.0})
+  assert target.at(4) == pytest.approx(140.0)  # linear between 3 and 5
+  with pytest.raises(ValueError, match="outside the measured range"):
+    target.at(9)
+  # Zero-cost drafter (prompt lookup), B = 2 rows, γ = 4, all accepted.
+  tps = cost.predict_tokens_per_s(target, 4, [1.0] * 4)
+  assert tps == pytest.approx(2 * 5 / 0.160)
+
+
+def test_measure_caches_per_machine_and_shape(tmp_path):
+  target, _ = testing.tiny_pair()
+  first = cost.measure(target, batch=2, chunks=(1, 3), cache_size=64,
+                       prompt_tokens=8, repeats=2, cache_dir=tmp_path)
+  assert first.source == "measured" and set(first.forward_ms) == {1, 3}
+  again = cost.measure(target, batch=2, chunks=(1, 3), cache_size=64,
+                       prompt_tokens=8, repeats=2, cache_dir=tmp_path)
+  assert again.source == "cache" and again.forward_ms == first.forward_ms
+  other = cost.measure(target, batch=1, chunks=(1, 3), cache_size=64,
+                       prompt_tokens=8, repeats=2, cache_dir=tmp_path)
+  assert other.source == "measured"
+  path = tmp_path / "tuning" / "cost.json"
+  path.write_text("{broken")
+  with pytest.warns(RuntimeWarning, match="corrupt tuning cache"):
+    assert cost.measure(target, batch=2, chunks=(1, 3), cache_size=64,
+                        prompt_tokens=8, repeats=2,
+                        cache_dir=tmp_path).source == "measured"
