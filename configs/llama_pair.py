@@ -21,7 +21,8 @@ Pairs (`configs/llama_pair.py:pair=NAME`):
 Other arguments: `gamma=4`, `gammas=1/2/4/8` (sweep, `/`-separated),
 `batch=1`, `batches=1/2/4/8` (sweep), `prompts=mtbench`, `n=8` (prompts),
 `tokens=64` (max new tokens), `temperature=0.0`, `dtype=auto`,
-`matmul=auto` (or a forced plan, e.g. `matmul=in_out/xla`), e.g.
+`matmul=auto` (or a forced plan, e.g. `matmul=in_out/xla`),
+`drafter=model|lookup`, e.g.
 
   python -m experiments.run \
     --config=configs/llama_pair.py:gammas=1/2/4/8,n=4,tokens=32
@@ -66,7 +67,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The experiment config; see the module docstring for `arg`."""
   arg = configs.parse_arg(
       arg, pair="qwen", gamma=4, gammas="", batch=1, batches="", prompts="",
-      n=8, tokens=64, temperature=0.0, dtype="auto", matmul="auto")
+      n=8, tokens=64, temperature=0.0, dtype="auto", matmul="auto",
+      drafter="model")
   if arg["pair"] not in PAIRS:
     raise ValueError(f"Unknown pair {arg['pair']!r} in the config argument "
                      f"'pair='; known pairs: {sorted(PAIRS)}.")
@@ -90,6 +92,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # `out_in/kernel` (the specjax CPU kernel).
   config.matmul = arg["matmul"]
 
+  # What drafts: `model` (config.draft) or `lookup` (n-gram prompt lookup
+  # in each row's own context, no model; `specjax.drafters.PromptLookup`).
+  config.drafter = arg["drafter"]
   # γ: draft tokens proposed per speculative step.
   config.gamma = arg["gamma"]
   # γ sweep, e.g. (1, 2, 4, 8); empty runs only `gamma`.

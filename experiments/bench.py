@@ -44,6 +44,7 @@ from experiments import report
 from experiments.validation import ConfigError
 from experiments.validation import validate_config
 from specjax import decode
+from specjax import drafters
 from specjax import hardware
 from specjax import metrics
 from specjax import registry
@@ -126,6 +127,13 @@ def load_pair(config: Any) -> Pair:
         f"{target.vocab_size}; speculative decoding needs a shared "
         "tokenizer.")
   return Pair(target, draft, tokenizer, time.perf_counter() - start)
+
+
+def make_drafter(config: Any, pair: Pair) -> Any:
+  """What proposes tokens: the draft model, or n-gram prompt lookup."""
+  if config.drafter == "lookup":
+    return drafters.PromptLookup(vocab_size=pair.target.vocab_size)
+  return pair.draft
 
 
 def tune_rows(config: Any) -> tuple[int, int]:
@@ -284,11 +292,14 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
   batch_size = len(batches[0])
   greedy_check = (config.temperature == 0
                   and config.synthetic_acceptance is None)
+  drafter = make_drafter(config, pair)
+  # Drafting by lookup runs no model: its cost per target forward is 0.
+  draft_cost = 0.0 if config.drafter == "lookup" else cost["draft_cost_ratio"]
   calls, rows = [], []
   for i, batch in enumerate(batches):
     call = _timed_call(
         functools.partial(
-            decode.speculative_generate, pair.target, pair.draft, batch,
+            decode.speculative_generate, pair.target, drafter, batch,
             gamma=gamma,
             key=jax.random.fold_in(jax.random.key(config.seed), i),
             draft_stop_threshold=config.draft_stop_threshold,
@@ -326,7 +337,7 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
       rows.append(row)
 
   merged = _merge_stats([c.output.stats for c in calls])
-  summary = metrics.summarize(merged, gamma, cost["draft_cost_ratio"])
+  summary = metrics.summarize(merged, gamma, draft_cost)
   base_time = sum(c.seconds for c in baseline)
   spec_time = sum(c.seconds for c in calls)
   base_tokens = sum(int(c.output.lengths.sum()) for c in baseline)
@@ -348,7 +359,8 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
       "acceptance_rate": alpha,
       "mean_accepted_tokens": summary["mean_accepted_tokens"],
       "per_position_acceptance": summary["per_position_acceptance"],
-      "draft_cost_ratio": cost["draft_cost_ratio"],
+      "drafter": config.drafter,
+      "draft_cost_ratio": draft_cost,
       "baseline_tokens_per_s": base_tps,
       "spec_tokens_per_s": spec_tps,
       "speedup": _ratio(spec_tps, base_tps),
@@ -363,7 +375,7 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
       # Leviathan's formula with the measured verify/forward time ratio in
       # place of the assumed 1: tokens per step / (γc + verify ratio).
       "predicted_speedup_measured_verify": tokens_per_step / (
-          gamma * cost["draft_cost_ratio"] + verify_ratio),
+          gamma * draft_cost + verify_ratio),
       "verify_cost_ratio": verify_ratio,
       "lossless": all(lossless_rows) if greedy_check else None,
       "lossless_prompts": sum(bool(x) for x in lossless_rows),

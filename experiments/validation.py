@@ -18,6 +18,7 @@ from specjax.tuning import matmul as tuning
 __all__ = ["ConfigError", "DTYPES", "validate_config"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DRAFTERS = ("model", "lookup")
 
 
 class ConfigError(ValueError):
@@ -79,6 +80,8 @@ def validate_config(config: Any) -> None:
         "config.target cannot be 'same' (only the draft can).")
   check(config.dtype in DTYPES,
         f"config.dtype must be one of {DTYPES}, got {config.dtype!r}.")
+  check(config.drafter in DRAFTERS,
+        f"config.drafter must be one of {DRAFTERS}, got {config.drafter!r}.")
   check(config.matmul == "auto" or config.matmul in tuning.PLANS,
         f"config.matmul must be 'auto' or one of {tuning.PLANS}, got "
         f"{config.matmul!r}.")

@@ -12,6 +12,11 @@ verification; no separate code path exists.
 Positions a drafter did not propose (`num_drafted[b] <= i`) are treated as a
 proposal with q = 0 that is always rejected, so the residual there is p
 itself.
+
+A deterministic drafter (prompt lookup) may omit q (`q=None`): q is then
+one-hot at each proposed token, so token x is accepted with probability
+p(x), and on a rejection the next token is drawn from p with x removed and
+renormalised. Nothing of shape [B, G, V] is built for it.
 """
 
 from __future__ import annotations
@@ -49,26 +54,45 @@ def _leading_true(accept: jax.Array) -> jax.Array:
   return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1)
 
 
-def _next_token(key: jax.Array, num_accepted: jax.Array, q: jax.Array,
-                p: jax.Array, proposed: jax.Array) -> jax.Array:
+def _q_at(q: jax.Array | None, draft_tokens: jax.Array, proposed: jax.Array,
+          index: jax.Array, vocab: int) -> jax.Array:
+  """The draft distribution at per-row position `index` [B] -> [B, V].
+
+  Zero where `index` is G or the position was not proposed; one-hot at the
+  drafted token when `q` is None.
+  """
+  batch, gamma = draft_tokens.shape
+  clipped = jnp.minimum(index, gamma - 1)
+  live = (index < gamma) & jnp.take_along_axis(proposed, clipped[:, None],
+                                                axis=1)[:, 0]  # [B]
+  if q is None:
+    token = jnp.take_along_axis(draft_tokens, clipped[:, None], axis=1)
+    q_n = jax.nn.one_hot(token[:, 0], vocab, dtype=jnp.float32)
+  else:
+    q_n = _at(q, clipped)
+  return jnp.where(live[:, None], q_n, 0.0)
+
+
+def _next_token(key: jax.Array, num_accepted: jax.Array, q: jax.Array | None,
+                p: jax.Array, draft_tokens: jax.Array,
+                proposed: jax.Array) -> jax.Array:
   """Samples the token after the accepted prefix.
 
   Args:
     key: PRNG key.
     num_accepted: [B] accepted count n.
-    q: [B, G, V] draft probabilities.
+    q: [B, G, V] draft probabilities, or None for one-hot at the drafts.
     p: [B, G+1, V] target probabilities.
+    draft_tokens: [B, G] int32.
     proposed: [B, G] bool.
 
   Returns:
     [B] int32 drawn from norm(max(0, p_n - q_n)), with q_n = 0 when n = G or
     position n was not proposed.
   """
-  batch, gamma, vocab = q.shape
-  q = jnp.where(proposed[..., None], q, 0.0)
-  q = jnp.concatenate([q, jnp.zeros((batch, 1, vocab), q.dtype)], axis=1)
   p_n = _at(p, num_accepted)  # [B, V]
-  residual = jnp.maximum(p_n - _at(q, num_accepted), 0.0)
+  q_n = _q_at(q, draft_tokens, proposed, num_accepted, p.shape[-1])
+  residual = jnp.maximum(p_n - q_n, 0.0)
   mass = jnp.sum(residual, axis=-1, keepdims=True)
   dist = jnp.where(mass > _RESIDUAL_EPS, residual / jnp.maximum(mass, 1e-30),
                    p_n)
@@ -78,7 +102,7 @@ def _next_token(key: jax.Array, num_accepted: jax.Array, q: jax.Array,
 def rejection_sample(
     key: jax.Array,
     draft_tokens: jax.Array,
-    q: jax.Array,
+    q: jax.Array | None,
     p: jax.Array,
     num_drafted: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -87,7 +111,8 @@ def rejection_sample(
   Args:
     key: PRNG key.
     draft_tokens: [B, G] int32.
-    q: [B, G, V] draft probabilities the tokens were drawn from.
+    q: [B, G, V] draft probabilities the tokens were drawn from, or None
+      when the drafter is deterministic (one-hot at each drafted token).
     p: [B, G+1, V] target probabilities at the G draft positions and the one
       after them.
     num_drafted: optional [B] int32 <= G, how many leading positions were
@@ -99,12 +124,13 @@ def rejection_sample(
   batch, gamma = draft_tokens.shape
   accept_key, next_key = jax.random.split(key)
   p_x = _gather(p[:, :gamma], draft_tokens)  # [B, G]
-  q_x = _gather(q, draft_tokens)  # [B, G]
+  q_x = 1.0 if q is None else _gather(q, draft_tokens)  # [B, G]
   u = jax.random.uniform(accept_key, (batch, gamma))
   proposed = _proposed(num_drafted, batch, gamma)
   # u < p/q without dividing: q = 0 accepts iff p > 0 (ratio +inf).
   num_accepted = _leading_true((u * q_x < p_x) & proposed)
-  return num_accepted, _next_token(next_key, num_accepted, q, p, proposed)
+  return num_accepted, _next_token(next_key, num_accepted, q, p,
+                                   draft_tokens, proposed)
 
 
 def synthetic_sample(

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from specjax import decode
+from specjax import drafters
 from specjax import models
 from specjax import testing
 
@@ -107,6 +108,22 @@ def test_speculative_samples_match_exact_distribution(pair, gamma, settings):
   joint = _exact_joint(pair[0], settings)
   np.testing.assert_allclose(joint.sum(), 1.0, rtol=1e-6)
   samples = _spec_samples(pair, gamma, settings, seed=gamma)
+  stat, critical = _chi_square(samples, joint)
+  assert stat < critical, (stat, critical)
+
+
+@pytest.mark.parametrize("gamma, settings", [
+    (3, (1.0, 0, 1.0)),
+    (2, (0.7, 3, 1.0)),
+], ids=["t1", "t0.7-topk3"])
+def test_prompt_lookup_samples_match_exact_distribution(pair, gamma,
+                                                        settings):
+  # q is one-hot at the looked-up tokens and never materialised. With PROMPT
+  # = [1, 2, 3], a first token in {1, 2, 3} makes lookup propose the rest of
+  # the prompt, so proposals (and rejections) happen in most rows.
+  joint = _exact_joint(pair[0], settings)
+  lookup = drafters.PromptLookup(vocab_size=VOCAB, max_ngram=2, min_ngram=1)
+  samples = _spec_samples((pair[0], lookup), gamma, settings, seed=11)
   stat, critical = _chi_square(samples, joint)
   assert stat < critical, (stat, critical)
 

@@ -180,6 +180,7 @@ def test_fixed_logits_acceptance_matches_simulation(tmp_path):
     ("max_new_tokens", 0, "config.max_new_tokens must be an integer >= 1"),
     ("draft_stop_threshold", 2.0, "config.draft_stop_threshold"),
     ("matmul", "rows/cuda", "config.matmul must be 'auto' or one of"),
+    ("drafter", "oracle", "config.drafter must be one of"),
     ("prompt_file", "/no/such.jsonl", "config.prompt_file '/no/such.jsonl' "
      "does not exist"),
 ])

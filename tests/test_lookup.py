@@ -63,3 +63,52 @@ def test_invalid_ngram_sizes():
     PromptLookup(vocab_size=10, max_ngram=3, min_ngram=0)
   with pytest.raises(ValueError, match="max_ngram >= min_ngram"):
     PromptLookup(vocab_size=10, max_ngram=1, min_ngram=2)
+
+
+# ---------------------------------------------------------------------------
+# Through the engine: greedy output equals autoregressive decoding.
+
+
+def _repetitive_prompts():
+  rng = np.random.default_rng(0)
+  motif = [7, 8, 9, 10, 11]
+  return [
+      motif * 3 + [7, 8],                       # repeats: long proposals
+      [3, 4, 5] + motif + [3, 4, 5, 7],         # a 3-gram match
+      list(rng.integers(12, 100, 9)),           # likely no repeated n-gram
+      [42],                                     # one token: nothing to match
+  ]
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_greedy_lookup_equals_generate(gamma):
+  from specjax import decode, testing  # pylint: disable=g-import-not-at-top
+  target, _ = testing.tiny_pair(seed=2)
+  prompts = _repetitive_prompts()
+  lookup = PromptLookup(vocab_size=target.vocab_size)
+  ref = decode.generate(target, prompts, max_new_tokens=20)
+  out = decode.speculative_generate(target, lookup, prompts, gamma=gamma,
+                                    max_new_tokens=20)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_array_equal(out.lengths, ref.lengths)
+  assert int(out.stats.draft_forwards) == 1  # prefill only: no model runs
+  # A greedy random model repeats itself, so lookup proposes and some
+  # proposals are accepted.
+  assert int(np.sum(out.stats.proposed_by_position)) > 0
+  assert int(np.sum(out.stats.accepted_by_position)) > 0
+
+
+def test_greedy_lookup_with_eos_inside_a_block():
+  from specjax import decode, testing  # pylint: disable=g-import-not-at-top
+  target, _ = testing.tiny_pair(seed=2)
+  prompts = _repetitive_prompts()
+  ref = decode.generate(target, prompts, max_new_tokens=20)
+  # Stop on a token that greedy decoding emits mid-way in row 0.
+  eos = int(ref.tokens[0, 5])
+  ref = decode.generate(target, prompts, max_new_tokens=20, eos_id=eos)
+  out = decode.speculative_generate(
+      target, PromptLookup(vocab_size=target.vocab_size), prompts, gamma=4,
+      max_new_tokens=20, eos_id=eos)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_array_equal(out.lengths, ref.lengths)
+  assert out.lengths[0] <= 6

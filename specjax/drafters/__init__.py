@@ -2,7 +2,10 @@
 
 from specjax.drafters.base import Drafter
 from specjax.drafters.base import Proposal
+from specjax.drafters.lookup import LookupState
+from specjax.drafters.lookup import PromptLookup
 from specjax.drafters.model import DraftModel
 from specjax.drafters.model import DraftModelState
 
-__all__ = ["DraftModel", "DraftModelState", "Drafter", "Proposal"]
+__all__ = ["DraftModel", "DraftModelState", "Drafter", "LookupState",
+           "PromptLookup", "Proposal"]

@@ -28,15 +28,17 @@ class Proposal:
   Attributes:
     tokens: [B, G] int32 drafted tokens (positions >= num_drafted are junk).
     q: [B, G, V] float32 distributions the tokens were drawn from, after the
-      same sampling processing as the target's.
+      same sampling processing as the target's; None for a deterministic
+      drafter (one-hot at each token; never materialised).
     num_drafted: [B] int32 in [0, G], how many leading tokens are proposed.
-    num_forwards: [] int32 draft forward passes spent (for statistics).
+    num_forwards: [] int32 draft forward passes spent (for statistics; 0
+      for a drafter that runs no model).
   """
 
   tokens: jax.Array
-  q: jax.Array
   num_drafted: jax.Array
   num_forwards: jax.Array
+  q: jax.Array | None = None
 
 
 class Drafter(Protocol):
