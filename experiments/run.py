@@ -34,9 +34,9 @@ def main(argv):
   except bench.ConfigError as e:
     raise app.UsageError(str(e)) from None
   logging.info("Config:\n%s", config)
-  cache_dir = bench.jax_cache_dir(config)
-  if cache_dir:
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
+  # specjax.decode turned the persistent cache on at import; the config
+  # may move it or turn it off ('').
+  jax.config.update("jax_compilation_cache_dir", bench.jax_cache_dir(config))
   results = bench.run_and_save(config)
   print(report.format_report(results), flush=True)
   for name in [report.RESULTS_FILE] + results.get("plots", []):

@@ -29,7 +29,8 @@ def eos_array(eos_id) -> jnp.ndarray:
 
 def emit(buffer: jax.Array, counts: jax.Array, done: jax.Array,
          tokens: jax.Array, num_new: jax.Array, eos_ids: jax.Array,
-         max_new_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+         max_new_tokens: int | jax.Array
+         ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Appends up to C tokens per active row and applies the stop rules.
 
   Args:
@@ -39,7 +40,7 @@ def emit(buffer: jax.Array, counts: jax.Array, done: jax.Array,
     tokens: [B, C] int32 candidates; the first `num_new[b]` are real.
     num_new: [B] int32 in [1, C].
     eos_ids: [E] int32 end-of-sequence ids.
-    max_new_tokens: N.
+    max_new_tokens: N, an int or a traced [] int32 (<= the buffer's N_cap).
 
   Returns:
     buffer, counts, done. A row stops after its first EOS (kept in the
@@ -58,9 +59,12 @@ def emit(buffer: jax.Array, counts: jax.Array, done: jax.Array,
   return buffer, counts, done
 
 
-def finalize(buffer: jax.Array, counts: jax.Array, max_new_tokens: int,
+def finalize(buffer: jax.Array, counts: jax.Array, width: int,
              pad_id: int) -> jax.Array:
-  """[B, W] -> [B, N] with every slot at or past a row's count set to pad."""
-  out = buffer[:, :max_new_tokens]
-  keep = jnp.arange(max_new_tokens)[None] < counts[:, None]
+  """[B, W] -> [B, width] with every slot at or past a row's count set to pad.
+
+  `width` is static (N, or N_cap when N is traced; callers slice to N).
+  """
+  out = buffer[:, :width]
+  keep = jnp.arange(width)[None] < counts[:, None]
   return jnp.where(keep, out, pad_id)

@@ -6,10 +6,27 @@ new tokens, G = γ.
 Both take prompts as a list of token-id lists of different lengths and return
 `tokens` [B, N] (generated ids only, `pad_id` after each row's end) and
 `lengths` [B]. Each generation is one compiled call: prefill, then a
-`lax.while_loop` that runs until every row hit EOS or N tokens. Shapes are
-fixed by (B, P, S, N, γ) and the models' configs; temperature, top-k, top-p,
-EOS ids, seeds and the draft stop threshold are traced, so changing them does
-not recompile.
+`lax.while_loop` that runs until every row hit EOS or N tokens.
+
+Compile once per shape. A program is fixed by B, γ, the models (their
+configs and matmul plans), and two coarse caps:
+
+- the prompt buffer P: the longest prompt rounded up to a power of two
+  (16, 32, 64, 128, ...). `specjax.models.Model.prefill` runs a long prompt
+  in chunks of 64 tokens, so its compute follows the real length, not P;
+- the output buffer N_cap: `max_new_tokens` rounded up to a power of two,
+  at least 64. N itself is traced.
+
+The default cache size S is a function of those two caps (P + N_cap + γ + 1,
+rounded up to 128), so prompts of 5 to 600 tokens and any N <= 64 compile at
+most 7 programs per (B, γ) (`tests/test_compile.py` checks the bound). A
+cache_size passed by the user is a shape too. Temperature, top-k, top-p,
+EOS ids, seeds, N and the draft stop threshold are traced, so changing them
+never recompiles. Every compilation is logged on the "specjax" logger with
+its time (`specjax.compilation`); JAX's persistent compilation cache is on
+by default (`$SPECJAX_CACHE/xla_cache`; `SPECJAX_NO_COMPILE_CACHE=1` opts
+out), so a second process reuses the programs, and `warmup` compiles ahead
+of time.
 
 Models are anything implementing `specjax.models.LanguageModel` (a
 `specjax.models.Model`, or an adapter around another Flax model); the draft may
@@ -28,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import buffers
+from specjax import compilation
 from specjax import sampling
 from specjax import speculate
 from specjax.drafters import DraftModel
@@ -39,13 +57,15 @@ from specjax.speculate import StepParams
 
 __all__ = [
     "GenerateOutput", "SpecOutput", "SpecStats", "StepParams", "generate",
-    "init_spec_state", "prepare_prompts", "prompt_bucket",
-    "speculative_generate",
+    "init_spec_state", "max_new_tokens_cap", "prepare_prompts",
+    "prompt_bucket", "speculative_generate", "warmup",
 ]
 
 _MIN_BUCKET = 16
-_BUCKET_STEP = 64
+_MIN_TOKENS_CAP = 64
 _CACHE_ALIGN = 128
+
+compilation.enable_persistent_cache()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,31 +111,40 @@ class _ARState:
   key: jax.Array
 
 
-def prompt_bucket(longest: int, cache_size: int | None = None) -> int:
-  """P, the padded prompt length for a longest prompt of `longest` tokens.
+def _pow2(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
 
-  Powers of two from 16 to 64, then multiples of 64: few shapes to compile,
-  and at most 63 padded positions of wasted prefill compute.
+
+def prompt_bucket(longest: int, cache_size: int | None = None) -> int:
+  """P, the padded prompt width for a longest prompt of `longest` tokens.
+
+  Powers of two from 16: few shapes to compile. Padding costs no compute
+  for long prompts, which `Model.prefill` runs in 64-token chunks up to the
+  longest real prompt.
   """
-  if longest <= _BUCKET_STEP:
-    bucket = max(_MIN_BUCKET, 1 << max(longest - 1, 0).bit_length())
-  else:
-    bucket = -(-longest // _BUCKET_STEP) * _BUCKET_STEP
+  bucket = max(_MIN_BUCKET, _pow2(longest))
   return bucket if cache_size is None else min(bucket, cache_size)
+
+
+def max_new_tokens_cap(max_new_tokens: int) -> int:
+  """N_cap, the static output width: N rounded up to a power of two >= 64."""
+  return max(_MIN_TOKENS_CAP, _pow2(max_new_tokens))
 
 
 def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
                     max_new_tokens: int, cache_size: int | None,
-                    reserve: int = 1) -> tuple[np.ndarray, np.ndarray, int]:
+                    reserve: int = 1, tokens_cap: int | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, int]:
   """Validates prompts and pads them to a bucket.
 
   Args:
     prompts: B lists of token ids.
     vocab_size: V; every id must be in [0, V).
     max_new_tokens: N.
-    cache_size: S, or None to size it from the prompts.
+    cache_size: S, or None for P + N_cap + `reserve` rounded up to 128.
     reserve: extra positions the loop may write past the N tokens (γ + 1 for
       speculative decoding).
+    tokens_cap: N_cap (default `max_new_tokens_cap(N)`).
 
   Returns:
     tokens [B, P] int32 right-padded with 0, lengths [B] int32, and S.
@@ -140,7 +169,9 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
   needed = longest + max_new_tokens + reserve
   bucket = prompt_bucket(longest)
   if cache_size is None:
-    cache_size = -(-(max(needed, bucket)) // _CACHE_ALIGN) * _CACHE_ALIGN
+    # A function of the caps only, so it fixes no new shape.
+    fit = bucket + _tokens_cap(max_new_tokens, tokens_cap) + reserve
+    cache_size = -(-fit // _CACHE_ALIGN) * _CACHE_ALIGN
   elif needed > cache_size:
     raise ValueError(
         f"The cache is too short: the longest prompt has {longest} tokens, "
@@ -151,6 +182,15 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
   for b, row in enumerate(rows):
     tokens[b, :row.size] = row
   return tokens, lengths, cache_size
+
+
+def _tokens_cap(max_new_tokens: int, tokens_cap: int | None) -> int:
+  if tokens_cap is None:
+    return max_new_tokens_cap(max_new_tokens)
+  if tokens_cap < max_new_tokens:
+    raise ValueError(f"tokens_cap={tokens_cap} is below max_new_tokens="
+                     f"{max_new_tokens}.")
+  return tokens_cap
 
 
 def _key(key: jax.Array | int | None) -> jax.Array:
@@ -182,13 +222,13 @@ def _start(target: LanguageModel, prompts: jax.Array, lengths: jax.Array,
   return first, cache, tokens, counts, done, key
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "cache_size",
+@functools.partial(jax.jit, static_argnames=("tokens_cap", "cache_size",
                                              "pad_id"))
-def _generate(model, prompts, lengths, params, eos_ids, key, *,
-              max_new_tokens, cache_size, pad_id):
+def _generate(model, prompts, lengths, params, eos_ids, key, max_new_tokens,
+              *, tokens_cap, cache_size, pad_id):
   first, cache, tokens, counts, done, key = _start(
       model, prompts, lengths, params, eos_ids, key, cache_size=cache_size,
-      width=max_new_tokens + 1, max_new_tokens=max_new_tokens)
+      width=tokens_cap + 1, max_new_tokens=max_new_tokens)
   state = _ARState(tokens=tokens, lengths=counts, done=done, last_token=first,
                    cache=cache, key=key)
 
@@ -207,8 +247,8 @@ def _generate(model, prompts, lengths, params, eos_ids, key, *,
                      last_token=token, cache=cache, key=key)
 
   state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
-  return (buffers.finalize(state.tokens, state.lengths, max_new_tokens,
-                           pad_id), state.lengths)
+  return (buffers.finalize(state.tokens, state.lengths, tokens_cap, pad_id),
+          state.lengths)
 
 
 def generate(model: LanguageModel, prompts: Sequence[Sequence[int]], *,
@@ -216,7 +256,8 @@ def generate(model: LanguageModel, prompts: Sequence[Sequence[int]], *,
              top_p: float = 1.0, eos_id: int | Sequence[int] | None = None,
              key: jax.Array | int | None = None,
              cache_size: int | None = None,
-             pad_id: int = 0) -> GenerateOutput:
+             pad_id: int = 0,
+             tokens_cap: int | None = None) -> GenerateOutput:
   """Batched autoregressive decoding, compiled as one call.
 
   Args:
@@ -228,27 +269,34 @@ def generate(model: LanguageModel, prompts: Sequence[Sequence[int]], *,
     top_p: nucleus mass in (0, 1] (1 disables).
     eos_id: one id or several; a row stops after emitting one.
     key: PRNG key or int seed (default seed 0).
-    cache_size: S; default fits the longest prompt plus N.
+    cache_size: S; default P + N_cap + 1 rounded up to 128 (module doc).
     pad_id: written after each row's end.
+    tokens_cap: N_cap, the static output width (>= N); default
+      `max_new_tokens_cap(N)`.
 
   Returns:
     `GenerateOutput` with tokens [B, N] and lengths [B].
   """
   params = sampling.SamplingParams.create(temperature, top_k, top_p)
+  cap = _tokens_cap(max_new_tokens, tokens_cap)
   tokens, lengths, cache_size = prepare_prompts(
       prompts, model.vocab_size, max_new_tokens=max_new_tokens,
-      cache_size=cache_size, reserve=1)
-  out, counts = _generate(
-      model, jnp.asarray(tokens), jnp.asarray(lengths), params,
-      buffers.eos_array(eos_id), _key(key), max_new_tokens=max_new_tokens,
-      cache_size=cache_size, pad_id=pad_id)
-  return GenerateOutput(tokens=np.asarray(out), lengths=np.asarray(counts))
+      cache_size=cache_size, reserve=1, tokens_cap=cap)
+  out, counts = compilation.call(
+      _generate, "generate",
+      f"B={tokens.shape[0]}, P={tokens.shape[1]}, S={cache_size}, "
+      f"N<={cap}", model, jnp.asarray(tokens), jnp.asarray(lengths), params,
+      buffers.eos_array(eos_id), _key(key), jnp.int32(max_new_tokens),
+      tokens_cap=cap, cache_size=cache_size, pad_id=pad_id)
+  return GenerateOutput(tokens=np.asarray(out)[:, :max_new_tokens],
+                        lengths=np.asarray(counts))
 
 
 def init_spec_state(target: LanguageModel, drafter: Drafter,
                     prompts: jax.Array, lengths: jax.Array,
                     params: StepParams, key: jax.Array, *, gamma: int,
-                    max_new_tokens: int, cache_size: int) -> SpecState:
+                    max_new_tokens: int | jax.Array, cache_size: int,
+                    tokens_cap: int | None = None) -> SpecState:
   """Prefills target and drafter and emits the target's first token.
 
   Args:
@@ -259,39 +307,40 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
     params: traced settings (`StepParams.create`).
     key: PRNG key.
     gamma: G.
-    max_new_tokens: N.
+    max_new_tokens: N (an int or a traced [] int32).
     cache_size: S.
+    tokens_cap: N_cap, the static output width (default N, which must then
+      be an int).
 
   Returns:
     The `SpecState` that `speculate.speculate_step` advances.
   """
+  cap = max_new_tokens if tokens_cap is None else tokens_cap
   first, target_cache, tokens, counts, done, key = _start(
       target, prompts, lengths, params.sampling, params.eos_ids, key,
-      cache_size=cache_size, width=max_new_tokens + gamma + 1,
+      cache_size=cache_size, width=cap + gamma + 1,
       max_new_tokens=max_new_tokens)
   return SpecState(
       tokens=tokens, lengths=counts, done=done, last_token=first,
       target_cache=target_cache,
       drafter_state=drafter.init(prompts, lengths, first, cache_size),
       key=key,
-      stats=SpecStats.zeros(prompts.shape[0], gamma,
-                            max(max_new_tokens - 1, 1)))
+      stats=SpecStats.zeros(prompts.shape[0], gamma, max(cap - 1, 1)))
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "gamma", "max_new_tokens", "cache_size", "pad_id", "synthetic"))
-def _speculative_generate(target, drafter, prompts, lengths, params, key, *,
-                          gamma, max_new_tokens, cache_size, pad_id,
-                          synthetic):
+    "gamma", "tokens_cap", "cache_size", "pad_id", "synthetic"))
+def _speculative_generate(target, drafter, prompts, lengths, params, key,
+                          max_new_tokens, *, gamma, tokens_cap, cache_size,
+                          pad_id, synthetic):
   state = init_spec_state(target, drafter, prompts, lengths, params, key,
                           gamma=gamma, max_new_tokens=max_new_tokens,
-                          cache_size=cache_size)
+                          cache_size=cache_size, tokens_cap=tokens_cap)
   step = functools.partial(
       speculate.speculate_step, target=target, drafter=drafter, params=params,
       gamma=gamma, max_new_tokens=max_new_tokens, synthetic=synthetic)
   state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
-  tokens = buffers.finalize(state.tokens, state.lengths, max_new_tokens,
-                            pad_id)
+  tokens = buffers.finalize(state.tokens, state.lengths, tokens_cap, pad_id)
   return tokens, state.lengths, state.stats
 
 
@@ -302,7 +351,8 @@ def speculative_generate(
     eos_id: int | Sequence[int] | None = None,
     key: jax.Array | int | None = None, cache_size: int | None = None,
     pad_id: int = 0, draft_stop_threshold: float = 0.0,
-    synthetic_acceptance: float | None = None) -> SpecOutput:
+    synthetic_acceptance: float | None = None,
+    tokens_cap: int | None = None) -> SpecOutput:
   """Speculative decoding, compiled as one call.
 
   The output is distributed exactly as `generate(target, ...)` with the same
@@ -328,6 +378,7 @@ def speculative_generate(
     synthetic_acceptance: if set, accept each draft token with this fixed
       probability instead of verifying it (system benchmarks on random
       weights only: the output is then NOT the target's distribution).
+    tokens_cap: N_cap, as in `generate`.
 
   Returns:
     `SpecOutput` with tokens [B, N], lengths [B] and statistics.
@@ -345,13 +396,44 @@ def speculative_generate(
       draft_stop_threshold=draft_stop_threshold,
       synthetic_acceptance=synthetic_acceptance)
   synthetic = synthetic_acceptance is not None
+  cap = _tokens_cap(max_new_tokens, tokens_cap)
   tokens, lengths, cache_size = prepare_prompts(
       prompts, target.vocab_size, max_new_tokens=max_new_tokens,
-      cache_size=cache_size, reserve=int(gamma) + 1)
-  out, counts, stats = _speculative_generate(
-      target, drafter, jnp.asarray(tokens), jnp.asarray(lengths), params,
-      _key(key), gamma=int(gamma), max_new_tokens=max_new_tokens,
-      cache_size=cache_size, pad_id=pad_id, synthetic=synthetic)
-  return SpecOutput(tokens=np.asarray(out), lengths=np.asarray(counts),
+      cache_size=cache_size, reserve=int(gamma) + 1, tokens_cap=cap)
+  out, counts, stats = compilation.call(
+      _speculative_generate, "speculative_generate",
+      f"B={tokens.shape[0]}, P={tokens.shape[1]}, S={cache_size}, "
+      f"N<={cap}, gamma={gamma}", target, drafter, jnp.asarray(tokens),
+      jnp.asarray(lengths), params, _key(key), jnp.int32(max_new_tokens),
+      gamma=int(gamma), tokens_cap=cap, cache_size=cache_size, pad_id=pad_id,
+      synthetic=synthetic)
+  return SpecOutput(tokens=np.asarray(out)[:, :max_new_tokens],
+                    lengths=np.asarray(counts),
                     stats=jax.tree.map(np.asarray, stats), gamma=int(gamma),
                     synthetic=synthetic)
+
+
+def warmup(target: LanguageModel, draft: LanguageModel | Drafter | None = None,
+           *, batch: int, prompt_len: int, max_new_tokens: int,
+           gamma: int | None = None, cache_size: int | None = None,
+           eos_id: int | Sequence[int] | None = None) -> int:
+  """Compiles ahead of time what later calls with these shapes will run.
+
+  Runs `generate` (and `speculative_generate` when `draft` and `gamma` are
+  given) once on dummy prompts of `prompt_len` tokens with one new token:
+  N is traced under the same N_cap, so the program is the one a call with
+  `max_new_tokens` uses, and the run itself is one prefill and one step.
+  With the persistent compilation cache on, later processes reuse it too.
+
+  Returns:
+    The number of programs compiled.
+  """
+  before = compilation.num_compiled()
+  prompts = [[0] * prompt_len] * batch
+  # cache_size None sizes each call's cache exactly as a real call would.
+  kwargs = dict(max_new_tokens=1, cache_size=cache_size, eos_id=eos_id,
+                tokens_cap=max_new_tokens_cap(max_new_tokens))
+  generate(target, prompts, **kwargs)
+  if draft is not None and gamma is not None:
+    speculative_generate(target, draft, prompts, gamma=gamma, **kwargs)
+  return compilation.num_compiled() - before

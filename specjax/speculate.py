@@ -129,7 +129,8 @@ class SpecState:
 
 
 def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
-                   params: StepParams, gamma: int, max_new_tokens: int,
+                   params: StepParams, gamma: int,
+                   max_new_tokens: int | jax.Array,
                    synthetic: bool = False) -> SpecState:
   """Drafts γ tokens, verifies them in one target pass, and commits.
 
@@ -139,7 +140,7 @@ def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
     drafter: a `specjax.drafters.Drafter`.
     params: traced settings.
     gamma: G, static.
-    max_new_tokens: N, static.
+    max_new_tokens: N, an int or a traced [] int32.
     synthetic: accept with `params.synthetic_rate` instead of p/q (for system
       benchmarks on random weights; not distribution-preserving).
 

@@ -1,9 +1,17 @@
 """Traced settings never recompile the generation."""
 
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from specjax import compilation
 from specjax import decode
 from specjax import testing
 
 PROMPTS = [[1, 2, 3], [4, 5]]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_speculative_settings_do_not_recompile():
@@ -30,3 +38,69 @@ def test_autoregressive_settings_do_not_recompile():
   compiled = decode._generate._cache_size()
   run(temperature=0.9, top_k=3, top_p=0.5, key=99, eos_id=3)
   assert decode._generate._cache_size() == compiled
+
+
+def test_prompt_lengths_and_max_new_tokens_compile_few_programs():
+  # Documented bound (specjax/decode.py): one program per power-of-two
+  # prompt bucket for N <= 64, here 16, 32, 64, 128, 256, 512, 1024.
+  target, draft = testing.tiny_pair(seed=4)
+  lengths = [5, 17, 40, 64, 65, 130, 200, 300, 450, 600]
+  generate_before = decode._generate._cache_size()
+  spec_before = decode._speculative_generate._cache_size()
+  for i, n in enumerate(lengths):
+    prompt = [(7 * j + i) % 100 + 1 for j in range(n)]
+    for new in (3, 17, 64):
+      ref = decode.generate(target, [prompt, prompt[:3]], max_new_tokens=new)
+      out = decode.speculative_generate(target, draft, [prompt, prompt[:3]],
+                                        gamma=2, max_new_tokens=new)
+      assert out.tokens.shape == (2, new)
+      np.testing.assert_array_equal(out.tokens, ref.tokens)
+  assert decode._generate._cache_size() - generate_before <= 7
+  assert decode._speculative_generate._cache_size() - spec_before <= 7
+
+
+def test_warmup_compiles_what_a_later_call_uses():
+  target, draft = testing.tiny_pair(seed=6)
+  compiled = decode.warmup(target, draft, batch=1, prompt_len=40,
+                           max_new_tokens=20, gamma=3)
+  assert compiled == 2  # one autoregressive, one speculative program
+  before = compilation.num_compiled()
+  decode.generate(target, [list(range(1, 38))], max_new_tokens=20)
+  decode.speculative_generate(target, draft, [list(range(1, 38))], gamma=3,
+                              max_new_tokens=11)
+  assert compilation.num_compiled() == before
+  # Past the smallest output cap, the warmed-up cache is sized for N_cap too.
+  assert decode.warmup(target, batch=1, prompt_len=40,
+                       max_new_tokens=100) == 1
+  before = compilation.num_compiled()
+  decode.generate(target, [list(range(1, 38))], max_new_tokens=90)
+  assert compilation.num_compiled() == before
+
+
+_SECOND_PROCESS = """
+import jax
+hits = []
+jax.monitoring.register_event_listener(
+    lambda event, **kw: hits.append(event)
+    if event == "/jax/compilation_cache/cache_hits" else None)
+from specjax import decode, testing
+target, _ = testing.tiny_pair(seed=8)
+decode.generate(target, [[1, 2, 3]], max_new_tokens=5)
+print("cache_dir", jax.config.jax_compilation_cache_dir)
+print("hits", len(hits))
+"""
+
+
+def test_a_second_process_reuses_the_persistent_cache(tmp_path):
+  env = dict(os.environ, SPECJAX_CACHE=str(tmp_path),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+             PYTHONPATH=REPO)
+  env.pop(compilation.OPT_OUT, None)
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  runs = [subprocess.run([sys.executable, "-c", _SECOND_PROCESS], env=env,
+                         capture_output=True, text=True, timeout=300,
+                         check=True).stdout for _ in range(2)]
+  assert f"cache_dir {tmp_path / 'xla_cache'}" in runs[0]
+  assert "hits 0" in runs[0]
+  assert "hits 0" not in runs[1], runs[1]

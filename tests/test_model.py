@@ -84,3 +84,23 @@ def test_check_params_names_missing_and_misshapen():
 def test_unknown_architecture():
   with pytest.raises(ValueError, match="Unknown architecture 'gpt2'"):
     testing.TINY_DRAFT.replace(arch="gpt2")
+
+
+def test_chunked_prefill_equals_one_pass():
+  target, _ = testing.tiny_pair(seed=5)
+  rng = np.random.default_rng(0)
+  lengths = jnp.array([128, 70, 5, 64], jnp.int32)  # chunk edges included
+  tokens = jnp.asarray(rng.integers(0, target.vocab_size, (4, 128)),
+                       jnp.int32)
+  prefill = jax.jit(target.prefill, static_argnames="chunk")
+  one, one_cache = prefill(tokens, lengths, target.init_cache(4, 192),
+                           chunk=None)
+  chunked, cache = prefill(tokens, lengths, target.init_cache(4, 192),
+                           chunk=64)
+  np.testing.assert_allclose(chunked, one, atol=1e-5)
+  np.testing.assert_array_equal(cache.lengths, lengths)
+  for b, n in enumerate(np.asarray(lengths)):
+    np.testing.assert_allclose(cache.k[:, b, :n], one_cache.k[:, b, :n],
+                               atol=1e-5)
+    np.testing.assert_allclose(cache.v[:, b, :n], one_cache.v[:, b, :n],
+                               atol=1e-5)

@@ -36,6 +36,10 @@ __all__ = [
 ]
 
 
+# Prompt tokens per prefill pass when the prompt buffer is wider.
+PREFILL_CHUNK = 64
+
+
 class LanguageModel(Protocol):
   """What the decoders need from a model.
 
@@ -150,11 +154,37 @@ class Model:
     return self.logits(hidden), cache
 
   def prefill(self, tokens: jax.Array, lengths: jax.Array,
-              cache: cache_lib.KVCache):
-    hidden, cache = self.hidden(tokens, cache, cache_is_empty=True)
-    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)
-    logits = self.logits(last[:, 0])  # [B, V]; only the last prompt position
-    return logits, cache.rollback(lengths)
+              cache: cache_lib.KVCache, chunk: int | None = PREFILL_CHUNK):
+    """Right-padded prompts [B, P] -> last prompt logits [B, V], cache.
+
+    A prompt buffer wider than `chunk` (a multiple of it) runs in chunks of
+    `chunk` tokens in a `lax.while_loop` that stops after the longest real
+    prompt, so P can be a coarse bucket without costing compute; otherwise
+    (or with `chunk=None`) one pass over all P positions.
+    """
+    batch, width = tokens.shape
+    if chunk is None or width <= chunk or width % chunk or width > cache.size:
+      hidden, cache = self.hidden(tokens, cache, cache_is_empty=True)
+      last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)
+      logits = self.logits(last[:, 0])  # [B, V]; the last prompt position
+      return logits, cache.rollback(lengths)
+
+    def body(i, carry):
+      cache, last = carry
+      start = i * chunk
+      piece = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
+      cache = cache.rollback(jnp.full((batch,), start, jnp.int32))
+      hidden, cache = self.hidden(piece, cache)  # [B, chunk, E]
+      at = lengths - 1 - start  # the last prompt position, if in this chunk
+      here = jnp.take_along_axis(
+          hidden, jnp.clip(at, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+      inside = (at >= 0) & (at < chunk)
+      return cache, jnp.where(inside[:, None], here, last)
+
+    num_chunks = (jnp.max(lengths) + chunk - 1) // chunk
+    last = jnp.zeros((batch, self.config.hidden_size), self.dtype)
+    cache, last = jax.lax.fori_loop(0, num_chunks, body, (cache, last))
+    return self.logits(last), cache.rollback(lengths)
 
 
 # Projections whose storage layout a `MatmulPlan` chooses; `embed` is always
