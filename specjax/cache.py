@@ -1,6 +1,6 @@
 """`KVCache`: an explicit key/value cache pytree with per-row lengths.
 
-Shape letters: L layers, B batch, S cache size, K key/value heads, D head dim,
+Shape letters (`specjax.shapes`): L layers, B batch, S cache size, K key/value heads, D head dim,
 T tokens written in one call.
 
 Each row has its own length (rows of a batch accept different numbers of draft
@@ -49,6 +49,33 @@ class KVCache:
   def rollback(self, lengths: jax.Array) -> "KVCache":
     """Keeps the first `lengths[b]` positions of each row valid."""
     return self.replace(lengths=lengths.astype(jnp.int32))
+
+  def compact(self, src_slots: jax.Array, lengths: jax.Array) -> "KVCache":
+    """Moves chosen slots to consecutive positions after `lengths`.
+
+    For a commit that is not a prefix (a path through a token tree): the
+    keys and values in slots `src_slots[b, t]` are copied to slots
+    `lengths[b] + t`, and the row's length becomes `lengths[b] + T`. Only
+    those T slots per row and layer are written, never the whole cache. The
+    keys keep the rotary phase of the position they were computed at, so a
+    slot should land where its position says (a tree node at depth d sits
+    at position `lengths + d`, which is where its path puts it).
+
+    Args:
+      src_slots: [B, T] int32 slots to gather (any order, may repeat,
+        padded by the caller who then rolls back to a shorter length).
+      lengths: [B] int32 committed length before the gathered slots.
+
+    Returns:
+      The cache with the gathered slots written and `lengths + T`.
+    """
+    # [L, B, S, K, D] gathered at [B, T] per row -> [L, B, T, K, D].
+    take = jax.vmap(jax.vmap(lambda buf, idx: buf[idx]), in_axes=(0, None))
+    write = jax.vmap(write_rows, in_axes=(0, 0, None))
+    return self.replace(
+        k=write(self.k, take(self.k, src_slots), lengths),
+        v=write(self.v, take(self.v, src_slots), lengths),
+        lengths=(lengths + src_slots.shape[1]).astype(jnp.int32))
 
 
 def write_rows(buffer: jax.Array, chunk: jax.Array,

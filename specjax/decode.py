@@ -1,6 +1,6 @@
 """Public decoding API: `generate` and `speculative_generate`.
 
-Shape letters: B batch, P padded prompt (`prompt_bucket`), S cache size, N max
+Shape letters (`specjax.shapes`): B batch, P padded prompt (`prompt_bucket`), S cache size, N max
 new tokens, G = γ.
 
 Both take prompts as a list of token-id lists of different lengths and return
@@ -51,12 +51,14 @@ from specjax import speculate
 from specjax.drafters import DraftModel
 from specjax.drafters import Drafter
 from specjax.models import LanguageModel
+from specjax.models import model_output
 from specjax.speculate import SpecState
 from specjax.speculate import SpecStats
 from specjax.speculate import StepParams
 
 __all__ = [
-    "GenerateOutput", "SpecOutput", "SpecStats", "StepParams", "generate",
+    "GenerateOutput", "SpecOutput", "SpecStats", "StepParams",
+    "default_cache_size", "generate",
     "init_spec_state", "max_new_tokens_cap", "prepare_prompts",
     "prompt_bucket", "speculative_generate", "warmup",
 ]
@@ -103,10 +105,21 @@ class SpecOutput(GenerateOutput):
 
 @flax.struct.dataclass(kw_only=True)
 class _ARState:
-  tokens: jax.Array  # [B, N + 1]
-  lengths: jax.Array  # [B]
-  done: jax.Array  # [B]
-  last_token: jax.Array  # [B]
+  """The autoregressive loop's state.
+
+  Attributes:
+    tokens: [B, N_cap + 1] int32 generated tokens.
+    num_generated: [B] int32 tokens generated per row.
+    done: [B] bool rows that stopped.
+    last_token: [B] int32 newest token, not yet in the cache.
+    cache: the model's cache.
+    key: PRNG key.
+  """
+
+  tokens: jax.Array
+  num_generated: jax.Array
+  done: jax.Array
+  last_token: jax.Array
   cache: Any
   key: jax.Array
 
@@ -131,6 +144,18 @@ def max_new_tokens_cap(max_new_tokens: int) -> int:
   return max(_MIN_TOKENS_CAP, _pow2(max_new_tokens))
 
 
+def default_cache_size(longest: int, max_new_tokens: int, reserve: int = 1,
+                       tokens_cap: int | None = None) -> int:
+  """S when none is given: P + N_cap + `reserve`, rounded up to 128.
+
+  A function of the caps only (`prompt_bucket`, `max_new_tokens_cap`), so it
+  fixes no shape of its own.
+  """
+  fit = (prompt_bucket(longest) + _tokens_cap(max_new_tokens, tokens_cap)
+         + reserve)
+  return -(-fit // _CACHE_ALIGN) * _CACHE_ALIGN
+
+
 def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
                     max_new_tokens: int, cache_size: int | None,
                     reserve: int = 1, tokens_cap: int | None = None
@@ -141,7 +166,7 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
     prompts: B lists of token ids.
     vocab_size: V; every id must be in [0, V).
     max_new_tokens: N.
-    cache_size: S, or None for P + N_cap + `reserve` rounded up to 128.
+    cache_size: S, or None for `default_cache_size`.
     reserve: extra positions the loop may write past the N tokens (γ + 1 for
       speculative decoding).
     tokens_cap: N_cap (default `max_new_tokens_cap(N)`).
@@ -167,11 +192,9 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
   lengths = np.array([r.size for r in rows], np.int32)
   longest = int(lengths.max())
   needed = longest + max_new_tokens + reserve
-  bucket = prompt_bucket(longest)
   if cache_size is None:
-    # A function of the caps only, so it fixes no new shape.
-    fit = bucket + _tokens_cap(max_new_tokens, tokens_cap) + reserve
-    cache_size = -(-fit // _CACHE_ALIGN) * _CACHE_ALIGN
+    cache_size = default_cache_size(longest, max_new_tokens, reserve,
+                                    tokens_cap)
   elif needed > cache_size:
     raise ValueError(
         f"The cache is too short: the longest prompt has {longest} tokens, "
@@ -229,26 +252,28 @@ def _generate(model, prompts, lengths, params, eos_ids, key, max_new_tokens,
   first, cache, tokens, counts, done, key = _start(
       model, prompts, lengths, params, eos_ids, key, cache_size=cache_size,
       width=tokens_cap + 1, max_new_tokens=max_new_tokens)
-  state = _ARState(tokens=tokens, lengths=counts, done=done, last_token=first,
+  state = _ARState(tokens=tokens, num_generated=counts, done=done,
+                   last_token=first,
                    cache=cache, key=key)
 
   def step(s: _ARState) -> _ARState:
     key, sample_key = jax.random.split(s.key)
     start = s.cache.lengths
-    logits, cache = model(s.last_token[:, None], s.cache)  # [B, 1, V]
+    out, cache = model(s.last_token[:, None], s.cache)  # [B, 1] -> [B, 1, V]
+    logits = model_output(out).logits[:, 0]
     token = sampling.sample(
-        sample_key, sampling.probabilities(logits[:, 0], params))  # [B]
+        sample_key, sampling.probabilities(logits, params))  # [B]
     # Done rows do not advance, so they never run past the cache.
     cache = cache.rollback(jnp.where(s.done, start, cache.lengths))
     tokens, counts, done = buffers.emit(
-        s.tokens, s.lengths, s.done, token[:, None],
-        jnp.ones_like(s.lengths), eos_ids, max_new_tokens)
-    return s.replace(tokens=tokens, lengths=counts, done=done,
+        s.tokens, s.num_generated, s.done, token[:, None],
+        jnp.ones_like(s.num_generated), eos_ids, max_new_tokens)
+    return s.replace(tokens=tokens, num_generated=counts, done=done,
                      last_token=token, cache=cache, key=key)
 
   state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
-  return (buffers.finalize(state.tokens, state.lengths, tokens_cap, pad_id),
-          state.lengths)
+  return (buffers.finalize(state.tokens, state.num_generated, tokens_cap,
+                           pad_id), state.num_generated)
 
 
 def generate(model: LanguageModel, prompts: Sequence[Sequence[int]], *,
@@ -321,7 +346,7 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
       cache_size=cache_size, width=cap + gamma + 1,
       max_new_tokens=max_new_tokens)
   return SpecState(
-      tokens=tokens, lengths=counts, done=done, last_token=first,
+      tokens=tokens, num_generated=counts, done=done, last_token=first,
       target_cache=target_cache,
       drafter_state=drafter.init(prompts, lengths, first, cache_size),
       key=key,
@@ -340,8 +365,9 @@ def _speculative_generate(target, drafter, prompts, lengths, params, key,
       speculate.speculate_step, target=target, drafter=drafter, params=params,
       gamma=gamma, max_new_tokens=max_new_tokens, synthetic=synthetic)
   state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
-  tokens = buffers.finalize(state.tokens, state.lengths, tokens_cap, pad_id)
-  return tokens, state.lengths, state.stats
+  tokens = buffers.finalize(state.tokens, state.num_generated, tokens_cap,
+                            pad_id)
+  return tokens, state.num_generated, state.stats
 
 
 def speculative_generate(

@@ -6,8 +6,12 @@
 - `per_position_acceptance[i]`: of the steps that proposed draft position i,
   the fraction in which it was accepted (so it includes every earlier
   position being accepted).
-- `predicted_speedup` (Leviathan et al. 2023): (1 - α^(γ+1)) / ((1 - α)(γc + 1))
-  for a measured cost ratio c = draft forward time / target forward time.
+- `predicted_speedup` (Leviathan et al. 2023): (1 - α^(γ+1)) / ((1 - α)(γc + r))
+  for a measured cost ratio c = draft forward time / target forward time and
+  r = verification pass time / target forward time (1 in the paper).
+
+Every function takes `SpecStats` (or numpy arrays of it); `row` restricts a
+metric to one batch row.
 """
 
 from __future__ import annotations
@@ -16,17 +20,37 @@ from typing import Any
 
 import numpy as np
 
+from specjax.tuning.cost import expected_tokens
 
-def acceptance_rate(stats: Any) -> float:
-  proposed = int(np.sum(stats.proposed_by_position))
-  accepted = int(np.sum(stats.accepted_by_position))
+
+def _steps_run(stats: Any, row: int | None) -> np.ndarray:
+  """Accepted counts of the (row, step) pairs that ran."""
+  accepted = np.asarray(stats.accepted)
+  if row is not None:
+    accepted = accepted[row]
+  return accepted[accepted >= 0]
+
+
+def acceptance_rate(stats: Any, row: int | None = None) -> float:
+  """α: accepted / proposed draft tokens (of one row, or all)."""
+  if row is None:
+    proposed = int(np.sum(stats.proposed_by_position))
+    accepted = int(np.sum(stats.accepted_by_position))
+  else:
+    proposed = int(np.asarray(stats.proposed)[row])
+    accepted = int(np.sum(_steps_run(stats, row)))
   return accepted / proposed if proposed else float("nan")
 
 
-def mean_accepted_tokens(stats: Any) -> float:
-  accepted = np.asarray(stats.accepted)
-  ran = accepted >= 0
-  return float(np.mean(accepted[ran] + 1)) if ran.any() else float("nan")
+def mean_accepted_tokens(stats: Any, row: int | None = None) -> float:
+  """τ: tokens emitted per target pass, over the (row, step) pairs run."""
+  ran = _steps_run(stats, row)
+  return float(np.mean(ran + 1)) if ran.size else float("nan")
+
+
+def num_steps(stats: Any, row: int) -> int:
+  """Speculative steps row `row` took part in."""
+  return int(_steps_run(stats, row).size)
 
 
 def per_position_acceptance(stats: Any) -> list[float]:
@@ -36,13 +60,13 @@ def per_position_acceptance(stats: Any) -> list[float]:
     return [float(x) for x in np.where(prop > 0, acc / prop, np.nan)]
 
 
-def predicted_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
-  """Leviathan et al.'s expected walltime improvement for α, γ and c."""
-  if alpha >= 1.0:
-    tokens_per_step = gamma + 1.0
-  else:
-    tokens_per_step = (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-  return tokens_per_step / (gamma * cost_ratio + 1.0)
+def predicted_speedup(alpha: float, gamma: int, cost_ratio: float,
+                      verify_ratio: float = 1.0) -> float:
+  """Leviathan et al.'s expected walltime improvement for α, γ and c, with
+  the verification pass costing `verify_ratio` target forwards (the paper
+  assumes 1; `specjax.tuning.cost` measures it)."""
+  return (expected_tokens([alpha] * gamma, gamma)
+          / (gamma * cost_ratio + verify_ratio))
 
 
 def summarize(stats: Any, gamma: int,

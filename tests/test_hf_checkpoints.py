@@ -62,7 +62,8 @@ PLANS = [p for p in matmul_tuning.PLANS
 
 @jax.jit
 def _forward(model, tokens, cache):
-  return model(tokens, cache)
+  out, cache = model(tokens, cache)
+  return out.logits, cache
 
 
 @jax.jit

@@ -44,7 +44,7 @@ def test_smallm_rejects_bad_input():
   x = jnp.ones((2, 8), jnp.float32)
   with pytest.raises(ValueError, match="float32"):
     kernels.smallm_matmul(x.astype(jnp.bfloat16), jnp.ones((4, 8)))
-  with pytest.raises(ValueError, match=r"x \[M, K\] and w \[N, K\]"):
+  with pytest.raises(ValueError, match=r"x \[X, I\] and w \[O, I\]"):
     kernels.smallm_matmul(x, jnp.ones((4, 7), jnp.float32))
   with pytest.raises(ValueError, match="at most"):
     kernels.smallm_matmul(jnp.ones((kernels.MAX_ROWS + 1, 8)),

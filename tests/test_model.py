@@ -19,8 +19,8 @@ _CONFIGS = {
 
 def _full_logits(model, tokens):
   """Reference: one forward of whole sequences from an empty cache."""
-  logits, _ = model(tokens, model.init_cache(tokens.shape[0], 32))
-  return np.asarray(logits)
+  out, _ = model(tokens, model.init_cache(tokens.shape[0], 32))
+  return np.asarray(out.logits)
 
 
 @pytest.fixture(params=sorted(_CONFIGS))
@@ -48,8 +48,8 @@ def test_prefill_then_one_token_at_a_time(model):
   pos = np.array(lengths)
   for _ in range(6):
     step = jnp.asarray(np.asarray(tokens)[[0, 1], pos])[:, None]
-    logits, cache = model(step, cache)
-    np.testing.assert_allclose(logits[:, 0], full[[0, 1], pos], atol=1e-5)
+    out, cache = model(step, cache)
+    np.testing.assert_allclose(out.logits[:, 0], full[[0, 1], pos], atol=1e-5)
     pos += 1
   np.testing.assert_array_equal(cache.lengths, pos)
 
@@ -63,9 +63,9 @@ def test_chunks_at_per_row_offsets(model):
   for _ in range(2):
     idx = pos[:, None] + np.arange(3)[None]
     chunk = jnp.asarray(np.take_along_axis(np.asarray(tokens), idx, 1))
-    logits, cache = model(chunk, cache)
+    out, cache = model(chunk, cache)
     want = np.take_along_axis(full, idx[..., None], 1)
-    np.testing.assert_allclose(logits, want, atol=1e-5)
+    np.testing.assert_allclose(out.logits, want, atol=1e-5)
     # Roll back one position per row: the stale slot must not be read.
     pos += 2
     cache = cache.rollback(jnp.asarray(pos))

@@ -142,8 +142,8 @@ def test_greedy_and_speculative_match_transformers_on_the_real_pair():
     # logits at the first differing position (specjax's logits, same prefix)
     # must be within 1e-3 relative of each other.
     seq = jnp.asarray([rows[b][:len(prompt) + i]], jnp.int32)
-    logits, _ = target(seq, target.init_cache(1, seq.shape[1]))
-    top2 = np.sort(np.asarray(logits[0, -1]))[-2:]
+    out, _ = target(seq, target.init_cache(1, seq.shape[1]))
+    top2 = np.sort(np.asarray(out.logits[0, -1]))[-2:]
     gap = float(top2[1] - top2[0])
     print(f"prompt {b}: first difference at token {i}, top-2 gap {gap:.2e}")
     assert gap <= 1e-3 * abs(top2[1]), (b, i, gap)

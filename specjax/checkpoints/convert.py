@@ -4,7 +4,7 @@ Shared by every loader that can present its tensors under Hugging Face names:
 `hf.py` reads them from safetensors, and a GGUF loader can rename llama.cpp
 tensors to these names and reuse `config_from_hf` and `params_from_tensors`.
 
-Shape letters: V vocab, E hidden size, F MLP size, H query heads, K key/value
+Shape letters (`specjax.shapes`): V vocab, E hidden size, F MLP size, H query heads, K key/value
 heads, D head dim.
 
 Hugging Face stores `nn.Linear` weights [out, in]; specjax stores matrices

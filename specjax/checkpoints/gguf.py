@@ -1,6 +1,6 @@
 """GGUF (llama.cpp) checkpoints -> `specjax.models.Model`.
 
-Shape letters: V vocab, E hidden size, F MLP size, H query heads, K key/value
+Shape letters (`specjax.shapes`): V vocab, E hidden size, F MLP size, H query heads, K key/value
 heads, D head dim.
 
 A GGUF file stores each tensor's dimensions as ggml's `ne`, fastest-varying

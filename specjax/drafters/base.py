@@ -1,10 +1,13 @@
 """The drafter protocol: how `speculate_step` gets proposals.
 
-Shape letters: B batch, P padded prompt, G = γ, V vocab.
+Shape letters (`specjax.shapes`): B batch, P padded prompt, G = γ, V vocab,
+E hidden.
 
 A drafter proposes up to G tokens per row with the distribution q each was
-drawn from, and is told afterwards how many were accepted and which token
-followed, so it can roll its own state back. The verifier never looks inside a
+drawn from (or none, for a deterministic drafter), and is then handed the
+target's `Verification`: how many were accepted, the tokens emitted, and the
+target's logits and hidden states at the verified positions, so it can roll
+its own state back or learn from the target without recomputing anything. The verifier never looks inside a
 drafter's state, so n-gram lookup, early-exit self-drafting, Medusa/EAGLE heads
 or cascades plug in by implementing these three methods. Drafters are pytrees
 (e.g. `flax.struct.dataclass`) so they can be passed into `jax.jit`; their
@@ -17,6 +20,7 @@ from typing import Any, Protocol
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 from specjax import sampling
 
@@ -33,12 +37,24 @@ class Proposal:
     num_drafted: [B] int32 in [0, G], how many leading tokens are proposed.
     num_forwards: [] int32 draft forward passes spent (for statistics; 0
       for a drafter that runs no model).
+    parents: [B, G] int32 index of each token's parent among the drafts (-1:
+      the last committed token), or None for a chain (parent of i is i - 1,
+      `parent_indices`). Room for token trees; `verify` takes chains.
   """
 
   tokens: jax.Array
   num_drafted: jax.Array
   num_forwards: jax.Array
   q: jax.Array | None = None
+  parents: jax.Array | None = None
+
+  def parent_indices(self) -> jax.Array:
+    """[B, G] int32 parents, the chain i - 1 when `parents` is None."""
+    if self.parents is not None:
+      return self.parents
+    batch, gamma = self.tokens.shape
+    return jnp.broadcast_to(jnp.arange(-1, gamma - 1, dtype=jnp.int32),
+                            (batch, gamma))
 
 
 class Drafter(Protocol):
@@ -69,10 +85,14 @@ class Drafter(Protocol):
     probability falls below it; unproposed positions keep static shapes.
     """
 
-  def commit(self, state: Any, proposal: Proposal, num_accepted: jax.Array,
-             next_token: jax.Array, active: jax.Array) -> Any:
-    """Keeps `num_accepted` [B] draft tokens, then `next_token` [B].
+  def commit(self, state: Any, proposal: Proposal,
+             verification: "specjax.verify.Verification",
+             active: jax.Array) -> Any:
+    """Takes in what the target committed after `proposal`.
 
-    Rows where `active` [B] is False must be left as they were before
-    `propose`.
+    `verification` holds `num_accepted` [B], `emitted` [B, G+1] (the
+    accepted drafts then the next token; `num_emitted` [B] of them are
+    real), and the target's `logits` [B, G+1, V] and `hidden` [B, G+1, E]
+    after the last committed token and each draft. Rows where `active` [B]
+    is False must be left as they were before `propose`.
     """

@@ -1,6 +1,6 @@
 """`PromptLookup`: n-gram prompt-lookup drafting, in the graph.
 
-Shape letters: B batch, S context buffer (cache size), P padded prompt,
+Shape letters (`specjax.shapes`): B batch, S context buffer (cache size), P padded prompt,
 G = γ draft tokens.
 
 Each row keeps its context, prompt plus committed tokens, in a fixed
@@ -131,18 +131,14 @@ class PromptLookup:
     return Proposal(tokens=tokens, q=None, num_drafted=num,
                     num_forwards=jnp.int32(0)), state
 
-  def commit(self, state: LookupState, proposal: Proposal,
-             num_accepted: jax.Array, next_token: jax.Array,
+  def commit(self, state: LookupState, proposal: Proposal, verification,
              active: jax.Array) -> LookupState:
-    """Appends the accepted drafts and the next token to active rows."""
-    gamma = proposal.tokens.shape[1]
-    slots = jnp.arange(gamma + 1)[None]
-    padded = jnp.concatenate([proposal.tokens, next_token[:, None]], axis=1)
-    emitted = jnp.where(slots < num_accepted[:, None], padded,
-                        next_token[:, None])  # [B, G+1]
+    """Appends the emitted tokens to active rows' contexts."""
+    del proposal
     # Room for the G+1 slots is reserved by the engine's cache sizing.
-    context = cache_lib.write_rows(state.context, emitted, state.length)
-    length = jnp.where(active, state.length + num_accepted + 1, state.length)
+    context = cache_lib.write_rows(state.context, verification.emitted,
+                                   state.length)
+    length = jnp.where(active, state.length + verification.num_emitted,
+                       state.length)
     context = jnp.where(active[:, None], context, state.context)
     return LookupState(context=context, length=length)
-

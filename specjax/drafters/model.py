@@ -1,6 +1,6 @@
 """`DraftModel`: a smaller language model as the drafter.
 
-Shape letters: B batch, P padded prompt, G = γ, V vocab.
+Shape letters (`specjax.shapes`): B batch, P padded prompt, G = γ, V vocab.
 
 Each step feeds the tokens the draft has not seen yet (one, or two when the
 previous step accepted the whole block and the draft never consumed its last
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from specjax import sampling
 from specjax.drafters.base import Proposal
+from specjax.models.protocol import model_output
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -44,6 +45,27 @@ class DraftModelState:
   fed: jax.Array
 
 
+@flax.struct.dataclass(kw_only=True)
+class _DraftLoop:
+  """The drafting loop's state.
+
+  Attributes:
+    step: [] int32 drafts sampled so far (the next position to fill).
+    tokens: [B, G] int32 drafts.
+    q: [B, G, V] float32 the distributions they were drawn from.
+    num_drafted: [B] int32 leading drafts proposed per row.
+    drafting: [B] bool rows still confident enough to continue.
+    cache: the draft model's cache.
+  """
+
+  step: jax.Array
+  tokens: jax.Array
+  q: jax.Array
+  num_drafted: jax.Array
+  drafting: jax.Array
+  cache: Any
+
+
 @flax.struct.dataclass
 class DraftModel:
   """Drafts with a `specjax.models.LanguageModel` (e.g. a small `Model`)."""
@@ -66,7 +88,8 @@ class DraftModel:
 
   def propose(self, state, key, params, gamma, stop_threshold):
     start = state.cache.lengths
-    logits, cache = self.model(state.pending, state.cache)  # [B, 2, V]
+    out, cache = self.model(state.pending, state.cache)  # [B, 2, V]
+    logits = model_output(out).logits
     base = start + state.num_pending
     cache = cache.rollback(base)
     last = jnp.take_along_axis(
@@ -75,45 +98,49 @@ class DraftModel:
     q0 = sampling.probabilities(last, params)  # [B, V]
     d0 = sampling.sample(keys[0], q0)  # [B]
     batch, vocab = q0.shape
-    tokens = jnp.zeros((batch, gamma), jnp.int32).at[:, 0].set(d0)
-    q = jnp.zeros((batch, gamma, vocab), jnp.float32).at[:, 0].set(q0)
-
-    def cond(carry):
-      i, _, _, _, drafting, _ = carry
-      return (i < gamma) & jnp.any(drafting)
-
-    def body(carry):
-      i, tokens, q, num_drafted, drafting, cache = carry
-      prev = jax.lax.dynamic_slice_in_dim(tokens, i - 1, 1, axis=1)  # [B, 1]
-      logits, cache = self.model(prev, cache)
-      qi = sampling.probabilities(logits[:, 0], params)  # [B, V]
-      di = sampling.sample(keys[i], qi)
-      # Confidence from the raw softmax: under greedy decoding q is one-hot.
-      confidence = jnp.max(jax.nn.softmax(logits[:, 0], axis=-1), axis=-1)
-      drafting &= confidence >= stop_threshold
-      num_drafted += drafting.astype(jnp.int32)
-      tokens = jax.lax.dynamic_update_slice_in_dim(tokens, di[:, None], i, 1)
-      q = jax.lax.dynamic_update_slice_in_dim(q, qi[:, None], i, 1)
-      return i + 1, tokens, q, num_drafted, drafting, cache
-
     ones = jnp.ones((batch,), jnp.int32)
-    init = (jnp.int32(1), tokens, q, ones, ones.astype(bool), cache)
-    steps, tokens, q, num_drafted, _, cache = jax.lax.while_loop(
-        cond, body, init)
-    proposal = Proposal(tokens=tokens, q=q, num_drafted=num_drafted,
-                        num_forwards=steps)
-    state = state.replace(cache=cache, start=start, base=base, fed=steps - 1)
+    loop = _DraftLoop(
+        step=jnp.int32(1),
+        tokens=jnp.zeros((batch, gamma), jnp.int32).at[:, 0].set(d0),
+        q=jnp.zeros((batch, gamma, vocab), jnp.float32).at[:, 0].set(q0),
+        num_drafted=ones, drafting=ones.astype(bool), cache=cache)
+
+    def body(s: _DraftLoop) -> _DraftLoop:
+      prev = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
+      out, cache = self.model(prev, s.cache)  # [B, 1] -> [B, 1, V]
+      logits = model_output(out).logits[:, 0]  # [B, V]
+      qi = sampling.probabilities(logits, params)
+      di = sampling.sample(keys[s.step], qi)  # [B]
+      # Confidence from the raw softmax: under greedy decoding q is one-hot.
+      confidence = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
+      drafting = s.drafting & (confidence >= stop_threshold)
+      return s.replace(
+          step=s.step + 1,
+          tokens=jax.lax.dynamic_update_slice_in_dim(
+              s.tokens, di[:, None], s.step, 1),
+          q=jax.lax.dynamic_update_slice_in_dim(s.q, qi[:, None], s.step, 1),
+          num_drafted=s.num_drafted + drafting.astype(jnp.int32),
+          drafting=drafting, cache=cache)
+
+    loop = jax.lax.while_loop(
+        lambda s: (s.step < gamma) & jnp.any(s.drafting), body, loop)
+    proposal = Proposal(tokens=loop.tokens, q=loop.q,
+                        num_drafted=loop.num_drafted, num_forwards=loop.step)
+    state = state.replace(cache=loop.cache, start=start, base=base,
+                          fed=loop.step - 1)
     return proposal, state
 
-  def commit(self, state, proposal, num_accepted, next_token, active):
+  def commit(self, state, proposal, verification, active):
     # The last accepted draft token is in the cache unless it was the final
     # drafted one (it was sampled, never fed); then it becomes pending too.
+    num_accepted, emitted = verification.num_accepted, verification.emitted
     unfed = num_accepted > state.fed
-    last_draft = jnp.take_along_axis(
-        proposal.tokens, jnp.maximum(num_accepted - 1, 0)[:, None], axis=1)[:, 0]
-    pending = jnp.where(unfed[:, None],
-                        jnp.stack([last_draft, next_token], axis=1),
-                        jnp.stack([next_token, jnp.zeros_like(next_token)], 1))
+    last_two = jnp.take_along_axis(  # [B, 2]: last accepted draft, next
+        emitted, jnp.maximum(num_accepted - 1, 0)[:, None] + jnp.arange(2),
+        axis=1)
+    next_only = jnp.stack([verification.next_token,
+                           jnp.zeros_like(verification.next_token)], axis=1)
+    pending = jnp.where(unfed[:, None], last_two, next_only)
     lengths = state.base + jnp.minimum(num_accepted, state.fed)
     return state.replace(
         cache=state.cache.rollback(jnp.where(active, lengths, state.start)),

@@ -1,13 +1,13 @@
 """Native CPU kernels reached through `jax.ffi`, built on first use.
 
-Shape letters: M rows (batch times chunk), K input features, N output
-features.
+Shape letters (`specjax.shapes`): X rows (batch times chunk), I input
+features, O output features.
 
-`smallm_matmul(x [M, K], w [N, K]) -> [M, N]` is the small-M product that a
-decode step (M = B) and a verification pass (M = B(γ+1)) spend their time in.
-XLA CPU lowers a small-M dot to a GEMM that packs or re-reads the weight, so
+`smallm_matmul(x [X, I], w [O, I]) -> [X, O]` is the few-row product that a
+decode step (X = B) and a verification pass (X = B(γ+1)) spend their time in.
+XLA CPU lowers a few-row dot to a GEMM that packs or re-reads the weight, so
 on some CPUs a 5-row pass costs 2x a 1-row pass (BENCHMARKS.md). The kernel
-(`smallm.cc`) reads each weight row once and applies it to all M rows.
+(`smallm.cc`) reads each weight row once and applies it to all X rows.
 
 The source ships with the package and is compiled once per machine with the
 host's C++ compiler and `-march=native` into
@@ -128,7 +128,7 @@ def available() -> bool:
 
 
 def smallm_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x [M, K] float32 times w [N, K] float32 (contracted on K) -> [M, N].
+  """x [X, I] float32 times w [O, I] float32 (contracted on I) -> [X, O].
 
   Raises:
     KernelError: the kernels are not available here.
@@ -141,7 +141,7 @@ def smallm_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     raise ValueError(f"smallm_matmul needs float32, got {x.dtype} and "
                      f"{w.dtype}.")
   if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
-    raise ValueError(f"smallm_matmul needs x [M, K] and w [N, K], got "
+    raise ValueError(f"smallm_matmul needs x [X, I] and w [O, I], got "
                      f"{x.shape} and {w.shape}.")
   if x.shape[0] > MAX_ROWS:
     raise ValueError(f"smallm_matmul takes at most {MAX_ROWS} rows, got "

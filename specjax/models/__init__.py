@@ -1,18 +1,18 @@
 """Llama-family models: `ModelConfig`, the Flax `Transformer`, and `Model`.
 
-Shape letters: B batch, T chunk, P padded prompt, S cache size, E hidden,
-V vocab.
+Shape letters (`specjax.shapes`): B batch, T chunk, P padded prompt, S cache
+size, E hidden, V vocab.
 
 `Model` is the handle loaders return and decoders take: a pytree whose leaves
 are the parameters and whose static part is the config, so it can be passed
-straight into `jax.jit`. Decoders only use the `LanguageModel` protocol below,
-so any model (a fake with fixed logits, another Flax model with its own cache)
+straight into `jax.jit`. Decoders only use the `LanguageModel` protocol
+(`specjax.models.protocol`), so any model (a fake with fixed logits, another Flax model with its own cache)
 can be verified or drafted with by implementing three methods.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import flax.struct
 import jax
@@ -27,51 +27,23 @@ from specjax.models.config import ModelConfig
 from specjax.models.config import param_shapes
 from specjax.models.config import RopeScaling
 from specjax.models.matmul import MatmulPlan
+from specjax.models.protocol import LanguageModel
+from specjax.models.protocol import ModelOutput
+from specjax.models.protocol import model_output
+from specjax.models.protocol import supports_compaction
 from specjax.models.transformer import Transformer
+from specjax.models.transformer import TransformerOutput
 
 __all__ = [
     "ARCHITECTURES", "LanguageModel", "MatmulPlan", "Model", "ModelConfig",
-    "RopeScaling",
-    "Transformer", "check_params", "init_random", "param_shapes",
+    "ModelOutput", "RopeScaling", "Transformer", "TransformerOutput",
+    "check_params", "init_random", "model_output", "param_shapes",
+    "supports_compaction",
 ]
 
 
 # Prompt tokens per prefill pass when the prompt buffer is wider.
 PREFILL_CHUNK = 64
-
-
-class LanguageModel(Protocol):
-  """What the decoders need from a model.
-
-  The cache is any pytree with a `lengths` [B] int32 field and a
-  `rollback(lengths)` method; `vocab_size` sizes the output buffers.
-
-  Decoders rely on rollback being only "set `lengths`": a chunk may carry
-  tokens past what a row keeps (prompt padding in `prefill`, rejected drafts
-  in verification, a junk second token when the draft model catches up one
-  token), and the row then resumes from a shorter length. A cache must
-  therefore be able to resume from any length it has passed, e.g. keep
-  per-position keys/values (transformers) or per-position states (RNNs).
-  """
-
-  vocab_size: int
-
-  def init_cache(self, batch: int, size: int) -> Any:
-    """An empty cache for `batch` rows of `size` positions."""
-
-  def __call__(self, tokens: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
-    """tokens [B, T] at `cache.lengths` -> logits [B, T, V] float32, cache.
-
-    The returned cache holds the chunk and has `lengths` advanced by T.
-    """
-
-  def prefill(self, tokens: jax.Array, lengths: jax.Array,
-              cache: Any) -> tuple[jax.Array, Any]:
-    """Right-padded prompts [B, P] with [B] lengths -> last logits [B, V].
-
-    `cache` is fresh from `init_cache`. The returned cache has `lengths` set
-    to the prompt lengths; what the padding wrote past them is stale.
-    """
 
 
 @flax.struct.dataclass
@@ -138,20 +110,29 @@ class Model:
         num_layers=c.num_layers, batch=batch, size=size,
         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype)
 
-  def hidden(self, tokens: jax.Array, cache: cache_lib.KVCache,
-             cache_is_empty: bool = False):
-    """tokens [B, T] -> hidden [B, T, E], cache (see `Transformer`)."""
-    return self.module.apply({"params": self.params}, tokens, cache,
-                             cache_is_empty)
+  def forward(self, tokens: jax.Array | None, cache: cache_lib.KVCache,
+              **kwargs) -> TransformerOutput:
+    """The full pass (`Transformer.__call__`, every keyword there):
+    hidden states, residual stream, chosen layers' outputs and the cache."""
+    return self.module.apply({"params": self.params}, tokens, cache, **kwargs)
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """hidden [..., E] -> logits [..., V] float32."""
     return self.module.apply({"params": self.params}, hidden,
                              method=Transformer.logits)
 
-  def __call__(self, tokens: jax.Array, cache: cache_lib.KVCache):
-    hidden, cache = self.hidden(tokens, cache)
-    return self.logits(hidden), cache
+  def __call__(self, tokens: jax.Array | None, cache: cache_lib.KVCache, *,
+               positions: jax.Array | None = None,
+               mask: jax.Array | None = None, **kwargs):
+    """tokens [B, T] -> `ModelOutput` (logits [B, T, V], hidden [B, T, E]),
+    cache. `positions` [B, T] and `mask` [B or 1, T, T] set the chunk's
+    geometry (default: consecutive after `cache.lengths`, causal); other
+    keywords (`layers`, `residual`, `hidden_layers`) go to `forward`."""
+    out = self.forward(tokens, cache, positions=positions, mask=mask,
+                       **kwargs)
+    return ModelOutput(logits=self.logits(out.hidden), hidden=out.hidden,
+                       residual=out.residual,
+                       layer_hidden=out.layer_hidden), out.cache
 
   def prefill(self, tokens: jax.Array, lengths: jax.Array,
               cache: cache_lib.KVCache, chunk: int | None = PREFILL_CHUNK):
@@ -164,7 +145,8 @@ class Model:
     """
     batch, width = tokens.shape
     if chunk is None or width <= chunk or width % chunk or width > cache.size:
-      hidden, cache = self.hidden(tokens, cache, cache_is_empty=True)
+      out = self.forward(tokens, cache, cache_is_empty=True)
+      hidden, cache = out.hidden, out.cache
       last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)
       logits = self.logits(last[:, 0])  # [B, V]; the last prompt position
       return logits, cache.rollback(lengths)
@@ -174,7 +156,8 @@ class Model:
       start = i * chunk
       piece = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
       cache = cache.rollback(jnp.full((batch,), start, jnp.int32))
-      hidden, cache = self.hidden(piece, cache)  # [B, chunk, E]
+      out = self.forward(piece, cache)
+      hidden, cache = out.hidden, out.cache  # [B, chunk, E]
       at = lengths - 1 - start  # the last prompt position, if in this chunk
       here = jnp.take_along_axis(
           hidden, jnp.clip(at, 0, chunk - 1)[:, None, None], axis=1)[:, 0]

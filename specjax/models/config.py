@@ -4,7 +4,7 @@ The config is frozen and hashable, so it can be a static argument of `jax.jit`
 (it fixes every shape); parameters live in a separate plain pytree whose layout
 `param_shapes` defines once for the module, the loaders and the tests.
 
-Shape letters: V vocab, E hidden (embedding) size, F MLP hidden size, L layers,
+Shape letters (`specjax.shapes`): V vocab, E hidden (embedding) size, F MLP hidden size, L layers,
 H query heads, K key/value heads, D head dim.
 """
 
@@ -110,9 +110,10 @@ class ModelConfig:
 def param_shapes(config: ModelConfig) -> dict[str, Any]:
   """The parameter pytree layout, as nested containers of shapes.
 
-  Matrices are stored [in, out]. On XLA CPU this keeps a (γ+1)-row
-  verification pass close to the cost of a one-row pass (measured in
-  BENCHMARKS.md; [out, in] cost 2.3x for 5 rows). Layers are a list of
+  Matrices are declared [in, out], the canonical layout; a `MatmulPlan`
+  may store them [out, in] instead, chosen per machine by
+  `specjax.tuning.matmul` (which layout keeps a (γ+1)-row verification pass
+  near the cost of one row depends on the CPU). Layers are a list of
   per-layer dicts, unrolled at trace time: slicing one stacked [L, ...] array
   per layer (scan or static slices) copied the weights and ran 4-10x slower,
   so each layer is its own dict `layers_{i}` (Flax's names for a list of

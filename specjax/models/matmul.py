@@ -1,9 +1,9 @@
 """How the model's matrix products are computed: `MatmulPlan` and `project`.
 
-Shape letters: `...` leading axes (B batch, T chunk), I input features,
-O output features, M = prod(...) rows.
+Shape letters (`specjax.shapes`): `...` leading axes (B batch, T chunk), I
+input features, O output features, X = prod(...) rows.
 
-A decode step multiplies M = B rows, and a verification pass M = B(γ+1)
+A decode step multiplies X = B rows, and a verification pass X = B(γ+1)
 rows, by every weight matrix. Both are bound by reading the weights, so
 they should cost about the same. Whether they do depends on the CPU, the
 stored layout and the dot implementation (BENCHMARKS.md: the same XLA dot
@@ -45,7 +45,7 @@ class MatmulPlan:
   Attributes:
     layout: "in_out" (stored [I, O]) or "out_in" (stored [O, I]).
     kernel: route small products to the specjax CPU kernel (needs out_in).
-    kernel_max_rows: the most rows M sent to the kernel.
+    kernel_max_rows: the most rows X sent to the kernel.
   """
 
   layout: str = "in_out"
@@ -106,7 +106,7 @@ def project(x: jax.Array, w: jax.Array, plan: MatmulPlan,
     rows *= n
   if (plan.kernel and rows <= plan.kernel_max_rows
       and x.dtype == jnp.float32 and w.dtype == jnp.float32):
-    out = kernels.smallm_matmul(x.reshape(rows, x.shape[-1]), w)  # [M, O]
+    out = kernels.smallm_matmul(x.reshape(rows, x.shape[-1]), w)  # [X, O]
     return out.reshape(*lead, w.shape[0]).astype(out_dtype or x.dtype)
   contract = 1 if plan.transposed else 0
   return jax.lax.dot_general(

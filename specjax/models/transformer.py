@@ -1,14 +1,17 @@
 """A Llama-family decoder as a Flax module with an explicit KV cache.
 
-Shape letters: B batch, T tokens in this call, S cache size, E hidden size,
-F MLP size, H query heads, K key/value heads, G = H // K query heads per
-key/value head, D head dim, V vocab.
+Shape letters (`specjax.shapes`): B batch, T tokens in this call, S cache
+size, L layers, E hidden size, F MLP size, H query heads, K key/value heads,
+R = H // K query heads per key/value head, D head dim, V vocab.
 
 One forward serves prefill (T = padded prompt length, offsets 0), decoding
-(T = 1) and verification (T = γ + 1): the T tokens of row b sit at absolute
-positions `cache.lengths[b] + t`. They attend to the row's valid cache slots
-and causally to each other (with a sliding window, only to positions after
-`position - window`), then are scattered into the cache at those positions.
+(T = 1), verification (T = γ + 1) and token trees. The caller owns the
+geometry: the T tokens of row b are written to cache slots
+`cache.lengths[b] + t` and sit at `positions[b, t]` (default: the slot), and
+`mask[b, t, u]` says which chunk tokens each query reads (default: causal).
+Queries also read the row's valid cache slots; cache slots hold consecutive
+positions (slot s is position s, which `KVCache.compact` maintains), so a
+sliding window is computed from positions, never from index differences.
 Stale cache entries past a row's length are never read, so rollback is only a
 change of `cache.lengths`. The cache is read once per layer and never copied
 whole: only the new chunk is written.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,31 +80,60 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   return scale * x32.astype(x.dtype)
 
 
-def attention_masks(offsets: jax.Array, num_tokens: int, size: int,
+def default_positions(offsets: jax.Array, num_tokens: int) -> jax.Array:
+  """[B] cache lengths -> [B, T] positions of a chunk written after them."""
+  return offsets[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None]
+
+
+def causal_mask(num_tokens: int) -> jax.Array:
+  """[1, T, T] bool, query t reads chunk tokens u <= t."""
+  t = jnp.arange(num_tokens)
+  return (t[None, :] <= t[:, None])[None]
+
+
+def attention_masks(offsets: jax.Array, positions: jax.Array,
+                    mask: jax.Array, size: int,
                     window: int | None) -> tuple[jax.Array, jax.Array]:
   """Which keys each query of a chunk may read.
 
-  Queries sit at positions `offsets[b] + t`. Keys are the S cache slots (valid
-  below `offsets[b]`) and the chunk itself (causal).
-
   Args:
-    offsets: [B] int32 valid cache length per row.
-    num_tokens: T.
+    offsets: [B] int32 valid cache length per row (slot s holds position s).
+    positions: [B, T] int32 positions of the chunk's tokens.
+    mask: [B or 1, T, T] bool, which chunk tokens each query reads.
     size: S.
-    window: sliding window, or None.
+    window: sliding window, or None: a query at position p then reads only
+      keys at positions > p - window.
 
   Returns:
-    cache_mask [B, T, S] and chunk_mask [1, T, T], bool.
+    cache_mask [B, T, S] and chunk_mask [B or 1, T, T], bool.
   """
-  t = jnp.arange(num_tokens)
-  pos = offsets[:, None, None] + t[None, :, None]  # [B, T, 1]
   slots = jnp.arange(size)[None, None, :]
   cache_mask = slots < offsets[:, None, None]
-  chunk_mask = t[None, None, :] <= t[None, :, None]
+  chunk_mask = mask
   if window is not None:
-    cache_mask &= slots > pos - window
-    chunk_mask &= t[None, :, None] - t[None, None, :] < window
+    query = positions[:, :, None]  # [B, T, 1]
+    cache_mask &= slots > query - window
+    chunk_mask &= query - positions[:, None, :] < window
   return cache_mask, chunk_mask
+
+
+@flax.struct.dataclass(kw_only=True)
+class TransformerOutput:
+  """What one pass over a chunk returns.
+
+  Attributes:
+    hidden: [B, T, E] the last layer run's output, final norm applied (the
+      input of the LM head).
+    residual: [B, T, E] the same before the final norm (the input of the
+      next layer, to continue a layer range).
+    cache: the cache with the chunk written, `lengths` advanced by T.
+    layer_hidden: one [B, T, E] residual stream per requested layer.
+  """
+
+  hidden: jax.Array
+  residual: jax.Array
+  cache: cache_lib.KVCache
+  layer_hidden: tuple[jax.Array, ...] = ()
 
 
 class Block(nn.Module):
@@ -132,7 +165,7 @@ class Block(nn.Module):
       v_cache: [B, S, K, D] this layer's cached values, or None.
       positions: [B, T] absolute positions of the chunk.
       cache_mask: [B, T, S] which cache slots each query reads, or None.
-      chunk_mask: [1, T, T] which chunk tokens each query reads.
+      chunk_mask: [B or 1, T, T] which chunk tokens each query reads.
 
     Returns:
       x [B, T, E], and the chunk's keys and values [B, T, K, D] for the cache.
@@ -142,43 +175,45 @@ class Block(nn.Module):
     b, t, _ = x.shape
     ones = nn.initializers.ones
 
-    h = rms_norm(x, self._param("attn_norm", (e,), ones), c.rms_norm_eps)
-    q = self._dense(h, "q", e, nh * d)
-    k = self._dense(h, "k", e, nk * d)
-    v = self._dense(h, "v", e, nk * d)
-    if c.qkv_bias:
-      zeros = nn.initializers.zeros
-      q += self._param("q_bias", (nh * d,), zeros)
-      k += self._param("k_bias", (nk * d,), zeros)
-      v += self._param("v_bias", (nk * d,), zeros)
-    inv_freq = rope_inv_freq(c)
-    q = apply_rope(q.reshape(b, t, nh, d), positions, inv_freq)
-    k = apply_rope(k.reshape(b, t, nk, d), positions, inv_freq)
-    v = v.reshape(b, t, nk, d)
+    with jax.named_scope("attention"):
+      h = rms_norm(x, self._param("attn_norm", (e,), ones), c.rms_norm_eps)
+      q = self._dense(h, "q", e, nh * d)
+      k = self._dense(h, "k", e, nk * d)
+      v = self._dense(h, "v", e, nk * d)
+      if c.qkv_bias:
+        zeros = nn.initializers.zeros
+        q += self._param("q_bias", (nh * d,), zeros)
+        k += self._param("k_bias", (nk * d,), zeros)
+        v += self._param("v_bias", (nk * d,), zeros)
+      inv_freq = rope_inv_freq(c)
+      q = apply_rope(q.reshape(b, t, nh, d), positions, inv_freq)
+      k = apply_rope(k.reshape(b, t, nk, d), positions, inv_freq)
+      v = v.reshape(b, t, nk, d)
 
-    # Queries grouped by key/value head: [B, T, H, D] -> [B, T, K, G, D].
-    q = q.reshape(b, t, nk, nh // nk, d) / np.sqrt(d).astype(q.dtype)
-    f32 = jnp.float32
-    scores = jnp.einsum("btkgd,bukd->bkgtu", q, k,
-                        preferred_element_type=f32)  # [B, K, G, T, T]
-    scores = jnp.where(chunk_mask[:, None, None], scores, -jnp.inf)
-    if k_cache is not None:
-      s_cache = jnp.einsum("btkgd,bskd->bkgts", q, k_cache.astype(q.dtype),
-                           preferred_element_type=f32)  # [B, K, G, T, S]
-      s_cache = jnp.where(cache_mask[:, None, None], s_cache, -jnp.inf)
-      scores = jnp.concatenate([s_cache, scores], -1)  # [B, K, G, T, S+T]
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    attn = jnp.einsum("bkgtu,bukd->btkgd", probs[..., -t:], v)
-    if k_cache is not None:
-      attn += jnp.einsum("bkgts,bskd->btkgd", probs[..., :-t],
-                         v_cache.astype(v.dtype))  # [B, T, K, G, D]
-    x = x + self._dense(attn.reshape(b, t, nh * d), "o", nh * d, e)
+      # Queries grouped by key/value head: [B, T, H, D] -> [B, T, K, R, D].
+      q = q.reshape(b, t, nk, nh // nk, d) / np.sqrt(d).astype(q.dtype)
+      f32 = jnp.float32
+      scores = jnp.einsum("btkrd,bukd->bkrtu", q, k,
+                          preferred_element_type=f32)  # [B, K, R, T, T]
+      scores = jnp.where(chunk_mask[:, None, None], scores, -jnp.inf)
+      if k_cache is not None:
+        s_cache = jnp.einsum("btkrd,bskd->bkrts", q, k_cache.astype(q.dtype),
+                             preferred_element_type=f32)  # [B, K, R, T, S]
+        s_cache = jnp.where(cache_mask[:, None, None], s_cache, -jnp.inf)
+        scores = jnp.concatenate([s_cache, scores], -1)  # [B, K, R, T, S+T]
+      probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+      attn = jnp.einsum("bkrtu,bukd->btkrd", probs[..., -t:], v)
+      if k_cache is not None:
+        attn += jnp.einsum("bkrts,bskd->btkrd", probs[..., :-t],
+                           v_cache.astype(v.dtype))  # [B, T, K, R, D]
+      x = x + self._dense(attn.reshape(b, t, nh * d), "o", nh * d, e)
 
-    h = rms_norm(x, self._param("mlp_norm", (e,), ones), c.rms_norm_eps)
-    gate = self._dense(h, "gate", e, c.intermediate_size)
-    up = self._dense(h, "up", e, c.intermediate_size)
-    x = x + self._dense(jax.nn.silu(gate) * up, "down", c.intermediate_size,
-                        e)
+    with jax.named_scope("mlp"):
+      h = rms_norm(x, self._param("mlp_norm", (e,), ones), c.rms_norm_eps)
+      gate = self._dense(h, "gate", e, c.intermediate_size)
+      up = self._dense(h, "up", e, c.intermediate_size)
+      x = x + self._dense(jax.nn.silu(gate) * up, "down",
+                          c.intermediate_size, e)
     return x, k, v
 
 
@@ -208,44 +243,82 @@ class Transformer(nn.Module):
           self.plan.stored_shape((c.hidden_size, c.vocab_size)),
           self.param_dtype)
 
-  def __call__(self, tokens: jax.Array, cache: cache_lib.KVCache,
-               cache_is_empty: bool = False):
+  def __call__(self, tokens: jax.Array | None, cache: cache_lib.KVCache, *,
+               positions: jax.Array | None = None,
+               mask: jax.Array | None = None,
+               layers: tuple[int, int] | None = None,
+               residual: jax.Array | None = None,
+               hidden_layers: tuple[int, ...] = (),
+               cache_is_empty: bool = False) -> "TransformerOutput":
     """Runs a chunk of tokens per row at the rows' cache offsets.
 
     Args:
-      tokens: [B, T] int32.
-      cache: KVCache with k, v [L, B, S, K, D]; row b's chunk goes at
-        `cache.lengths[b]`.
+      tokens: [B, T] int32, embedded as the input of the first layer run;
+        None when `residual` is given instead.
+      cache: KVCache with k, v [L, B, S, K, D]; row b's chunk goes to slots
+        `cache.lengths[b] + t`.
+      positions: [B, T] int32 positions of the chunk (default: the slots).
+      mask: [B or 1, T, T] bool chunk attention (default: causal).
+      layers: static (start, stop), run only layers start..stop-1 (early
+        exit; default all). Only their cache layers are written.
+      residual: [B, T, E] the residual stream entering layer `start`
+        (`TransformerOutput.residual` of a run that stopped there).
+      hidden_layers: static layer indices whose outputs (residual stream
+        after that layer) are returned, e.g. for EAGLE-3 feature fusion.
       cache_is_empty: static promise that every row's length is 0 (prefill):
         attention then skips the cache, which saves work and keeps XLA from
         constant-folding attention over a zero cache at compile time.
 
     Returns:
-      hidden [B, T, E] (final norm applied) and the cache with the chunk
-      written and `lengths` advanced by T.
+      A `TransformerOutput`; the cache in it has the chunk written and
+      `lengths` advanced by T.
     """
+    c = self.config
+    first, stop = (0, c.num_layers) if layers is None else layers
+    if not 0 <= first < stop <= c.num_layers:
+      raise ValueError(f"layers={layers} is not a range within the "
+                       f"{c.num_layers} layers.")
+    if (residual is None) == (tokens is None):
+      raise ValueError("Pass exactly one of tokens and residual.")
+    x = jnp.take(self.embed, tokens, axis=0) if residual is None else residual
+    batch, num_tokens, _ = x.shape  # [B, T, E]
     offsets = cache.lengths
-    num_tokens = tokens.shape[1]
-    positions = offsets[:, None] + jnp.arange(num_tokens)[None]  # [B, T]
-    cache_mask, chunk_mask = attention_masks(
-        offsets, num_tokens, cache.size, self.config.sliding_window)
-    x = jnp.take(self.embed, tokens, axis=0)  # [B, T, E]
-    ks, vs = [], []
-    for i, layer in enumerate(self.layers):
-      if cache_is_empty:
-        x, k, v = layer(x, None, None, positions, None, chunk_mask)
-      else:
-        x, k, v = layer(x, cache.k[i], cache.v[i], positions, cache_mask,
-                        chunk_mask)
+    if positions is None:
+      positions = default_positions(offsets, num_tokens)
+    if mask is None:
+      mask = causal_mask(num_tokens)
+    cache_mask, chunk_mask = attention_masks(offsets, positions, mask,
+                                             cache.size, c.sliding_window)
+    ks, vs, chosen = [], [], {}
+    for i in range(first, stop):
+      with jax.named_scope(f"layer_{i}"):
+        if cache_is_empty:
+          x, k, v = self.layers[i](x, None, None, positions, None, chunk_mask)
+        else:
+          x, k, v = self.layers[i](x, cache.k[i], cache.v[i], positions,
+                                   cache_mask, chunk_mask)
       ks.append(k)
       vs.append(v)
-    x = rms_norm(x, self.final_norm, self.config.rms_norm_eps)
-    # [L, B, T, K, D] chunks scattered into [L, B, S, K, D] at each row's offset.
+      if i in hidden_layers:
+        chosen[i] = x
+    missing = set(hidden_layers) - set(chosen)
+    if missing:
+      raise ValueError(f"hidden_layers {sorted(missing)} are not run by "
+                       f"layers={layers}.")
+    hidden = rms_norm(x, self.final_norm, c.rms_norm_eps)
+    # [l, B, T, K, D] chunks scattered into [L, B, S, K, D] at each row's
+    # offset, for the l layers run.
     write = jax.vmap(cache_lib.write_rows, in_axes=(0, 0, None))
-    new_cache = cache.replace(k=write(cache.k, jnp.stack(ks), offsets),
-                              v=write(cache.v, jnp.stack(vs), offsets),
+    k_new = write(cache.k[first:stop], jnp.stack(ks), offsets)
+    v_new = write(cache.v[first:stop], jnp.stack(vs), offsets)
+    if (first, stop) != (0, c.num_layers):
+      k_new = cache.k.at[first:stop].set(k_new)
+      v_new = cache.v.at[first:stop].set(v_new)
+    new_cache = cache.replace(k=k_new, v=v_new,
                               lengths=offsets + num_tokens)
-    return x, new_cache
+    return TransformerOutput(
+        hidden=hidden, residual=x, cache=new_cache,
+        layer_hidden=tuple(chosen[i] for i in hidden_layers))
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """[..., E] -> [..., V] float32."""

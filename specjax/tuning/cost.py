@@ -1,6 +1,6 @@
 """Measured forward costs, and the speculative throughput they predict.
 
-Shape letters: B batch, P padded prompt, S cache size, T tokens per
+Shape letters (`specjax.shapes`): B batch, P padded prompt, S cache size, T tokens per
 forward, G = γ.
 
 A speculative step costs the drafter's work plus one target pass over
@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from specjax import decode
 from specjax import hardware
+from specjax.models.protocol import model_output
 from specjax.tuning import store
 
 __all__ = ["READ_BYTES", "ForwardCosts", "compiled_forward_hlo",
@@ -49,7 +50,8 @@ READ_BYTES = 1 << 30
 def _forward(model, tokens, cache):
   """tokens [B, T] at the cache's lengths -> [B] argmax; cache unchanged."""
   start = cache.lengths
-  logits, cache = model(tokens, cache)  # [B, T, V]
+  out, cache = model(tokens, cache)  # [B, T] -> logits [B, T, V]
+  logits = model_output(out).logits
   return jnp.argmax(logits[:, -1], -1), cache.rollback(start)
 
 

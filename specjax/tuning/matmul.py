@@ -1,14 +1,15 @@
 """Choosing a model's `MatmulPlan` by measuring, once per machine.
 
-Shape letters: E hidden, F MLP, Q = H·D query width, C = K·D key/value
-width, V vocab, M rows per product (batch times chunk).
+Shape letters (`specjax.shapes`): E hidden, F MLP, H query heads, K
+key/value heads, D head dim, V vocab, X rows per product (batch times
+chunk).
 
 Which formulation of the model's matrix products keeps a verification pass
-(M = B(γ+1) rows) as cheap as a decode step (M = B) depends on the CPU, not
+(X = B(γ+1) rows) as cheap as a decode step (X = B) depends on the CPU, not
 only on its kind (BENCHMARKS.md). `tune` therefore times every candidate
 plan (`candidates`) on a stack of weight matrices of the model's own shapes
 (q, k, v, o, gate, up, down per layer, enough layers to exceed the caches,
-plus a slice of the vocabulary head), at each M in `rows`, interleaved
+plus a slice of the vocabulary head), at each X in `rows`, interleaved
 round-robin. It picks the plan with the least total time over `rows`, i.e.
 one decode step plus one verification pass for the default rows (1, 5).
 
@@ -54,9 +55,9 @@ class TuneResult:
   Attributes:
     plan: the chosen plan.
     source: "measured", "cache" or "forced".
-    timings_ms: plan name -> {str(M): median ms of the stack at M rows};
+    timings_ms: plan name -> {str(X): median ms of the stack at X rows};
       empty when forced.
-    rows: the M values timed.
+    rows: the X values timed.
     key: the cache key.
   """
 
@@ -118,7 +119,7 @@ def _stack(config: ModelConfig, dtype: Any, plan: MatmulPlan):
 
 
 def _forward(plan: MatmulPlan):
-  """Applies every matrix once to x [M, E], chaining so nothing is skipped."""
+  """Applies every matrix once to x [X, E], chaining so nothing is skipped."""
   head_plan = dataclasses.replace(plan, layout="out_in")
 
   @jax.jit
@@ -165,7 +166,7 @@ def tune(config: ModelConfig, dtype: Any = jnp.float32, *,
   Args:
     config: the model's shapes.
     dtype: its parameter dtype.
-    rows: the M values that matter (decode step and verification pass rows).
+    rows: the X values that matter (decode step and verification pass rows).
     matmul: "auto", or a plan (name) to force.
     cache_dir: cache root (default `$SPECJAX_CACHE` or ~/.cache/specjax).
 

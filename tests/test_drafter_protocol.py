@@ -1,0 +1,193 @@
+"""Drafters written against the public protocol alone, and a real KV-cached
+draft that is partly right.
+
+Expectations come from `generate` on the target (an independent loop with
+no drafter), from hand-computed fixed-logit chains, and from fresh forwards
+of the committed text.
+"""
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import decode
+from specjax import speculate
+from specjax import testing
+from specjax.drafters import DraftModel
+from specjax.drafters import Proposal
+
+V = 16
+
+
+def _successor_table() -> jnp.ndarray:
+  """Fixed logits: after t the target picks t + 1, or t + 3 when t % 5 == 0
+  (so a drafter guessing "+1" is sometimes wrong)."""
+  t = np.arange(V)
+  nxt = np.where(t % 5 == 0, t + 3, t + 1) % V
+  return jnp.asarray(np.eye(V, dtype=np.float32)[nxt] * 10.0)
+
+
+@flax.struct.dataclass(kw_only=True)
+class CountingState:
+  last: jax.Array  # [B] int32 newest committed token
+  committed: jax.Array  # [B] int32 tokens committed so far (first included)
+  hidden: Any  # [B, E] the target's hidden state after the last draft, or 0
+
+
+@flax.struct.dataclass
+class CountingDrafter:
+  """A toy: always proposes last + 1, last + 2, ... (no q: deterministic)."""
+
+  vocab_size: int = flax.struct.field(pytree_node=False)
+  hidden_size: int = flax.struct.field(pytree_node=False, default=1)
+
+  def init(self, prompts, prompt_lengths, first_token, cache_size):
+    del prompts, prompt_lengths, cache_size
+    batch = first_token.shape[0]
+    return CountingState(last=first_token,
+                         committed=jnp.ones((batch,), jnp.int32),
+                         hidden=jnp.zeros((batch, self.hidden_size)))
+
+  def propose(self, state, key, params, gamma, stop_threshold):
+    del key, params, stop_threshold
+    steps = jnp.arange(1, gamma + 1, dtype=jnp.int32)
+    tokens = (state.last[:, None] + steps[None]) % self.vocab_size
+    batch = tokens.shape[0]
+    return Proposal(tokens=tokens,
+                    num_drafted=jnp.full((batch,), gamma, jnp.int32),
+                    num_forwards=jnp.int32(0)), state
+
+  def commit(self, state, proposal, verification, active):
+    del proposal
+    last = jnp.take_along_axis(verification.emitted,
+                               verification.num_accepted[:, None], 1)[:, 0]
+    hidden = state.hidden
+    if verification.hidden is not None:
+      hidden = verification.hidden[:, -1]  # after the last draft
+    return CountingState(
+        last=jnp.where(active, last, state.last),
+        committed=state.committed + jnp.where(
+            active, verification.num_emitted, 0),
+        hidden=jnp.where(active[:, None], hidden, state.hidden))
+
+
+def test_a_toy_drafter_runs_exact_through_the_engine():
+  target = testing.FixedLogitsModel(_successor_table())
+  prompts = [[1], [4, 7], [10]]
+  out = decode.speculative_generate(target, CountingDrafter(V), prompts,
+                                    gamma=3, max_new_tokens=12)
+  # The greedy chain by hand: t -> t + 1, or t + 3 when t % 5 == 0.
+  for b, prompt in enumerate(prompts):
+    want, t = [], prompt[-1]
+    for _ in range(12):
+      t = (t + 3 if t % 5 == 0 else t + 1) % V
+      want.append(t)
+    assert out.row(b) == want
+  ref = decode.generate(target, prompts, max_new_tokens=12)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  accepted = out.stats.accepted_by_position.sum()
+  assert 0 < accepted < out.stats.proposed_by_position.sum()  # partial
+
+
+def test_commit_receives_the_target_outputs():
+  target, _ = testing.tiny_pair(seed=2)
+  drafter = CountingDrafter(target.vocab_size,
+                            target.config.hidden_size)
+  prompts = jnp.asarray([[3, 4, 5, 0], [6, 7, 8, 9]], jnp.int32)
+  lengths = jnp.array([3, 4], jnp.int32)
+  params = speculate.StepParams.create()
+  state = decode.init_spec_state(target, drafter, prompts, lengths, params,
+                                 jax.random.key(0), gamma=2,
+                                 max_new_tokens=8, cache_size=32)
+  step = jax.jit(lambda s: speculate.speculate_step(
+      s, target=target, drafter=drafter, params=params, gamma=2,
+      max_new_tokens=8))
+  before = state
+  state = step(state)
+  # The hidden state after the last draft, recomputed by a fresh forward of
+  # prompt + first token + both drafts.
+  for b in range(2):
+    n = int(lengths[b])
+    first = int(before.last_token[b])
+    drafts = [(first + 1) % target.vocab_size, (first + 2) % target.vocab_size]
+    text = list(np.asarray(prompts[b, :n])) + [first] + drafts
+    fresh, _ = target(jnp.asarray([text], jnp.int32), target.init_cache(1, 16))
+    np.testing.assert_allclose(state.drafter_state.hidden[b],
+                               fresh.hidden[0, -1], atol=1e-5)
+  np.testing.assert_array_equal(state.drafter_state.committed,
+                                state.num_generated)
+
+
+def _perturbed_draft(target, scale=0.1):
+  """The target with noise added to its lm_head: a real KV-cached draft that
+  agrees with the target often but not always."""
+  head = target.params["lm_head"]
+  noise = jax.random.normal(jax.random.key(1), head.shape) * 0.02 * scale
+  return target.replace(params={**target.params, "lm_head": head + noise})
+
+
+@pytest.mark.parametrize("gamma", [2, 4])
+def test_partial_acceptance_on_a_perturbed_draft(gamma):
+  target, _ = testing.tiny_pair(seed=0)
+  draft = _perturbed_draft(target)
+  prompts = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13]]
+  out = decode.speculative_generate(target, draft, prompts, gamma=gamma,
+                                    max_new_tokens=40)
+  ref = decode.generate(target, prompts, max_new_tokens=40)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  alpha = (out.stats.accepted_by_position.sum()
+           / out.stats.proposed_by_position.sum())
+  assert 0.2 < alpha < 0.9, alpha
+
+
+def test_draft_cache_stays_in_sync_with_the_committed_text():
+  # Step by step, the draft's cache must hold exactly the committed text
+  # but its pending tokens, with keys equal to a fresh prefill of it; the
+  # case where every draft was accepted (its last draft never fed, so two
+  # tokens are pending) must occur and stay in sync too.
+  target, _ = testing.tiny_pair(seed=0)
+  draft = _perturbed_draft(target)
+  drafter = DraftModel(draft)
+  gamma, max_new = 3, 30
+  prompts, lengths, size = decode.prepare_prompts(
+      [[5, 17, 99, 3], [42]], target.vocab_size, max_new_tokens=max_new,
+      cache_size=None, reserve=gamma + 1)
+  params = speculate.StepParams.create()
+  state = decode.init_spec_state(
+      target, drafter, jnp.asarray(prompts), jnp.asarray(lengths), params,
+      jax.random.key(0), gamma=gamma, max_new_tokens=max_new,
+      cache_size=size)
+  step = jax.jit(lambda s: speculate.speculate_step(
+      s, target=target, drafter=drafter, params=params, gamma=gamma,
+      max_new_tokens=max_new))
+  saw_two_pending = saw_partial = False
+  while not bool(np.all(state.done)):
+    state = step(state)
+    ds = state.drafter_state
+    for b in range(2):
+      if bool(state.done[b]):
+        continue
+      n = int(state.num_generated[b])
+      committed = list(prompts[b, :lengths[b]]) + list(
+          np.asarray(state.tokens[b, :n]))
+      pending = int(ds.num_pending[b])
+      saw_two_pending |= pending == 2
+      assert int(ds.cache.lengths[b]) == len(committed) - pending
+      assert list(np.asarray(ds.pending[b, :pending])) == committed[-pending:]
+      assert int(state.target_cache.lengths[b]) == len(committed) - 1
+      fed = jnp.asarray([committed[:-pending]], jnp.int32)
+      _, fresh = draft(fed, draft.init_cache(1, fed.shape[1]))
+      np.testing.assert_allclose(
+          ds.cache.k[:, b, :fed.shape[1]], fresh.k[:, 0], atol=1e-5)
+    last = state.stats.accepted[:, int(state.stats.steps) - 1]
+    saw_partial |= bool(np.any((last >= 0) & (last < gamma)))
+  assert saw_two_pending and saw_partial
+  ref = decode.generate(target, [[5, 17, 99, 3], [42]],
+                        max_new_tokens=max_new)
+  for b in range(2):
+    got = np.asarray(state.tokens[b, :int(state.num_generated[b])])
+    np.testing.assert_array_equal(got, ref.row(b))
