@@ -22,7 +22,8 @@ Other arguments: `gamma=4`, `gammas=1/2/4/8` (sweep, `/`-separated),
 `batch=1`, `batches=1/2/4/8` (sweep), `prompts=mtbench`, `n=8` (prompts),
 `tokens=64` (max new tokens), `temperature=0.0`, `dtype=auto`,
 `matmul=auto` (or a forced plan, e.g. `matmul=in_out/xla`),
-`drafter=model|lookup`, e.g.
+`drafter=model|lookup|fallback|cascade`, `drafters=model/lookup/fallback/cascade`
+(sweep, one row per drafter), e.g.
 
   python -m experiments.run \
     --config=configs/llama_pair.py:gammas=1/2/4/8,n=4,tokens=32
@@ -68,7 +69,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = configs.parse_arg(
       arg, pair="qwen", gamma=4, gammas="", batch=1, batches="", prompts="",
       n=8, tokens=64, temperature=0.0, dtype="auto", matmul="auto",
-      drafter="model")
+      drafter="model", drafters="")
   if arg["pair"] not in PAIRS:
     raise ValueError(f"Unknown pair {arg['pair']!r} in the config argument "
                      f"'pair='; known pairs: {sorted(PAIRS)}.")
@@ -92,9 +93,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # `out_in/kernel` (the specjax CPU kernel).
   config.matmul = arg["matmul"]
 
-  # What drafts: `model` (config.draft) or `lookup` (n-gram prompt lookup
-  # in each row's own context, no model; `specjax.drafters.PromptLookup`).
+  # What drafts (`specjax.drafters`): `model` (config.draft), `lookup`
+  # (n-gram prompt lookup in each row's own context, no model), `fallback`
+  # (lookup where it matches, else the draft model, per row) or `cascade`
+  # (the draft model drafts its block by speculative decoding over lookup).
   config.drafter = arg["drafter"]
+  # Drafter sweep, e.g. ("model", "lookup"); empty runs only `drafter`.
+  config.drafters = tuple(x for x in arg["drafters"].split("/") if x)
+  # The cascade's inner γ: lookup tokens proposed to the draft model per
+  # round.
+  config.cascade_gamma = 2
   # γ: draft tokens proposed per speculative step.
   config.gamma = arg["gamma"]
   # γ sweep, e.g. (1, 2, 4, 8); empty runs only `gamma`.

@@ -128,11 +128,21 @@ def load_pair(config: Any) -> Pair:
   return Pair(target, draft, tokenizer, time.perf_counter() - start)
 
 
-def make_drafter(config: Any, pair: Pair) -> Any:
-  """What proposes tokens: the draft model, or n-gram prompt lookup."""
-  if config.drafter == "lookup":
-    return drafters.PromptLookup(vocab_size=pair.target.vocab_size)
-  return pair.draft
+def make_drafter(name: str, config: Any, pair: Pair) -> Any:
+  """The drafter `name` (`validation.DRAFTERS`) built from the pair."""
+  lookup = drafters.PromptLookup(vocab_size=pair.target.vocab_size)
+  if name == "lookup":
+    return lookup
+  if name == "fallback":
+    return drafters.Fallback(lookup, drafters.DraftModel(pair.draft))
+  if name == "cascade":
+    return drafters.Cascade(pair.draft, lookup, config.cascade_gamma)
+  return drafters.DraftModel(pair.draft)
+
+
+def drafter_names(config: Any) -> tuple[str, ...]:
+  """The drafters a run compares: the sweep, else `config.drafter`."""
+  return tuple(config.get("drafters", ())) or (config.drafter,)
 
 
 def tune_rows(config: Any) -> tuple[int, int]:
@@ -249,15 +259,19 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
                      batch_rows: Sequence[Sequence[int]], baseline: list,
                      gamma: int, cost: dict, run_kwargs: dict,
                      prompt_set: prompts_lib.PromptSet, config: Any,
-                     seen: set, advance: Callable[[], None]
-                     ) -> dict[str, Any]:
-  """Speculative decoding of every batch at one (B, γ), against baseline."""
+                     seen: set, advance: Callable[[], None],
+                     drafter_name: str) -> dict[str, Any]:
+  """Speculative decoding of every batch at one (B, γ, drafter), against
+  baseline."""
   batch_size = len(batches[0])
   greedy_check = (config.temperature == 0
                   and config.synthetic_acceptance is None)
-  drafter = make_drafter(config, pair)
-  # Drafting by lookup runs no model: its cost per target forward is 0.
-  draft_cost = 0.0 if config.drafter == "lookup" else cost["draft_cost_ratio"]
+  drafter = make_drafter(drafter_name, config, pair)
+  # Cost per target forward of each drafter component: the draft model's
+  # measured c; lookup runs no model.
+  component_costs = [cost["draft_cost_ratio"] if c == "model" else 0.0
+                     for c in drafters.components(drafter)]
+  draft_cost = max(component_costs)
   calls, rows = [], []
   for i, batch in enumerate(batches):
     call = _timed_call(
@@ -267,7 +281,8 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
             key=jax.random.fold_in(jax.random.key(config.seed), i),
             draft_stop_threshold=config.draft_stop_threshold,
             synthetic_acceptance=config.synthetic_acceptance, **run_kwargs),
-        ("spec", len(batch), _bucket(batch, run_kwargs), gamma), seen,
+        ("spec", len(batch), _bucket(batch, run_kwargs), gamma,
+         drafter_name), seen,
         config.timing_repeats)
     advance()
     calls.append(call)
@@ -323,8 +338,16 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
       "acceptance_rate": alpha,
       "mean_accepted_tokens": summary["mean_accepted_tokens"],
       "per_position_acceptance": summary["per_position_acceptance"],
-      "drafter": config.drafter,
+      "drafter": drafter_name,
       "draft_cost_ratio": draft_cost,
+      # Drafting cost per target forward: draft forwards (every component,
+      # weighted by its c) per speculative step.
+      "drafting_cost_per_step": float(np.dot(
+          component_costs, np.asarray(merged.draft_forwards).reshape(-1))
+          / max(int(merged.steps), 1)),
+      "draft_forwards_by_component": dict(zip(
+          drafters.components(drafter),
+          np.asarray(merged.draft_forwards).reshape(-1).tolist())),
       "baseline_tokens_per_s": base_tps,
       "spec_tokens_per_s": spec_tps,
       "speedup": _ratio(spec_tps, base_tps),
@@ -340,6 +363,10 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
       # place of the assumed 1: tokens per step / (γc + verify ratio).
       "predicted_speedup_measured_verify": metrics.predicted_speedup(
           alpha, gamma, draft_cost, verify_ratio),
+      # For any drafter: drafted fractions and forwards per step measured
+      # (specjax.metrics.predicted_speedup_extended).
+      "predicted_speedup_extended": metrics.predicted_speedup_extended(
+          merged, component_costs, verify_ratio),
       "verify_cost_ratio": verify_ratio,
       "lossless": all(lossless_rows) if greedy_check else None,
       "lossless_prompts": sum(bool(x) for x in lossless_rows),
@@ -427,17 +454,20 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
   if pair is None:
     pair = load_pair(config)
   prompt_set, encoded = encode_prompts(config, pair.tokenizer)
-  # One S for every γ: no call compiles for a cache of its own.
+  # One S for every γ and drafter: no call compiles for a cache of its own.
+  names = drafter_names(config)
+  extra = max(getattr(make_drafter(n, config, pair), "extra_positions", 0)
+              for n in names)
   cache_size = decode.default_cache_size(
       max(len(p) for p in encoded), config.max_new_tokens,
-      reserve=max(gammas) + 1)
+      reserve=max(gammas) + 1 + extra)
   eos = None if config.ignore_eos else list(pair.tokenizer.eos_ids)
   run_kwargs = dict(max_new_tokens=config.max_new_tokens,
                     temperature=config.temperature, top_k=config.top_k,
                     top_p=config.top_p, eos_id=eos, cache_size=cache_size)
 
   num_batches = {b: -(-len(encoded) // b) for b in batch_sizes}
-  bar = tqdm.tqdm(total=sum(n * (1 + len(gammas))
+  bar = tqdm.tqdm(total=sum(n * (1 + len(gammas) * len(names))
                             for n in num_batches.values()),
                   desc="generate", unit="call", disable=not config.progress)
   seen: set = set()
@@ -474,18 +504,21 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
                                 * cost.get("target_roofline_ms", math.nan)
                                 / 1e3),
         "warmup_s": sum(c.warmup_s for c in baseline)}
-    for gamma in gammas:
-      bar.set_postfix_str(f"B={batch_size} γ={gamma}")
-      runs.append(_speculative_run(
-          pair, batches, rows, baseline, gamma, cost, run_kwargs, prompt_set,
-          config, seen, bar.update))
+    for name in names:
+      for gamma in gammas:
+        bar.set_postfix_str(f"B={batch_size} γ={gamma} {name}")
+        runs.append(_speculative_run(
+            pair, batches, rows, baseline, gamma, cost, run_kwargs,
+            prompt_set, config, seen, bar.update, name))
   bar.close()
 
   head_gamma = config.gamma if config.gamma in gammas else gammas[0]
   head_batch = (config.batch_size if config.batch_size in batch_sizes
                 else batch_sizes[0])
+  head_drafter = config.drafter if config.drafter in names else names[0]
   head = next(r for r in runs
-              if r["gamma"] == head_gamma and r["batch_size"] == head_batch)
+              if r["gamma"] == head_gamma and r["batch_size"] == head_batch
+              and r["drafter"] == head_drafter)
   keys = ("acceptance_rate", "mean_accepted_tokens", "per_position_acceptance",
           "draft_cost_ratio", "baseline_tokens_per_s", "spec_tokens_per_s",
           "speedup", "decode_speedup", "predicted_speedup", "lossless")
@@ -493,9 +526,11 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
       **{k: head[k] for k in keys},
       "gamma": head_gamma,
       "batch_size": head_batch,
+      "drafter": head_drafter,
       "synthetic": config.synthetic_acceptance is not None,
       "per_prompt": head["per_prompt"],
-      "sweep": {"gammas": list(gammas), "batch_sizes": list(batch_sizes)},
+      "sweep": {"gammas": list(gammas), "batch_sizes": list(batch_sizes),
+                "drafters": list(names)},
       "runs": runs,
       "baselines": baselines,
       "cost": costs,

@@ -157,22 +157,30 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
   run_rows = []
   for r in results["runs"]:
     run_rows.append([
-        str(r["batch_size"]), str(r["gamma"]), _f(r["acceptance_rate"], ".3f"),
-        _f(r["mean_accepted_tokens"], ".2f"), _f(r["draft_cost_ratio"], ".3f"),
+        r.get("drafter", "model"), str(r["batch_size"]), str(r["gamma"]),
+        _f(r["acceptance_rate"], ".3f"), _f(r["mean_accepted_tokens"], ".2f"),
+        _f(r.get("drafting_cost_per_step"), ".2f"),
         _f(r["baseline_tokens_per_s"], ".2f"),
         _f(r["spec_tokens_per_s"], ".2f"), _f(r["speedup"], ".2f", "x"),
         _f(r.get("decode_speedup"), ".2f", "x"),
         _f(r["predicted_speedup"], ".2f", "x"),
         _f(r.get("predicted_speedup_measured_verify"), ".2f", "x"),
+        _f(r.get("predicted_speedup_extended"), ".2f", "x"),
         _lossless(r)])
-  lines.append(table(["B", "γ", "α", "τ", "c", "base tok/s", "spec tok/s",
-                      "speedup", "decode", "predicted", "pred. (verify)",
+  lines.append(table(["drafter", "B", "γ", "α", "τ", "draft/step",
+                      "base tok/s", "spec tok/s", "speedup", "decode",
+                      "predicted", "pred. (verify)", "pred. (ext.)",
                       "lossless"], run_rows))
-  lines.append("speedup: end to end, prompt passes included; decode: after "
-               "the first token, the phase the prediction models. predicted:"
-               " Leviathan et al. with measured α and c; pred. (verify): the "
-               "same with the measured verify/forward time in place of 1.")
-  head = (f"B={results['batch_size']}, γ={results['gamma']}")
+  lines.append("draft/step: drafting cost per speculative step in target "
+               "forwards (each component's forwards times its c). speedup: "
+               "end to end, prompt passes included; decode: after the first "
+               "token, the phase the prediction models. predicted: Leviathan"
+               " et al. with measured α and c; pred. (verify): the same with "
+               "the measured verify/forward time in place of 1; pred. (ext.):"
+               " also with the measured drafted fractions and forwards per "
+               "step of every drafter component (specjax.metrics).")
+  head = (f"{results.get('drafter', 'model')}, B={results['batch_size']}, "
+          f"γ={results['gamma']}")
   lines += ["", f"per-position acceptance ({head}): " + " ".join(
       _f(a, ".3f") for a in results["per_position_acceptance"])]
   if per_prompt:
@@ -211,7 +219,8 @@ def save_plots(results: dict[str, Any],
 
   Always `acceptance_by_position.png` (one line per γ at the headline B);
   `speedup_vs_gamma.png` when γ is swept and `speedup_vs_batch.png` when the
-  batch size is swept (measured and predicted, with the break-even line).
+  batch size is swept (measured and predicted, with the break-even line);
+  `speedup_by_drafter.png` when drafters are compared.
   """
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
@@ -219,7 +228,9 @@ def save_plots(results: dict[str, Any],
 
   out = pathlib.Path(output_dir)
   out.mkdir(parents=True, exist_ok=True)
-  runs = results["runs"]
+  # γ and batch sweeps of the headline drafter; the drafter plot has them all.
+  runs = [r for r in results["runs"]
+          if r.get("drafter") == results.get("drafter")]
   gammas, batches = results["sweep"]["gammas"], results["sweep"]["batch_sizes"]
   title = f"{results['config']['draft']} → {results['config']['target']}"
   if results.get("synthetic"):
@@ -277,4 +288,23 @@ def save_plots(results: dict[str, Any],
   if len(batches) > 1:
     sweep_plot(batches, lambda r: r["batch_size"], lambda r: r["gamma"],
                gammas, "batch size", "γ", "speedup_vs_batch.png")
+  names = results["sweep"].get("drafters", [])
+  if len(names) > 1:
+    head = [r for r in results["runs"] if r["batch_size"] == results["batch_size"]
+            and r["gamma"] == results["gamma"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    x = np.arange(len(head))
+    for offset, key, label in ((-0.27, "speedup", "end to end"),
+                               (0.0, "decode_speedup", "decoding phase"),
+                               (0.27, "predicted_speedup_extended",
+                                "predicted (ext.)")):
+      ax.bar(x + offset, [_nan(r.get(key)) for r in head], width=0.27,
+             label=label)
+    ax.axhline(1.0, color="gray", lw=1)
+    ax.set_xticks(x, [r["drafter"] for r in head])
+    ax.set(ylabel="speedup vs autoregressive",
+           title=f"{title}\nB={results['batch_size']}, γ={results['gamma']}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    save(fig, "speedup_by_drafter.png")
   return written

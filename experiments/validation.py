@@ -18,7 +18,7 @@ from specjax.tuning import matmul as tuning
 __all__ = ["ConfigError", "DTYPES", "validate_config"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DRAFTERS = ("model", "lookup")
+DRAFTERS = ("model", "lookup", "fallback", "cascade")
 
 
 class ConfigError(ValueError):
@@ -82,6 +82,12 @@ def validate_config(config: Any) -> None:
         f"config.dtype must be one of {DTYPES}, got {config.dtype!r}.")
   check(config.drafter in DRAFTERS,
         f"config.drafter must be one of {DRAFTERS}, got {config.drafter!r}.")
+  bad = [d for d in config.get("drafters", ()) if d not in DRAFTERS]
+  check(not bad, f"config.drafters must name drafters in {DRAFTERS}, got "
+        f"{bad}.")
+  inner = config.get("cascade_gamma", 1)
+  check(_is_int(inner) and inner >= 1,
+        f"config.cascade_gamma must be an integer >= 1, got {inner!r}.")
   check(config.matmul == "auto" or config.matmul in tuning.PLANS,
         f"config.matmul must be 'auto' or one of {tuning.PLANS}, got "
         f"{config.matmul!r}.")

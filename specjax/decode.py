@@ -48,6 +48,7 @@ from specjax import buffers
 from specjax import compilation
 from specjax import sampling
 from specjax import speculate
+from specjax.drafters import components
 from specjax.drafters import DraftModel
 from specjax.drafters import Drafter
 from specjax.models import LanguageModel
@@ -158,7 +159,8 @@ def default_cache_size(longest: int, max_new_tokens: int, reserve: int = 1,
 
 def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
                     max_new_tokens: int, cache_size: int | None,
-                    reserve: int = 1, tokens_cap: int | None = None
+                    reserve: int = 1, tokens_cap: int | None = None,
+                    reserve_note: str = ""
                     ) -> tuple[np.ndarray, np.ndarray, int]:
   """Validates prompts and pads them to a bucket.
 
@@ -170,6 +172,7 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
     reserve: extra positions the loop may write past the N tokens (γ + 1 for
       speculative decoding).
     tokens_cap: N_cap (default `max_new_tokens_cap(N)`).
+    reserve_note: what the reserve is made of, for the error message.
 
   Returns:
     tokens [B, P] int32 right-padded with 0, lengths [B] int32, and S.
@@ -199,7 +202,8 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
     raise ValueError(
         f"The cache is too short: the longest prompt has {longest} tokens, "
         f"plus max_new_tokens={max_new_tokens} plus {reserve} positions of "
-        f"slack needs {needed} positions, but cache_size={cache_size}.")
+        f"slack{reserve_note} needs {needed} positions, but "
+        f"cache_size={cache_size}.")
   bucket = prompt_bucket(longest, cache_size)
   tokens = np.zeros((len(rows), bucket), np.int32)
   for b, row in enumerate(rows):
@@ -350,7 +354,8 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
       target_cache=target_cache,
       drafter_state=drafter.init(prompts, lengths, first, cache_size),
       key=key,
-      stats=SpecStats.zeros(prompts.shape[0], gamma, max(cap - 1, 1)))
+      stats=SpecStats.zeros(prompts.shape[0], gamma, max(cap - 1, 1),
+                            components(drafter)))
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -422,10 +427,13 @@ def speculative_generate(
       draft_stop_threshold=draft_stop_threshold,
       synthetic_acceptance=synthetic_acceptance)
   synthetic = synthetic_acceptance is not None
+  extra = int(getattr(drafter, "extra_positions", 0))
   cap = _tokens_cap(max_new_tokens, tokens_cap)
   tokens, lengths, cache_size = prepare_prompts(
       prompts, target.vocab_size, max_new_tokens=max_new_tokens,
-      cache_size=cache_size, reserve=int(gamma) + 1, tokens_cap=cap)
+      cache_size=cache_size, reserve=int(gamma) + 1 + extra, tokens_cap=cap,
+      reserve_note=f" (gamma + 1, and {extra} for the drafter's inner "
+      "levels: a Cascade's inner gamma + 1)" if extra else "")
   out, counts, stats = compilation.call(
       _speculative_generate, "speculative_generate",
       f"B={tokens.shape[0]}, P={tokens.shape[1]}, S={cache_size}, "

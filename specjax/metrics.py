@@ -10,13 +10,21 @@
   for a measured cost ratio c = draft forward time / target forward time and
   r = verification pass time / target forward time (1 in the paper).
 
+- `predicted_speedup_extended` (the same, for any drafter): with
+  d_i = P(position i is drafted) (`drafted_fraction`, from the proposed
+  counts per position), E[tokens per step] = 1 + Σ_i d_i α^(i+1), and
+  speedup = E[tokens per step] / (Σ_k c_k f_k + r), where f_k is the
+  forwards of drafter component k per step (`Drafter.components`) and c_k
+  its cost per target forward (0 for prompt lookup). With d_i = 1 and one
+  model component (f = γ) this is Leviathan's formula.
+
 Every function takes `SpecStats` (or numpy arrays of it); `row` restricts a
 metric to one batch row.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -69,6 +77,28 @@ def predicted_speedup(alpha: float, gamma: int, cost_ratio: float,
           / (gamma * cost_ratio + verify_ratio))
 
 
+def drafted_fraction(stats: Any) -> list[float]:
+  """d_i: the fraction of (row, step) pairs that drafted position i."""
+  pairs = np.sum(np.asarray(stats.accepted) >= 0)
+  prop = np.asarray(stats.proposed_by_position, np.float64)
+  return [float(x) for x in prop / max(int(pairs), 1)]
+
+
+def predicted_speedup_extended(stats: Any, component_costs: Sequence[float],
+                               verify_ratio: float = 1.0) -> float:
+  """Leviathan's prediction for any drafter (module docstring): measured α,
+  drafted fractions d_i, and forwards per step of each drafter component,
+  weighted by `component_costs` (c_k, one per component)."""
+  alpha = acceptance_rate(stats)
+  tokens = 1.0 + sum(d * alpha ** (i + 1)
+                     for i, d in enumerate(drafted_fraction(stats)))
+  # Forwards run once per loop step for the whole batch (prefill included).
+  per_step = np.asarray(stats.draft_forwards, np.float64).reshape(-1) / max(
+      int(np.sum(stats.steps)), 1)
+  draft = float(np.dot(np.asarray(component_costs, np.float64), per_step))
+  return tokens / (draft + verify_ratio)
+
+
 def summarize(stats: Any, gamma: int,
               cost_ratio: float | None = None) -> dict[str, Any]:
   """All metrics of one speculative run as a JSON-ready dict."""
@@ -82,7 +112,9 @@ def summarize(stats: Any, gamma: int,
       "accepted_tokens": int(np.sum(stats.accepted_by_position)),
       "steps": int(stats.steps),
       "target_forwards": int(stats.target_forwards),
-      "draft_forwards": int(stats.draft_forwards),
+      "draft_forwards": int(np.sum(stats.draft_forwards)),
+      "draft_forwards_by_component": np.asarray(
+          stats.draft_forwards).reshape(-1).tolist(),
   }
   if cost_ratio is not None:
     out["draft_cost_ratio"] = cost_ratio

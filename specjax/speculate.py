@@ -45,7 +45,9 @@ class SpecStats:
       position i was proposed.
     steps: [] int32 speculative steps run.
     target_forwards: [] int32 target passes, prefill included.
-    draft_forwards: [] int32 draft passes, prefill included.
+    draft_forwards: [C] int32 draft passes per drafter component
+      (`Drafter.components`: a cascade's levels, a fallback's members),
+      prefill included.
   """
 
   accepted: jax.Array
@@ -57,14 +59,16 @@ class SpecStats:
   draft_forwards: jax.Array
 
   @classmethod
-  def zeros(cls, batch: int, gamma: int, max_steps: int) -> "SpecStats":
+  def zeros(cls, batch: int, gamma: int, max_steps: int,
+            components: tuple[str, ...] = ("model",)) -> "SpecStats":
     zero = jnp.int32(0)
+    prefill = [int(c == "model") for c in components]
     return cls(accepted=jnp.full((batch, max_steps), -1, jnp.int32),
                proposed=jnp.zeros((batch,), jnp.int32),
                accepted_by_position=jnp.zeros((gamma,), jnp.int32),
                proposed_by_position=jnp.zeros((gamma,), jnp.int32),
                steps=zero, target_forwards=jnp.int32(1),
-               draft_forwards=jnp.int32(1))
+               draft_forwards=jnp.asarray(prefill, jnp.int32))
 
   @classmethod
   def merge(cls, stats: Sequence["SpecStats"]) -> "SpecStats":

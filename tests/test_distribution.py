@@ -10,7 +10,10 @@ must reject samples whose draft tokens are returned unverified.
 
 import itertools
 
+import flax.struct
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -128,11 +131,59 @@ def test_prompt_lookup_samples_match_exact_distribution(pair, gamma,
   assert stat < critical, (stat, critical)
 
 
+@pytest.mark.parametrize("kind, gamma, settings", [
+    ("fallback", 3, (1.0, 0, 1.0)),
+    ("fallback", 2, (0.7, 3, 1.0)),
+    ("cascade", 3, (1.0, 0, 1.0)),
+    ("cascade", 2, (0.7, 3, 1.0)),
+], ids=["fallback-t1", "fallback-t0.7-topk3", "cascade-t1",
+        "cascade-t0.7-topk3"])
+def test_combined_drafters_match_exact_distribution(pair, kind, gamma,
+                                                    settings):
+  # Fallback: lookup where it matches, the draft model elsewhere (rows of
+  # one batch take different drafters in the same step). Cascade: the draft
+  # model drafts its block by speculative sampling over prompt lookup, so
+  # q comes from its verification passes.
+  joint = _exact_joint(pair[0], settings)
+  lookup = drafters.PromptLookup(vocab_size=VOCAB, max_ngram=2, min_ngram=1)
+  if kind == "fallback":
+    drafter = drafters.Fallback(lookup, drafters.DraftModel(pair[1]))
+  else:
+    drafter = drafters.Cascade(pair[1], lookup, 2)
+  samples = _spec_samples((pair[0], drafter), gamma, settings, seed=13)
+  stat, critical = _chi_square(samples, joint)
+  assert stat < critical, (stat, critical)
+
+
 def test_the_test_rejects_the_draft_distribution(pair):
   settings = (1.0, 0, 1.0)
   joint = _exact_joint(pair[0], settings)
   # Accepting every draft token unverified returns the draft's distribution
   # for tokens 2 and 3.
   samples = _spec_samples(pair, 2, settings, seed=7, synthetic_acceptance=1.0)
+  stat, critical = _chi_square(samples, joint)
+  assert stat > critical, (stat, critical)
+
+
+@flax.struct.dataclass
+class _UniformQ:
+  """Wraps a drafter and misreports q as uniform: a wrong law."""
+
+  inner: object
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+  def propose(self, *args):
+    proposal, state = self.inner.propose(*args)
+    return proposal.replace(q=jnp.full_like(proposal.q, 1 / VOCAB)), state
+
+
+def test_the_test_rejects_a_cascade_with_a_wrong_q(pair):
+  settings = (1.0, 0, 1.0)
+  joint = _exact_joint(pair[0], settings)
+  lookup = drafters.PromptLookup(vocab_size=VOCAB, max_ngram=2, min_ngram=1)
+  wrong = _UniformQ(drafters.Cascade(pair[1], lookup, 2))
+  samples = _spec_samples((pair[0], wrong), 3, settings, seed=13)
   stat, critical = _chi_square(samples, joint)
   assert stat > critical, (stat, critical)

@@ -279,3 +279,24 @@ def test_batch_sweep_plot(tmp_path):
   names = report.save_plots(results, tmp_path)
   assert names == ["acceptance_by_position.png", "speedup_vs_batch.png"]
   assert (tmp_path / "speedup_vs_batch.png").stat().st_size > 1000
+
+
+def test_drafter_sweep(tmp_path):
+  # One row per drafter, each lossless under greedy decoding, and the plot
+  # that compares them.
+  config = tiny_pair.get_config("n=2,tokens=8")
+  config.drafters = ("model", "lookup", "fallback", "cascade")
+  config.drafter = "fallback"
+  config.output_dir = str(tmp_path)
+  config.progress = False
+  results = bench.run_and_save(config)
+  assert [r["drafter"] for r in results["runs"]] == list(config.drafters)
+  assert results["drafter"] == "fallback"
+  assert all(r["lossless"] for r in results["runs"])
+  by_name = {r["drafter"]: r for r in results["runs"]}
+  assert by_name["lookup"]["drafting_cost_per_step"] == 0.0
+  assert by_name["model"]["drafting_cost_per_step"] > 0.0
+  assert set(by_name["cascade"]["draft_forwards_by_component"]) == {
+      "model", "lookup"}
+  assert "speedup_by_drafter.png" in results["plots"]
+  assert "fallback" in report.format_report(results)

@@ -91,7 +91,7 @@ def test_greedy_lookup_equals_generate(gamma):
                                     max_new_tokens=20)
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   np.testing.assert_array_equal(out.lengths, ref.lengths)
-  assert int(out.stats.draft_forwards) == 1  # prefill only: no model runs
+  assert int(out.stats.draft_forwards.sum()) == 0  # no model runs at all
   # A greedy random model repeats itself, so lookup proposes and some
   # proposals are accepted.
   assert int(np.sum(out.stats.proposed_by_position)) > 0

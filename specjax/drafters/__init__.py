@@ -2,10 +2,13 @@
 
 from specjax.drafters.base import Drafter
 from specjax.drafters.base import Proposal
+from specjax.drafters.base import components
+from specjax.drafters.cascade import Cascade
+from specjax.drafters.fallback import Fallback
 from specjax.drafters.lookup import LookupState
 from specjax.drafters.lookup import PromptLookup
 from specjax.drafters.model import DraftModel
-from specjax.drafters.model import DraftModelState
+from specjax.drafters.track import Track
 
-__all__ = ["DraftModel", "DraftModelState", "Drafter", "LookupState",
-           "PromptLookup", "Proposal"]
+__all__ = ["Cascade", "DraftModel", "Drafter", "Fallback", "LookupState",
+           "PromptLookup", "Proposal", "Track", "components"]

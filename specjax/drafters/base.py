@@ -35,8 +35,9 @@ class Proposal:
       same sampling processing as the target's; None for a deterministic
       drafter (one-hot at each token; never materialised).
     num_drafted: [B] int32 in [0, G], how many leading tokens are proposed.
-    num_forwards: [] int32 draft forward passes spent (for statistics; 0
-      for a drafter that runs no model).
+    num_forwards: [] int32 draft forward passes spent, or one count per
+      component (`components`) for a drafter made of several (statistics
+      only; 0 for a drafter that runs no model).
     parents: [B, G] int32 index of each token's parent among the drafts (-1:
       the last committed token), or None for a chain (parent of i is i - 1,
       `parent_indices`). Room for token trees; `verify` takes chains.
@@ -58,7 +59,13 @@ class Proposal:
 
 
 class Drafter(Protocol):
-  """Proposes tokens for the target to verify."""
+  """Proposes tokens for the target to verify.
+
+  Optional attributes: `components` (names of the parts whose forwards are
+  counted apart, e.g. ("model", "lookup") for a cascade; a part named
+  "model" is counted one prefill forward) and `extra_positions` (cache
+  positions needed past the engine's γ + 1, default 0).
+  """
 
   vocab_size: int
 
@@ -94,5 +101,29 @@ class Drafter(Protocol):
     accepted drafts then the next token; `num_emitted` [B] of them are
     real), and the target's `logits` [B, G+1, V] and `hidden` [B, G+1, E]
     after the last committed token and each draft. Rows where `active` [B]
-    is False must be left as they were before `propose`.
+    is False keep the committed text they had before `propose`.
+
+    `proposal` and the width of `emitted` may not be this drafter's own: a
+    `Fallback` commits the proposal it chose into both its drafters, and a
+    `Cascade` commits the target's verdict on its block into its inner
+    drafter's state from before the block. A drafter must therefore take
+    the committed text from `verification` alone.
     """
+
+
+def components(drafter: Any) -> tuple[str, ...]:
+  """Names of the parts of a drafter whose forwards are counted apart."""
+  return tuple(getattr(drafter, "components", ("drafter",)))
+
+
+def forwards(proposal: Proposal, drafter: Any) -> jax.Array:
+  """A proposal's forward count as [number of components] int32."""
+  return jnp.broadcast_to(jnp.asarray(proposal.num_forwards, jnp.int32),
+                          (len(components(drafter)),))
+
+
+def dense_q(proposal: Proposal, vocab_size: int) -> jax.Array:
+  """[B, G, V] q of a proposal, one-hot at each token where q is omitted."""
+  if proposal.q is not None:
+    return proposal.q
+  return jax.nn.one_hot(proposal.tokens, vocab_size, dtype=jnp.float32)

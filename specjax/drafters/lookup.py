@@ -104,6 +104,8 @@ class PromptLookup:
   max_ngram: int = flax.struct.field(pytree_node=False, default=3)
   min_ngram: int = flax.struct.field(pytree_node=False, default=1)
 
+  components = ("lookup",)
+
   def __post_init__(self):
     if not isinstance(self.min_ngram, int) or self.min_ngram < 1:
       raise ValueError(f"PromptLookup needs min_ngram >= 1, got "

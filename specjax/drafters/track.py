@@ -1,0 +1,143 @@
+"""A model's KV cache kept in step with the committed text.
+
+Shape letters (`specjax.shapes`): B batch, S cache size, P padded prompt, T
+chunk, C tokens committed in one step, V vocab.
+
+Model-based drafters (`DraftModel`, the middle model of a `Cascade`) keep,
+beside the model's cache, the text itself in a [B, S] buffer: below
+`length` the committed text, and past it the tokens the cache holds beyond
+the committed text (this step's drafts). The cache holds
+`context[:cache.lengths]`. Two operations keep them in step with whatever
+the target commits, whichever drafter proposed:
+
+- `catch_up` feeds the committed tokens the cache lacks, in chunks of T
+  tokens in a `lax.while_loop`, so a drafter that sat out some steps (in a
+  `Fallback`) catches up any number of tokens with static shapes;
+- `rewind` makes `context[:base] + emitted` the committed text and keeps
+  the cached positions that still match it: drafted tokens the target
+  accepted stay cached, everything else is dropped.
+
+At least the last committed token is always left uncached, so `catch_up`
+has a token to feed and returns the logits after it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from specjax import cache as cache_lib
+from specjax.models.protocol import model_output
+
+
+@flax.struct.dataclass(kw_only=True)
+class Track:
+  """A model cache and the text it follows.
+
+  Attributes:
+    cache: the model's cache; it holds `context[:cache.lengths]`.
+    context: [B, S] int32 committed text below `length`; past it, tokens
+      the cache holds beyond the committed text.
+    length: [B] int32 committed tokens.
+  """
+
+  cache: Any
+  context: jax.Array
+  length: jax.Array
+
+
+def _window(buffer: jax.Array, start: jax.Array, width: int) -> jax.Array:
+  """buffer [B, S] read at [B] offsets -> [B, width] (clipped to S - 1)."""
+  index = jnp.minimum(start[:, None] + jnp.arange(width)[None],
+                      buffer.shape[1] - 1)
+  return jnp.take_along_axis(buffer, index, axis=1)
+
+
+def _leading_true(x: jax.Array) -> jax.Array:
+  """[B, C] bool -> [B] int32 length of the all-true prefix."""
+  return jnp.sum(jnp.cumprod(x.astype(jnp.int32), axis=1), axis=1)
+
+
+def init(model: Any, prompts: jax.Array, prompt_lengths: jax.Array,
+         first_token: jax.Array, cache_size: int) -> Track:
+  """Prefills `model` on prompts [B, P]; the committed text is the prompt
+  and `first_token` [B], which stays uncached."""
+  batch, width = prompts.shape
+  cache = model.init_cache(batch, cache_size)
+  _, cache = model.prefill(prompts, prompt_lengths, cache)
+  context = jnp.zeros((batch, cache_size), jnp.int32).at[:, :width].set(
+      prompts)
+  context = cache_lib.write_rows(context, first_token[:, None],
+                                 prompt_lengths)
+  return Track(cache=cache, context=context, length=prompt_lengths + 1)
+
+
+def catch_up(model: Any, track: Track, *, width: int,
+             keep: int = 0) -> tuple[jax.Array, Track, jax.Array]:
+  """Feeds the committed tokens the cache lacks but the last `keep`.
+
+  Args:
+    model: the track's `LanguageModel`.
+    track: with at least `keep + 1` uncached committed tokens per row.
+    width: T, tokens per chunk (static); the cache must have room for a
+      chunk at every row's length.
+    keep: 0 or 1, committed tokens left unfed.
+
+  Returns:
+    logits [B, V] after the last token fed, the track, and the number of
+    chunked forwards run ([] int32).
+  """
+  goal = track.length - keep  # [B]
+  batch = goal.shape[0]
+
+  def body(carry):
+    cache, last, passes = carry
+    start = cache.lengths
+    count = jnp.clip(goal - start, 0, width)  # [B] real tokens this chunk
+    chunk = _window(track.context, start, width)  # [B, T]
+    out, cache = model(chunk, cache)
+    logits = model_output(out).logits  # [B, T, V]
+    here = jnp.take_along_axis(
+        logits, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
+    last = jnp.where((count > 0)[:, None], here, last)
+    return cache.rollback(start + count), last, passes + 1
+
+  last = jnp.zeros((batch, model.vocab_size), jnp.float32)
+  cache, last, passes = jax.lax.while_loop(
+      lambda c: jnp.any(c[0].lengths < goal), body,
+      (track.cache, last, jnp.int32(0)))
+  return last, track.replace(cache=cache), passes
+
+
+def write_scratch(track: Track, tokens: jax.Array) -> Track:
+  """Records tokens [B, C] the cache holds past the committed text."""
+  return track.replace(context=cache_lib.write_rows(
+      track.context, tokens, track.length))
+
+
+def rewind(track: Track, emitted: jax.Array, num_emitted: jax.Array,
+           active: jax.Array) -> Track:
+  """Appends emitted [B, C] (`num_emitted` [B] real) to the committed text
+  of active [B] rows, keeping the cached positions that match it.
+
+  The cache keeps what it held past the committed text only where those
+  tokens equal the emitted ones (accepted drafts), and never the last
+  emitted token. Inactive rows drop their drafts and keep their text.
+  """
+  base, cached = track.length, track.cache.lengths
+  width = emitted.shape[1]
+  slots = jnp.arange(width)[None]
+  held = _window(track.context, base, width)  # [B, C]
+  same = ((held == emitted) & (slots < num_emitted[:, None])
+          & (slots < (cached - base)[:, None]))
+  match = jnp.minimum(_leading_true(same), num_emitted - 1)
+  kept = jnp.minimum(cached, base + match)
+  context = cache_lib.write_rows(track.context, emitted, base)
+  return Track(
+      cache=track.cache.rollback(jnp.where(
+          active, kept, jnp.minimum(cached, base - 1))),
+      context=jnp.where(active[:, None], context, track.context),
+      length=jnp.where(active, base + num_emitted, base))
