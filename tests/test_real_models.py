@@ -67,7 +67,7 @@ def test_logits_match_transformers(name):
 
   model, _ = registry.load_pretrained(name, jnp.float32)
   assert model.dtype == jnp.float32
-  forward = jax.jit(lambda m, t, c: m(t, c)[0])
+  forward = jax.jit(lambda m, t, c: m(t, c)[0].logits)
   got = np.asarray(forward(model, jnp.asarray([ids], jnp.int32),
                            model.init_cache(1, NUM_TOKENS))[0])
   del model

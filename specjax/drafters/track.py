@@ -75,40 +75,49 @@ def init(model: Any, prompts: jax.Array, prompt_lengths: jax.Array,
   return Track(cache=cache, context=context, length=prompt_lengths + 1)
 
 
-def catch_up(model: Any, track: Track, *, width: int,
-             keep: int = 0) -> tuple[jax.Array, Track, jax.Array]:
+def catch_up(model: Any, track: Track, *, width: int, keep: int = 0,
+             first: int = 2) -> tuple[jax.Array, Track, jax.Array]:
   """Feeds the committed tokens the cache lacks but the last `keep`.
+
+  One pass of `first` tokens covers the usual case (one or two tokens
+  behind); a `lax.while_loop` of `width`-token passes covers the rest (a
+  drafter that sat out steps). Each pass runs only when some row still
+  lacks tokens.
 
   Args:
     model: the track's `LanguageModel`.
     track: with at least `keep + 1` uncached committed tokens per row.
-    width: T, tokens per chunk (static); the cache must have room for a
-      chunk at every row's length.
+    width: T, tokens per later pass (static); the cache must have room for
+      a pass at every row's length.
     keep: 0 or 1, committed tokens left unfed.
+    first: tokens of the first pass (static).
 
   Returns:
     logits [B, V] after the last token fed, the track, and the number of
-    chunked forwards run ([] int32).
+    passes run ([] int32).
   """
   goal = track.length - keep  # [B]
   batch = goal.shape[0]
 
-  def body(carry):
-    cache, last, passes = carry
-    start = cache.lengths
-    count = jnp.clip(goal - start, 0, width)  # [B] real tokens this chunk
-    chunk = _window(track.context, start, width)  # [B, T]
-    out, cache = model(chunk, cache)
-    logits = model_output(out).logits  # [B, T, V]
-    here = jnp.take_along_axis(
-        logits, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
-    last = jnp.where((count > 0)[:, None], here, last)
-    return cache.rollback(start + count), last, passes + 1
+  def feed(size):
+    def body(carry):
+      cache, last, passes = carry
+      start = cache.lengths
+      count = jnp.clip(goal - start, 0, size)  # [B] real tokens this pass
+      chunk = _window(track.context, start, size)  # [B, T]
+      out, cache = model(chunk, cache)
+      logits = model_output(out).logits  # [B, T, V]
+      here = jnp.take_along_axis(
+          logits, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
+      last = jnp.where((count > 0)[:, None], here, last)
+      return cache.rollback(start + count), last, passes + 1
+    return body
 
-  last = jnp.zeros((batch, model.vocab_size), jnp.float32)
-  cache, last, passes = jax.lax.while_loop(
-      lambda c: jnp.any(c[0].lengths < goal), body,
-      (track.cache, last, jnp.int32(0)))
+  behind = lambda carry: jnp.any(carry[0].lengths < goal)
+  carry = (track.cache, jnp.zeros((batch, model.vocab_size), jnp.float32),
+           jnp.int32(0))
+  carry = jax.lax.cond(behind(carry), feed(first), lambda c: c, carry)
+  cache, last, passes = jax.lax.while_loop(behind, feed(width), carry)
   return last, track.replace(cache=cache), passes
 
 
