@@ -4,8 +4,6 @@ the committed text, and clear errors.
 The reference is `generate` on the target alone.
 """
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -8,7 +8,6 @@ speculative samples are compared with it by a chi-square test; the same test
 must reject samples whose draft tokens are returned unverified.
 """
 
-import itertools
 
 import flax.struct
 

@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any
 
 import jax
 import numpy as np
