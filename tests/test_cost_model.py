@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import types
+
+import numpy as np
 import pytest
 
 from specjax import metrics
@@ -57,3 +60,31 @@ def test_measure_caches_per_machine_and_shape(tmp_path):
     assert cost.measure(target, batch=2, chunks=(1, 3), cache_size=64,
                         prompt_tokens=8, repeats=2,
                         cache_dir=tmp_path).source == "measured"
+
+
+def test_extended_prediction_by_hand():
+  # 2 rows x 3 steps, γ = 2; row 1 ran only 2 steps. Position 0 proposed in
+  # 5 of 5 (row, step) pairs, position 1 in 3 (a drafter proposing fewer
+  # tokens some steps): d = [1.0, 0.6]. α = 4 accepted / 8 proposed.
+  stats = types.SimpleNamespace(
+      accepted=np.array([[2, 0, 1], [1, 0, -1]]),
+      proposed=np.array([5, 3]),
+      accepted_by_position=np.array([3, 1]),
+      proposed_by_position=np.array([5, 3]),
+      steps=np.int32(3), draft_forwards=np.array([6, 0]))
+  assert metrics.drafted_fraction(stats) == pytest.approx([1.0, 0.6])
+  alpha = 0.5
+  tokens = 1 + 1.0 * alpha + 0.6 * alpha ** 2
+  # Component costs c = (0.25, 0): 6 forwards over 3 steps = 2 per step.
+  want = tokens / (0.25 * 2 + 1.2)
+  got = metrics.predicted_speedup_extended(stats, [0.25, 0.0],
+                                           verify_ratio=1.2)
+  assert got == pytest.approx(want)
+  # Always drafting γ with one model component: Leviathan with r.
+  full = types.SimpleNamespace(
+      accepted=np.array([[1, 2]]), proposed=np.array([4]),
+      accepted_by_position=np.array([2, 1]),
+      proposed_by_position=np.array([2, 2]), steps=np.int32(2),
+      draft_forwards=np.array([4]))
+  assert metrics.predicted_speedup_extended(full, [0.3], 1.1) == (
+      pytest.approx(metrics.predicted_speedup(0.75, 2, 0.3, 1.1)))
