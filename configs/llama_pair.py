@@ -22,8 +22,9 @@ Other arguments: `gamma=4`, `gammas=1/2/4/8` (sweep, `/`-separated),
 `batch=1`, `batches=1/2/4/8` (sweep), `prompts=mtbench`, `n=8` (prompts),
 `tokens=64` (max new tokens), `temperature=0.0`, `dtype=auto`,
 `matmul=auto` (or a forced plan, e.g. `matmul=in_out/xla`),
-`drafter=model|lookup|fallback|cascade`, `drafters=model/lookup/fallback/cascade`
-(sweep, one row per drafter), e.g.
+`drafter=model|lookup|fallback|cascade` (default: the pair's best, `lookup`
+for `qwen`, else `model`), `drafters=model/lookup/fallback/cascade` (sweep,
+one row per drafter), e.g.
 
   python -m experiments.run \
     --config=configs/llama_pair.py:gammas=1/2/4/8,n=4,tokens=32
@@ -50,7 +51,9 @@ PAIRS = {
     "qwen": dict(
         target="qwen2.5-coder-1.5b-instruct",
         draft="qwen2.5-coder-0.5b-instruct",
-        prompt_set="humaneval", chat_template=True),
+        prompt_set="humaneval", chat_template=True,
+        # The best drafter on this job (BENCHMARKS.md, "Drafters").
+        drafter="lookup"),
     "smollm2": dict(
         target="HuggingFaceTB/SmolLM2-1.7B-Instruct",
         draft="HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -69,7 +72,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = configs.parse_arg(
       arg, pair="qwen", gamma=4, gammas="", batch=1, batches="", prompts="",
       n=8, tokens=64, temperature=0.0, dtype="auto", matmul="auto",
-      drafter="model", drafters="")
+      drafter="", drafters="")
   if arg["pair"] not in PAIRS:
     raise ValueError(f"Unknown pair {arg['pair']!r} in the config argument "
                      f"'pair='; known pairs: {sorted(PAIRS)}.")
@@ -97,7 +100,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # (n-gram prompt lookup in each row's own context, no model), `fallback`
   # (lookup where it matches, else the draft model, per row) or `cascade`
   # (the draft model drafts its block by speculative decoding over lookup).
-  config.drafter = arg["drafter"]
+  # Default: the pair's best drafter, else `model`.
+  config.drafter = arg["drafter"] or pair.get("drafter", "model")
   # Drafter sweep, e.g. ("model", "lookup"); empty runs only `drafter`.
   config.drafters = tuple(x for x in arg["drafters"].split("/") if x)
   # The cascade's inner γ: lookup tokens proposed to the draft model per

@@ -7,8 +7,8 @@ baseline and speculative decoding on the same prompts for every (batch size,
 γ) of the sweep, and returns a JSON-ready dict (`experiments.report` prints
 and writes it).
 
-Shape letters (`specjax.shapes`): B batch, P padded prompt bucket, S cache size, T tokens per
-forward, N max new tokens, G = γ.
+Shape letters (`specjax.shapes`): B batch, P padded prompt bucket, S cache
+size, T tokens per forward, N max new tokens, G = γ.
 
 Timing. Every generate call is one compiled program per shape (B, P, S, N,
 γ). All calls share one S, and before a shape is timed it runs once untimed

@@ -1,6 +1,7 @@
 """The draft cost ratio c: timed single forwards of each model.
 
-Shape letters (`specjax.shapes`): B batch, P padded prompt, S cache size, T tokens per forward.
+Shape letters (`specjax.shapes`): B batch, P padded prompt, S cache size, T
+tokens per forward.
 
 c = (median time of one jitted single-token decode step of the draft) /
 (the same for the target), on the same B prompts, prefilled so attention

@@ -290,7 +290,8 @@ def save_plots(results: dict[str, Any],
                gammas, "batch size", "γ", "speedup_vs_batch.png")
   names = results["sweep"].get("drafters", [])
   if len(names) > 1:
-    head = [r for r in results["runs"] if r["batch_size"] == results["batch_size"]
+    head = [r for r in results["runs"]
+            if r["batch_size"] == results["batch_size"]
             and r["gamma"] == results["gamma"]]
     fig, ax = plt.subplots(figsize=(6, 4))
     x = np.arange(len(head))

@@ -1,7 +1,7 @@
 """`KVCache`: an explicit key/value cache pytree with per-row lengths.
 
-Shape letters (`specjax.shapes`): L layers, B batch, S cache size, K key/value heads, D head dim,
-T tokens written in one call.
+Shape letters (`specjax.shapes`): L layers, B batch, S cache size, K key/value
+heads, D head dim, T tokens written in one call.
 
 Each row has its own length (rows of a batch accept different numbers of draft
 tokens). Writing a chunk puts T tokens at positions `lengths[b] + t`; rollback

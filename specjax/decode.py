@@ -1,7 +1,7 @@
 """Public decoding API: `generate` and `speculative_generate`.
 
-Shape letters (`specjax.shapes`): B batch, P padded prompt (`prompt_bucket`), S cache size, N max
-new tokens, G = γ.
+Shape letters (`specjax.shapes`): B batch, P padded prompt (`prompt_bucket`), S
+cache size, N max new tokens, G = γ.
 
 Both take prompts as a list of token-id lists of different lengths and return
 `tokens` [B, N] (generated ids only, `pad_id` after each row's end) and

@@ -6,7 +6,8 @@
 - `per_position_acceptance[i]`: of the steps that proposed draft position i,
   the fraction in which it was accepted (so it includes every earlier
   position being accepted).
-- `predicted_speedup` (Leviathan et al. 2023): (1 - α^(γ+1)) / ((1 - α)(γc + r))
+- `predicted_speedup` (Leviathan et al. 2023):
+  (1 - α^(γ+1)) / ((1 - α)(γc + r))
   for a measured cost ratio c = draft forward time / target forward time and
   r = verification pass time / target forward time (1 in the paper).
 

@@ -1,6 +1,7 @@
 """Speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023).
 
-Shape letters (`specjax.shapes`): B batch, G = γ draft tokens per step, V vocab.
+Shape letters (`specjax.shapes`): B batch, G = γ draft tokens per step, V
+vocab.
 
 Draft token i (in order) is accepted with probability min(1, p_i(x_i) /
 q_i(x_i)). At the first rejection the next token is drawn from the residual

@@ -1,6 +1,7 @@
 """Sampling parameters and logits -> processed probabilities.
 
-Shape letters (`specjax.shapes`): V vocab; `...` any leading batch/position axes.
+Shape letters (`specjax.shapes`): V vocab; `...` any leading batch/position
+axes.
 
 Temperature, top-k and top-p are traced scalars, so changing them never
 recompiles; the branches (greedy, plain softmax, sorted filtering) are chosen

@@ -4,8 +4,8 @@ Shared by every loader that can present its tensors under Hugging Face names:
 `hf.py` reads them from safetensors, and a GGUF loader can rename llama.cpp
 tensors to these names and reuse `config_from_hf` and `params_from_tensors`.
 
-Shape letters (`specjax.shapes`): V vocab, E hidden size, F MLP size, H query heads, K key/value
-heads, D head dim.
+Shape letters (`specjax.shapes`): V vocab, E hidden size, F MLP size, H query
+heads, K key/value heads, D head dim.
 
 Hugging Face stores `nn.Linear` weights [out, in]; specjax stores matrices
 [in, out] (see `specjax.models.config.param_shapes`), so every projection is

@@ -1,7 +1,7 @@
 """GGUF (llama.cpp) checkpoints -> `specjax.models.Model`.
 
-Shape letters (`specjax.shapes`): V vocab, E hidden size, F MLP size, H query heads, K key/value
-heads, D head dim.
+Shape letters (`specjax.shapes`): V vocab, E hidden size, F MLP size, H query
+heads, K key/value heads, D head dim.
 
 A GGUF file stores each tensor's dimensions as ggml's `ne`, fastest-varying
 first, i.e. reversed with respect to numpy: a PyTorch `[out, in]` weight is

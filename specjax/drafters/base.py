@@ -6,12 +6,12 @@ E hidden.
 A drafter proposes up to G tokens per row with the distribution q each was
 drawn from (or none, for a deterministic drafter), and is then handed the
 target's `Verification`: how many were accepted, the tokens emitted, and the
-target's logits and hidden states at the verified positions, so it can roll
-its own state back or learn from the target without recomputing anything. The verifier never looks inside a
-drafter's state, so n-gram lookup, early-exit self-drafting, Medusa/EAGLE heads
-or cascades plug in by implementing these three methods. Drafters are pytrees
-(e.g. `flax.struct.dataclass`) so they can be passed into `jax.jit`; their
-static fields fix shapes.
+target's logits and hidden states at the verified positions, so it can roll its
+own state back or learn from the target without recomputing anything. The
+verifier never looks inside a drafter's state, so n-gram lookup, early-exit
+self-drafting, Medusa/EAGLE heads or cascades plug in by implementing these
+three methods. Drafters are pytrees (e.g. `flax.struct.dataclass`) so they can
+be passed into `jax.jit`; their static fields fix shapes.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`PromptLookup`: n-gram prompt-lookup drafting, in the graph.
 
-Shape letters (`specjax.shapes`): B batch, S context buffer (cache size), P padded prompt,
-G = γ draft tokens.
+Shape letters (`specjax.shapes`): B batch, S context buffer (cache size), P
+padded prompt, G = γ draft tokens.
 
 Each row keeps its context, prompt plus committed tokens, in a fixed
 [B, S] buffer. To draft, the row's last n tokens are looked up among the

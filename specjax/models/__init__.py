@@ -6,8 +6,9 @@ size, E hidden, V vocab.
 `Model` is the handle loaders return and decoders take: a pytree whose leaves
 are the parameters and whose static part is the config, so it can be passed
 straight into `jax.jit`. Decoders only use the `LanguageModel` protocol
-(`specjax.models.protocol`), so any model (a fake with fixed logits, another Flax model with its own cache)
-can be verified or drafted with by implementing three methods.
+(`specjax.models.protocol`), so any model (a fake with fixed logits, another
+Flax model with its own cache) can be verified or drafted with by implementing
+three methods.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ The config is frozen and hashable, so it can be a static argument of `jax.jit`
 (it fixes every shape); parameters live in a separate plain pytree whose layout
 `param_shapes` defines once for the module, the loaders and the tests.
 
-Shape letters (`specjax.shapes`): V vocab, E hidden (embedding) size, F MLP hidden size, L layers,
-H query heads, K key/value heads, D head dim.
+Shape letters (`specjax.shapes`): V vocab, E hidden (embedding) size, F MLP
+hidden size, L layers, H query heads, K key/value heads, D head dim.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Measured forward costs, and the speculative throughput they predict.
 
-Shape letters (`specjax.shapes`): B batch, P padded prompt, S cache size, T tokens per
-forward, G = γ.
+Shape letters (`specjax.shapes`): B batch, P padded prompt, S cache size, T
+tokens per forward, G = γ.
 
 A speculative step costs the drafter's work plus one target pass over
 γ+1 tokens, and emits the accepted drafts plus one token. Leviathan et al.

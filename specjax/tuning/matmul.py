@@ -14,10 +14,11 @@ round-robin. It picks the plan with the least total time over `rows`, i.e.
 one decode step plus one verification pass for the default rows (1, 5).
 
 The choice and the timings are cached in `$SPECJAX_CACHE/tuning/matmul.json`
-under a key naming the CPU model, core count, backend, JAX version, the
-kernel sources' hash, dtype, shapes and rows. Deleting the file re-measures; a corrupt file is ignored
-with a warning and rewritten. A user forces a plan with `matmul=NAME` (or
-`SPECJAX_MATMUL=NAME` in the environment), NAME one of `PLANS`.
+under a key naming the CPU model, core count, backend, JAX version, the kernel
+sources' hash, dtype, shapes and rows. Deleting the file re-measures; a corrupt
+file is ignored with a warning and rewritten. A user forces a plan with
+`matmul=NAME` (or `SPECJAX_MATMUL=NAME` in the environment), NAME one of
+`PLANS`.
 """
 
 from __future__ import annotations
