@@ -130,7 +130,8 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
     progress: show progress bars.
     matmul: the model's `MatmulPlan`: "auto" measures the candidates on this
       machine once and caches the choice (`specjax.tuning.matmul`); a plan
-      or its name ("in_out/xla", "out_in/xla", "out_in/kernel") forces one;
+      or its name ("in_out/xla", "out_in/xla", "out_in/kernel",
+      "out_in/hybrid") forces one;
       None keeps the checkpoint layout ("in_out/xla").
     tune_rows: rows per product that "auto" optimises for: a decode step
       and a verification pass (B and B(γ+1)).

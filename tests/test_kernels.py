@@ -52,8 +52,11 @@ def test_smallm_rejects_bad_input():
 
 
 def test_plan_names_and_errors():
-  for name in ("in_out/xla", "out_in/xla", "out_in/kernel"):
+  for name in ("in_out/xla", "out_in/xla", "out_in/kernel", "out_in/hybrid"):
     assert MatmulPlan.parse(name).name == name
+  assert MatmulPlan.parse("out_in/hybrid").kernel_min_rows == 2
+  with pytest.raises(ValueError, match="kernel_min_rows"):
+    MatmulPlan(layout="out_in", kernel=True, kernel_min_rows=40)
   with pytest.raises(ValueError, match="Unknown matmul plan"):
     MatmulPlan.parse("out_in/cuda")
   with pytest.raises(ValueError, match="Unknown matmul layout"):
@@ -64,7 +67,8 @@ def test_plan_names_and_errors():
 
 @pytest.mark.parametrize("name", [
     "in_out/xla", "out_in/xla",
-    pytest.param("out_in/kernel", marks=needs_kernels)])
+    pytest.param("out_in/kernel", marks=needs_kernels),
+    pytest.param("out_in/hybrid", marks=needs_kernels)])
 def test_project_equals_product_for_every_plan(name):
   plan = MatmulPlan.parse(name)
   rng = np.random.default_rng(0)
@@ -80,7 +84,8 @@ def test_with_plan_round_trips_and_keeps_greedy_output():
   target, draft = testing.tiny_pair(seed=3)
   prompts = [[5, 6, 7], [8, 9]]
   ref = decode.generate(target, prompts, max_new_tokens=8)
-  names = ["out_in/xla"] + (["out_in/kernel"] if kernels.available() else [])
+  names = ["out_in/xla"] + (["out_in/kernel", "out_in/hybrid"]
+                            if kernels.available() else [])
   for name in names:
     t, d = target.with_plan(name), draft.with_plan(name)
     assert t.params["layers_0"]["gate"].shape == (128, 64)  # [F, E]

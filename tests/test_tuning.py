@@ -70,6 +70,7 @@ def test_forcing_a_plan(cache, monkeypatch):
   monkeypatch.delenv("SPECJAX_MATMUL")
   monkeypatch.setattr(kernels, "available", lambda: False)
   assert "out_in/kernel" not in tuning.candidates("float32")
+  assert "out_in/hybrid" not in tuning.candidates("float32")
   with pytest.raises(kernels.KernelError, match="not available"):
     tuning.tune(testing.TINY_TARGET, matmul="out_in/kernel", cache_dir=cache)
 

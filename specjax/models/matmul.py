@@ -46,11 +46,15 @@ class MatmulPlan:
     layout: "in_out" (stored [I, O]) or "out_in" (stored [O, I]).
     kernel: route small products to the specjax CPU kernel (needs out_in).
     kernel_max_rows: the most rows X sent to the kernel.
+    kernel_min_rows: the fewest rows X sent to the kernel; 2 leaves the
+      one-row product of a decode step to XLA ("out_in/hybrid": on some
+      CPUs XLA's matrix-vector product is the faster one).
   """
 
   layout: str = "in_out"
   kernel: bool = False
   kernel_max_rows: int = 32
+  kernel_min_rows: int = 1
 
   def __post_init__(self):
     if self.layout not in LAYOUTS:
@@ -62,20 +66,28 @@ class MatmulPlan:
     if not 1 <= self.kernel_max_rows <= kernels.MAX_ROWS:
       raise ValueError(f"kernel_max_rows must be in [1, {kernels.MAX_ROWS}],"
                        f" got {self.kernel_max_rows}.")
+    if not 1 <= self.kernel_min_rows <= self.kernel_max_rows:
+      raise ValueError(f"kernel_min_rows must be in [1, kernel_max_rows], "
+                       f"got {self.kernel_min_rows}.")
 
   @property
   def name(self) -> str:
-    """'in_out/xla', 'out_in/xla' or 'out_in/kernel'."""
-    return f"{self.layout}/{'kernel' if self.kernel else 'xla'}"
+    """'in_out/xla', 'out_in/xla', 'out_in/kernel' or 'out_in/hybrid'."""
+    if not self.kernel:
+      return f"{self.layout}/xla"
+    impl = "kernel" if self.kernel_min_rows == 1 else "hybrid"
+    return f"{self.layout}/{impl}"
 
   @classmethod
   def parse(cls, name: str) -> "MatmulPlan":
     """Inverts `name`, e.g. MatmulPlan.parse('out_in/kernel')."""
     layout, _, impl = name.partition("/")
-    if impl not in ("xla", "kernel"):
+    if impl not in ("xla", "kernel", "hybrid"):
       raise ValueError(f"Unknown matmul plan {name!r}; expected "
-                       "'in_out/xla', 'out_in/xla' or 'out_in/kernel'.")
-    return cls(layout=layout, kernel=impl == "kernel")
+                       "'in_out/xla', 'out_in/xla', 'out_in/kernel' or "
+                       "'out_in/hybrid'.")
+    return cls(layout=layout, kernel=impl != "xla",
+               kernel_min_rows=2 if impl == "hybrid" else 1)
 
   @property
   def transposed(self) -> bool:
@@ -104,7 +116,7 @@ def project(x: jax.Array, w: jax.Array, plan: MatmulPlan,
   rows = 1
   for n in lead:
     rows *= n
-  if (plan.kernel and rows <= plan.kernel_max_rows
+  if (plan.kernel and plan.kernel_min_rows <= rows <= plan.kernel_max_rows
       and x.dtype == jnp.float32 and w.dtype == jnp.float32):
     out = kernels.smallm_matmul(x.reshape(rows, x.shape[-1]), w)  # [X, O]
     return out.reshape(*lead, w.shape[0]).astype(out_dtype or x.dtype)

@@ -15,10 +15,10 @@ one decode step plus one verification pass for the default rows (1, 5).
 
 The choice and the timings are cached in `$SPECJAX_CACHE/tuning/matmul.json`
 under a key naming the CPU model, core count, backend, JAX version, the kernel
-sources' hash, dtype, shapes and rows. Deleting the file re-measures; a corrupt
-file is ignored with a warning and rewritten. A user forces a plan with
-`matmul=NAME` (or `SPECJAX_MATMUL=NAME` in the environment), NAME one of
-`PLANS`.
+sources' hash, the candidate plans, dtype, shapes and rows. Deleting the file
+re-measures; a corrupt file is ignored with a warning and rewritten. A user
+forces a plan with `matmul=NAME` (or `SPECJAX_MATMUL=NAME` in the
+environment), NAME one of `PLANS`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from specjax.models.matmul import project
 __all__ = ["PLANS", "TuneResult", "apply", "cache_file", "candidates",
            "tune"]
 
-PLANS = ("in_out/xla", "out_in/xla", "out_in/kernel")
+PLANS = ("in_out/xla", "out_in/xla", "out_in/kernel", "out_in/hybrid")
 _STACK_BYTES = 512 << 20  # more than any CPU's last-level cache
 _HEAD_ROWS = 32768  # vocabulary rows of the head slice
 _REPEATS = 7
@@ -84,7 +84,7 @@ def candidates(dtype: Any) -> list[str]:
   """Plan names worth timing here: the kernel only for float32 on CPU."""
   names = ["in_out/xla", "out_in/xla"]
   if jnp.dtype(dtype) == jnp.float32 and kernels.available():
-    names.append("out_in/kernel")
+    names += ["out_in/kernel", "out_in/hybrid"]
   return names
 
 
@@ -100,7 +100,9 @@ def _shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def _key(config: ModelConfig, dtype: Any, rows: Sequence[int]) -> str:
   shapes = ",".join(f"{k}={i}x{o}" for k, (i, o) in _shapes(config).items())
+  # The candidates are in the key: a new candidate plan re-measures.
   return (f"{hardware.machine_key()}|kernel={kernels.source_hash()}|"
+          f"plans={'+'.join(candidates(dtype))}|"
           f"{jnp.dtype(dtype).name}|{shapes}|rows={','.join(map(str, rows))}")
 
 
