@@ -342,9 +342,8 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
       "draft_cost_ratio": draft_cost,
       # Drafting cost per target forward: draft forwards (every component,
       # weighted by its c) per speculative step.
-      "drafting_cost_per_step": float(np.dot(
-          component_costs, np.asarray(merged.draft_forwards).reshape(-1))
-          / max(int(merged.steps), 1)),
+      "drafting_cost_per_step": metrics.drafting_cost_per_step(
+          merged, component_costs),
       "draft_forwards_by_component": dict(zip(
           drafters.components(drafter),
           np.asarray(merged.draft_forwards).reshape(-1).tolist())),
@@ -456,7 +455,7 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
   prompt_set, encoded = encode_prompts(config, pair.tokenizer)
   # One S for every γ and drafter: no call compiles for a cache of its own.
   names = drafter_names(config)
-  extra = max(getattr(make_drafter(n, config, pair), "extra_positions", 0)
+  extra = max(drafters.extra_positions(make_drafter(n, config, pair))
               for n in names)
   cache_size = decode.default_cache_size(
       max(len(p) for p in encoded), config.max_new_tokens,

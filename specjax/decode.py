@@ -50,6 +50,7 @@ from specjax import sampling
 from specjax import speculate
 from specjax.drafters import components
 from specjax.drafters import DraftModel
+from specjax.drafters import extra_positions
 from specjax.drafters import Drafter
 from specjax.models import LanguageModel
 from specjax.models import model_output
@@ -427,7 +428,7 @@ def speculative_generate(
       draft_stop_threshold=draft_stop_threshold,
       synthetic_acceptance=synthetic_acceptance)
   synthetic = synthetic_acceptance is not None
-  extra = int(getattr(drafter, "extra_positions", 0))
+  extra = extra_positions(drafter)
   cap = _tokens_cap(max_new_tokens, tokens_cap)
   tokens, lengths, cache_size = prepare_prompts(
       prompts, target.vocab_size, max_new_tokens=max_new_tokens,

@@ -85,6 +85,17 @@ def drafted_fraction(stats: Any) -> list[float]:
   return [float(x) for x in prop / max(int(pairs), 1)]
 
 
+def drafting_cost_per_step(stats: Any,
+                           component_costs: Sequence[float]) -> float:
+  """Σ_k c_k f_k: drafting cost per speculative step in target forwards,
+  from the forwards of each drafter component per loop step (they run once
+  for the whole batch; prefill included) and their costs `component_costs`.
+  """
+  forwards = np.asarray(stats.draft_forwards, np.float64).reshape(-1)
+  return float(np.dot(np.asarray(component_costs, np.float64), forwards)
+               / max(int(np.sum(stats.steps)), 1))
+
+
 def predicted_speedup_extended(stats: Any, component_costs: Sequence[float],
                                verify_ratio: float = 1.0) -> float:
   """Leviathan's prediction for any drafter (module docstring): measured α,
@@ -93,11 +104,8 @@ def predicted_speedup_extended(stats: Any, component_costs: Sequence[float],
   alpha = acceptance_rate(stats)
   tokens = 1.0 + sum(d * alpha ** (i + 1)
                      for i, d in enumerate(drafted_fraction(stats)))
-  # Forwards run once per loop step for the whole batch (prefill included).
-  per_step = np.asarray(stats.draft_forwards, np.float64).reshape(-1) / max(
-      int(np.sum(stats.steps)), 1)
-  draft = float(np.dot(np.asarray(component_costs, np.float64), per_step))
-  return tokens / (draft + verify_ratio)
+  return tokens / (drafting_cost_per_step(stats, component_costs)
+                   + verify_ratio)
 
 
 def summarize(stats: Any, gamma: int,

@@ -50,7 +50,7 @@ def _proposed(num_drafted: jax.Array | None, batch: int,
   return jnp.arange(gamma)[None] < num_drafted[:, None]
 
 
-def _leading_true(accept: jax.Array) -> jax.Array:
+def leading_true(accept: jax.Array) -> jax.Array:
   """[B, G] bool -> [B] int32, the length of the all-true prefix."""
   return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1)
 
@@ -129,7 +129,7 @@ def rejection_sample(
   u = jax.random.uniform(accept_key, (batch, gamma))
   proposed = _proposed(num_drafted, batch, gamma)
   # u < p/q without dividing: q = 0 accepts iff p > 0 (ratio +inf).
-  num_accepted = _leading_true((u * q_x < p_x) & proposed)
+  num_accepted = leading_true((u * q_x < p_x) & proposed)
   return num_accepted, _next_token(next_key, num_accepted, q, p,
                                    draft_tokens, proposed)
 
@@ -163,5 +163,5 @@ def synthetic_sample(
   accept_key, next_key = jax.random.split(key)
   accept = jax.random.uniform(accept_key, (batch, gamma)) < rate
   accept &= _proposed(num_drafted, batch, gamma)
-  num_accepted = _leading_true(accept)
+  num_accepted = leading_true(accept)
   return num_accepted, sampling.sample(next_key, _at(p, num_accepted))

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from specjax import decode
+from specjax import drafters
 from specjax import speculate
 from specjax import testing
 from specjax.drafters import DraftModel
@@ -167,7 +168,7 @@ def _run_steps(target, drafter, prompts, gamma, max_new, on_step):
   lengths) after each; returns the final state and the padded prompts."""
   tokens, lengths, size = decode.prepare_prompts(
       prompts, target.vocab_size, max_new_tokens=max_new, cache_size=None,
-      reserve=gamma + 1 + getattr(drafter, "extra_positions", 0))
+      reserve=gamma + 1 + drafters.extra_positions(drafter))
   params = speculate.StepParams.create()
   state = decode.init_spec_state(
       target, drafter, jnp.asarray(tokens), jnp.asarray(lengths), params,

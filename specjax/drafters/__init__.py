@@ -3,6 +3,7 @@
 from specjax.drafters.base import Drafter
 from specjax.drafters.base import Proposal
 from specjax.drafters.base import components
+from specjax.drafters.base import extra_positions
 from specjax.drafters.cascade import Cascade
 from specjax.drafters.fallback import Fallback
 from specjax.drafters.lookup import LookupState
@@ -11,4 +12,5 @@ from specjax.drafters.model import DraftModel
 from specjax.drafters.track import Track
 
 __all__ = ["Cascade", "DraftModel", "Drafter", "Fallback", "LookupState",
-           "PromptLookup", "Proposal", "Track", "components"]
+           "PromptLookup", "Proposal", "Track", "components",
+           "extra_positions"]

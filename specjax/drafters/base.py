@@ -16,13 +16,16 @@ be passed into `jax.jit`; their static fields fix shapes.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, TYPE_CHECKING
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from specjax import sampling
+
+if TYPE_CHECKING:  # verify imports this module
+  from specjax.verify import Verification
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -93,7 +96,7 @@ class Drafter(Protocol):
     """
 
   def commit(self, state: Any, proposal: Proposal,
-             verification: "specjax.verify.Verification",
+             verification: Verification,
              active: jax.Array) -> Any:
     """Takes in what the target committed after `proposal`.
 
@@ -114,6 +117,16 @@ class Drafter(Protocol):
 def components(drafter: Any) -> tuple[str, ...]:
   """Names of the parts of a drafter whose forwards are counted apart."""
   return tuple(getattr(drafter, "components", ("drafter",)))
+
+
+def extra_positions(drafter: Any) -> int:
+  """Cache positions a drafter needs past the engine's γ + 1 (default 0)."""
+  return int(getattr(drafter, "extra_positions", 0))
+
+
+def where_rows(mask: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+  """Per row: a where mask [B] holds, else b (both [B, ...])."""
+  return jnp.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
 
 
 def forwards(proposal: Proposal, drafter: Any) -> jax.Array:

@@ -30,8 +30,10 @@ import jax.numpy as jnp
 from specjax import cache as cache_lib
 from specjax.drafters import track
 from specjax.drafters.base import components
+from specjax.drafters.base import extra_positions
 from specjax.drafters.base import forwards
 from specjax.drafters.base import Proposal
+from specjax.drafters.base import where_rows
 from specjax.verify import verify
 
 
@@ -107,7 +109,7 @@ class Cascade:
   def extra_positions(self) -> int:
     """Cache positions needed past the engine's γ+1: a round may overshoot
     the block by γ', and the inner drafter may need its own."""
-    return self.gamma + 1 + getattr(self.drafter, "extra_positions", 0)
+    return self.gamma + 1 + extra_positions(self.drafter)
 
   def init(self, prompts, prompt_lengths, first_token, cache_size):
     return CascadeState(
@@ -141,9 +143,8 @@ class Cascade:
       verdict, cache = verify(self.model, r.cache, r.last_token, proposal,
                               params, verify_key)
       inner = self.drafter.commit(inner, proposal, verdict, need)
-      write = lambda buf, new: jnp.where(
-          need.reshape((-1,) + (1,) * (buf.ndim - 1)),
-          cache_lib.write_rows(buf, new, r.count), buf)
+      write = lambda buf, new: where_rows(
+          need, cache_lib.write_rows(buf, new, r.count), buf)
       return _Rounds(
           count=jnp.where(need, r.count + verdict.num_emitted, r.count),
           block=write(r.block, verdict.emitted),

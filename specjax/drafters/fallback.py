@@ -22,8 +22,10 @@ import jax.numpy as jnp
 
 from specjax.drafters.base import components
 from specjax.drafters.base import dense_q
+from specjax.drafters.base import extra_positions
 from specjax.drafters.base import forwards
 from specjax.drafters.base import Proposal
+from specjax.drafters.base import where_rows
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -66,8 +68,7 @@ class Fallback:
 
   @property
   def extra_positions(self) -> int:
-    return max(getattr(self.first, "extra_positions", 0),
-               getattr(self.second, "extra_positions", 0))
+    return max(extra_positions(self.first), extra_positions(self.second))
 
   def init(self, prompts, prompt_lengths, first_token, cache_size):
     return FallbackState(
@@ -92,8 +93,7 @@ class Fallback:
 
     p2, s2 = jax.lax.cond(jnp.all(use_first), skip_second, run_second,
                           state.second)
-    pick = lambda a, b: jnp.where(
-        use_first.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+    pick = lambda a, b: where_rows(use_first, a, b)
     q = None
     if p1.q is not None or p2.q is not None:
       q = pick(dense_q(p1, self.vocab_size), dense_q(p2, self.vocab_size))

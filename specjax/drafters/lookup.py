@@ -27,7 +27,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax import cache as cache_lib
+from specjax.drafters import text
 from specjax.drafters.base import Proposal
 
 __all__ = ["LookupState", "PromptLookup", "ngram_match"]
@@ -56,9 +56,7 @@ def ngram_match(context: jax.Array, length: jax.Array, *, gamma: int,
   best_n = jnp.zeros((batch,), jnp.int32)
   for n in range(max_ngram, min_ngram - 1, -1):
     # suffix [B, n]: the row's last n tokens.
-    suffix = jnp.take_along_axis(
-        context, jnp.clip(length[:, None] - n + jnp.arange(n), 0, size - 1),
-        axis=1)
+    suffix = text.window(context, length - n, n)
     match = jnp.ones((batch, size), bool)
     for i in range(n):  # context[b, s + i] == suffix[b, i] for all i < n
       shifted = jnp.roll(context, -i, axis=1)  # [B, S]: context[b, s + i]
@@ -70,8 +68,7 @@ def ngram_match(context: jax.Array, length: jax.Array, *, gamma: int,
     best = jnp.where(take, latest, best)
     best_n = jnp.where(take, n, best_n)
   first = best + best_n  # [B] first proposed position
-  idx = jnp.clip(first[:, None] + jnp.arange(gamma)[None], 0, size - 1)
-  tokens = jnp.take_along_axis(context, idx, axis=1)  # [B, G]
+  tokens = text.window(context, first, gamma)  # [B, G]
   num = jnp.where(best >= 0, jnp.clip(length - first, 0, gamma), 0)
   return tokens.astype(jnp.int32), num.astype(jnp.int32)
 
@@ -117,12 +114,9 @@ class PromptLookup:
 
   def init(self, prompts, prompt_lengths, first_token, cache_size):
     """Context = prompt then the target's first token, in [B, S]."""
-    batch, width = prompts.shape
-    context = jnp.zeros((batch, cache_size), jnp.int32)
-    context = context.at[:, :width].set(prompts.astype(jnp.int32))
-    context = cache_lib.write_rows(context, first_token[:, None],
-                                   prompt_lengths)
-    return LookupState(context=context, length=prompt_lengths + 1)
+    context, length = text.init(prompts, prompt_lengths, first_token,
+                                cache_size)
+    return LookupState(context=context, length=length)
 
   def propose(self, state: LookupState, key, params, gamma, stop_threshold
               ) -> tuple[Proposal, LookupState]:
@@ -137,10 +131,7 @@ class PromptLookup:
              active: jax.Array) -> LookupState:
     """Appends the emitted tokens to active rows' contexts."""
     del proposal
-    # Room for the G+1 slots is reserved by the engine's cache sizing.
-    context = cache_lib.write_rows(state.context, verification.emitted,
-                                   state.length)
-    length = jnp.where(active, state.length + verification.num_emitted,
-                       state.length)
-    context = jnp.where(active[:, None], context, state.context)
+    context, length = text.append(state.context, state.length,
+                                  verification.emitted,
+                                  verification.num_emitted, active)
     return LookupState(context=context, length=length)

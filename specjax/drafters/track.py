@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax import cache as cache_lib
+from specjax import rejection
+from specjax.drafters import text
 from specjax.models.protocol import model_output
 
 
@@ -49,30 +51,15 @@ class Track:
   length: jax.Array
 
 
-def _window(buffer: jax.Array, start: jax.Array, width: int) -> jax.Array:
-  """buffer [B, S] read at [B] offsets -> [B, width] (clipped to S - 1)."""
-  index = jnp.minimum(start[:, None] + jnp.arange(width)[None],
-                      buffer.shape[1] - 1)
-  return jnp.take_along_axis(buffer, index, axis=1)
-
-
-def _leading_true(x: jax.Array) -> jax.Array:
-  """[B, C] bool -> [B] int32 length of the all-true prefix."""
-  return jnp.sum(jnp.cumprod(x.astype(jnp.int32), axis=1), axis=1)
-
-
 def init(model: Any, prompts: jax.Array, prompt_lengths: jax.Array,
          first_token: jax.Array, cache_size: int) -> Track:
   """Prefills `model` on prompts [B, P]; the committed text is the prompt
   and `first_token` [B], which stays uncached."""
-  batch, width = prompts.shape
-  cache = model.init_cache(batch, cache_size)
+  cache = model.init_cache(prompts.shape[0], cache_size)
   _, cache = model.prefill(prompts, prompt_lengths, cache)
-  context = jnp.zeros((batch, cache_size), jnp.int32).at[:, :width].set(
-      prompts)
-  context = cache_lib.write_rows(context, first_token[:, None],
-                                 prompt_lengths)
-  return Track(cache=cache, context=context, length=prompt_lengths + 1)
+  context, length = text.init(prompts, prompt_lengths, first_token,
+                              cache_size)
+  return Track(cache=cache, context=context, length=length)
 
 
 def catch_up(model: Any, track: Track, *, width: int, keep: int = 0,
@@ -104,7 +91,7 @@ def catch_up(model: Any, track: Track, *, width: int, keep: int = 0,
       cache, last, passes = carry
       start = cache.lengths
       count = jnp.clip(goal - start, 0, size)  # [B] real tokens this pass
-      chunk = _window(track.context, start, size)  # [B, T]
+      chunk = text.window(track.context, start, size)  # [B, T]
       out, cache = model(chunk, cache)
       logits = model_output(out).logits  # [B, T, V]
       here = jnp.take_along_axis(
@@ -139,14 +126,14 @@ def rewind(track: Track, emitted: jax.Array, num_emitted: jax.Array,
   base, cached = track.length, track.cache.lengths
   width = emitted.shape[1]
   slots = jnp.arange(width)[None]
-  held = _window(track.context, base, width)  # [B, C]
+  held = text.window(track.context, base, width)  # [B, C]
   same = ((held == emitted) & (slots < num_emitted[:, None])
           & (slots < (cached - base)[:, None]))
-  match = jnp.minimum(_leading_true(same), num_emitted - 1)
+  match = jnp.minimum(rejection.leading_true(same), num_emitted - 1)
   kept = jnp.minimum(cached, base + match)
-  context = cache_lib.write_rows(track.context, emitted, base)
+  context, length = text.append(track.context, base, emitted, num_emitted,
+                                active)
   return Track(
       cache=track.cache.rollback(jnp.where(
           active, kept, jnp.minimum(cached, base - 1))),
-      context=jnp.where(active[:, None], context, track.context),
-      length=jnp.where(active, base + num_emitted, base))
+      context=context, length=length)
