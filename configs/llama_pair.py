@@ -18,13 +18,17 @@ Pairs (`configs/llama_pair.py:pair=NAME`):
 - `tiny`: random tiny models and a byte-level stand-in tokenizer (smoke runs;
   acceptance is meaningless).
 
-Other arguments: `gamma=4`, `gammas=1/2/4/8` (sweep, `/`-separated),
+Other arguments: `gamma=4` (default: the pair's best, 8 for `qwen`, else
+4), `gammas=1/2/4/8` (sweep, `/`-separated),
 `batch=1`, `batches=1/2/4/8` (sweep), `prompts=mtbench`, `n=8` (prompts),
 `tokens=64` (max new tokens), `temperature=0.0`, `dtype=auto`,
 `matmul=auto` (or a forced plan, e.g. `matmul=in_out/xla`),
 `drafter=model|lookup|fallback|cascade` (default: the pair's best, `lookup`
 for `qwen`, else `model`), `drafters=model/lookup/fallback/cascade` (sweep,
-one row per drafter), e.g.
+one row per drafter), `policies=auto/heuristic` (adaptive γ runs beside the
+fixed ones, `specjax.adaptive`) with `max_gamma=8`, `nodes=16` (token trees
+of at most 16 nodes at depth <= γ; 0 drafts chains) and `nodes_sweep=0/8/16`
+(one row per tree size, 0 a chain), e.g.
 
   python -m experiments.run \
     --config=configs/llama_pair.py:gammas=1/2/4/8,n=4,tokens=32
@@ -52,8 +56,9 @@ PAIRS = {
         target="qwen2.5-coder-1.5b-instruct",
         draft="qwen2.5-coder-0.5b-instruct",
         prompt_set="humaneval", chat_template=True,
-        # The best drafter on this job (BENCHMARKS.md, "Drafters").
-        drafter="lookup"),
+        # The best drafter and fixed γ on this job (BENCHMARKS.md,
+        # "Drafters" and "Main job past 2.5x").
+        drafter="lookup", gamma=8),
     "smollm2": dict(
         target="HuggingFaceTB/SmolLM2-1.7B-Instruct",
         draft="HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -70,9 +75,10 @@ PAIRS = {
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The experiment config; see the module docstring for `arg`."""
   arg = configs.parse_arg(
-      arg, pair="qwen", gamma=4, gammas="", batch=1, batches="", prompts="",
+      arg, pair="qwen", gamma=0, gammas="", batch=1, batches="", prompts="",
       n=8, tokens=64, temperature=0.0, dtype="auto", matmul="auto",
-      drafter="", drafters="")
+      drafter="", drafters="", policies="", max_gamma=8, nodes=0,
+      nodes_sweep="")
   if arg["pair"] not in PAIRS:
     raise ValueError(f"Unknown pair {arg['pair']!r} in the config argument "
                      f"'pair='; known pairs: {sorted(PAIRS)}.")
@@ -108,9 +114,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # round.
   config.cascade_gamma = 2
   # γ: draft tokens proposed per speculative step.
-  config.gamma = arg["gamma"]
+  # Default (gamma=0 in the argument): the pair's best, else 4.
+  config.gamma = arg["gamma"] or pair.get("gamma", 4)
   # γ sweep, e.g. (1, 2, 4, 8); empty runs only `gamma`.
   config.gammas = configs.parse_ints(arg["gammas"], "gammas")
+  # Adaptive γ policies run beside the fixed γ values: "auto" (cost model
+  # and running acceptance) and/or "heuristic" (transformers' +2/-1),
+  # choosing 0 to `max_gamma` drafts per step (`specjax.adaptive`).
+  config.policies = tuple(x for x in arg["policies"].split("/") if x)
+  config.max_gamma = arg["max_gamma"]
+  # Token trees (`specjax.tree`): at most `num_nodes` draft tokens per step
+  # at depth <= γ, verified in one pass (model and lookup drafters); 0
+  # drafts chains. The sweep, e.g. (0, 8, 16, 32), runs one row per size.
+  config.num_nodes = arg["nodes"]
+  config.num_nodes_sweep = tuple(
+      int(x) for x in str(arg["nodes_sweep"]).split("/") if x != "")
   # Prompts decoded together (rows of one compiled call).
   config.batch_size = arg["batch"]
   # Batch-size sweep, e.g. (1, 2, 4, 8); empty runs only `batch_size`.

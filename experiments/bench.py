@@ -41,6 +41,7 @@ from experiments import cost as cost_lib
 from experiments import prompts as prompts_lib
 from experiments import report
 from experiments.validation import ConfigError
+from experiments.validation import TREE_DRAFTERS
 from experiments.validation import validate_config
 from specjax import decode
 from specjax import drafters
@@ -51,7 +52,8 @@ from specjax import testing
 from specjax.tuning import matmul as tuning
 
 __all__ = [
-    "ConfigError", "Pair", "load_pair", "run_and_save", "run_experiment",
+    "Call", "ConfigError", "Pair", "load_pair", "run_and_save",
+    "run_experiment", "timed_call",
     "validate_config",
 ]
 
@@ -194,7 +196,7 @@ def jax_cache_dir(config: Any) -> str | None:
 
 
 @dataclasses.dataclass
-class _Call:
+class Call:
   """One timed generate call on one batch."""
 
   output: Any  # GenerateOutput | SpecOutput
@@ -222,8 +224,8 @@ def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
   return statistics.median(times), out
 
 
-def _timed_call(fn: Callable[..., Any], key: tuple, seen: set,
-                repeats: int) -> _Call:
+def timed_call(fn: Callable[..., Any], key: tuple, seen: set,
+                repeats: int) -> Call:
   """Times `fn(max_new_tokens=N)` and its prefill, `fn(max_new_tokens=1)`.
 
   Both shapes run once untimed first (compilation). The prefill call (prompt
@@ -241,7 +243,7 @@ def _timed_call(fn: Callable[..., Any], key: tuple, seen: set,
     seen.add(key)
   seconds, out = _median_time(fn, repeats)
   prefill_s, _ = _median_time(prefill, repeats)
-  return _Call(out, seconds, warmup, prefill_s)
+  return Call(out, seconds, warmup, prefill_s)
 
 
 def _first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -257,13 +259,19 @@ def _ratio(a: float, b: float) -> float:
 
 def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
                      batch_rows: Sequence[Sequence[int]], baseline: list,
-                     gamma: int, cost: dict, run_kwargs: dict,
+                     gamma: int | str, cost: dict, run_kwargs: dict,
                      prompt_set: prompts_lib.PromptSet, config: Any,
                      seen: set, advance: Callable[[], None],
-                     drafter_name: str) -> dict[str, Any]:
+                     drafter_name: str, num_nodes: int = 0
+                     ) -> dict[str, Any]:
   """Speculative decoding of every batch at one (B, γ, drafter), against
-  baseline."""
+  baseline. γ may name an adaptive policy ("auto", "heuristic"), run with
+  γ_max = `config.max_gamma`; the predictions, which assume a fixed γ, are
+  then NaN, as they are for token trees (`num_nodes` > 0, at most that many
+  draft tokens per step)."""
   batch_size = len(batches[0])
+  fixed = isinstance(gamma, int) and not num_nodes
+  width = gamma if isinstance(gamma, int) else config.max_gamma
   greedy_check = (config.temperature == 0
                   and config.synthetic_acceptance is None)
   drafter = make_drafter(drafter_name, config, pair)
@@ -274,15 +282,15 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
   draft_cost = max(component_costs)
   calls, rows = [], []
   for i, batch in enumerate(batches):
-    call = _timed_call(
+    call = timed_call(
         functools.partial(
             decode.speculative_generate, pair.target, drafter, batch,
-            gamma=gamma,
+            gamma=gamma, max_gamma=width, num_nodes=num_nodes or None,
             key=jax.random.fold_in(jax.random.key(config.seed), i),
             draft_stop_threshold=config.draft_stop_threshold,
             synthetic_acceptance=config.synthetic_acceptance, **run_kwargs),
         ("spec", len(batch), _bucket(batch, run_kwargs), gamma,
-         drafter_name), seen,
+         drafter_name, num_nodes), seen,
         config.timing_repeats)
     advance()
     calls.append(call)
@@ -318,7 +326,7 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
       rows.append(row)
 
   merged = decode.SpecStats.merge([c.output.stats for c in calls])
-  summary = metrics.summarize(merged, gamma, draft_cost)
+  summary = metrics.summarize(merged, width, draft_cost)
   base_time = sum(c.seconds for c in baseline)
   spec_time = sum(c.seconds for c in calls)
   base_tokens = sum(int(c.output.lengths.sum()) for c in baseline)
@@ -331,9 +339,12 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
                            sum(c.decode_s for c in calls))
   lossless_rows = [r["lossless"] for r in rows]
   alpha = summary["acceptance_rate"]
-  verify_ratio = cost["verify_cost_ratio"][str(gamma)]
+  verify_ratio = cost["verify_cost_ratio"].get(str(num_nodes or gamma),
+                                               math.nan)
+  scored = np.asarray(merged.scored)
   return {
       "gamma": gamma,
+      "num_nodes": num_nodes,
       "batch_size": batch_size,
       "acceptance_rate": alpha,
       "mean_accepted_tokens": summary["mean_accepted_tokens"],
@@ -357,15 +368,20 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
       "decode_speedup": _ratio(spec_decode_tps, base_decode_tps),
       "baseline_prefill_s": sum(c.prefill_s for c in baseline),
       "spec_prefill_s": sum(c.prefill_s for c in calls),
-      "predicted_speedup": summary["predicted_speedup"],
+      "predicted_speedup": (summary["predicted_speedup"] if fixed
+                            else math.nan),
       # Leviathan's formula with the measured verify/forward time ratio in
       # place of the assumed 1: tokens per step / (γc + verify ratio).
-      "predicted_speedup_measured_verify": metrics.predicted_speedup(
-          alpha, gamma, draft_cost, verify_ratio),
+      "predicted_speedup_measured_verify": (metrics.predicted_speedup(
+          alpha, width, draft_cost, verify_ratio) if fixed else math.nan),
       # For any drafter: drafted fractions and forwards per step measured
       # (specjax.metrics.predicted_speedup_extended).
-      "predicted_speedup_extended": metrics.predicted_speedup_extended(
-          merged, component_costs, verify_ratio),
+      "predicted_speedup_extended": (metrics.predicted_speedup_extended(
+          merged, component_costs, verify_ratio) if fixed else math.nan),
+      # Draft slots the target scored per step (an adaptive policy's
+      # choices; 0 is an autoregressive step).
+      "mean_scored_drafts": float(np.mean(scored[scored >= 0])),
+      "autoregressive_steps": float(np.mean(scored[scored >= 0] == 0)),
       "verify_cost_ratio": verify_ratio,
       "lossless": all(lossless_rows) if greedy_check else None,
       "lossless_prompts": sum(bool(x) for x in lossless_rows),
@@ -457,16 +473,22 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
   names = drafter_names(config)
   extra = max(drafters.extra_positions(make_drafter(n, config, pair))
               for n in names)
+  node_counts = tuple(config.get("num_nodes_sweep", ())) or (
+      config.get("num_nodes", 0),)
+  widest = max(gammas + node_counts + (
+      (config.max_gamma,) if config.get("policies") else ()))
   cache_size = decode.default_cache_size(
       max(len(p) for p in encoded), config.max_new_tokens,
-      reserve=max(gammas) + 1 + extra)
+      reserve=widest + 1 + extra)
   eos = None if config.ignore_eos else list(pair.tokenizer.eos_ids)
   run_kwargs = dict(max_new_tokens=config.max_new_tokens,
                     temperature=config.temperature, top_k=config.top_k,
                     top_p=config.top_p, eos_id=eos, cache_size=cache_size)
 
   num_batches = {b: -(-len(encoded) // b) for b in batch_sizes}
-  bar = tqdm.tqdm(total=sum(n * (1 + len(gammas) * len(names))
+  num_runs = (len(gammas) * len(node_counts)
+              + len(config.get("policies", ())))
+  bar = tqdm.tqdm(total=sum(n * (1 + num_runs * len(names))
                             for n in num_batches.values()),
                   desc="generate", unit="call", disable=not config.progress)
   seen: set = set()
@@ -476,13 +498,16 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
             for i in range(0, len(encoded), batch_size)]
     batches = [[encoded[j] for j in r] for r in rows]
     bar.set_postfix_str(f"B={batch_size} cost")
+    # Verification at γ + 1 tokens, and at T + 1 for a tree of T nodes.
     cost = cost_lib.measure_cost(pair.target, pair.draft, batches[0],
-                                 cache_size, gammas, config.cost_repeats)
+                                 cache_size, sorted(set(gammas) | (
+                                     set(node_counts) - {0})),
+                                 config.cost_repeats)
     costs[str(batch_size)] = cost
     bar.set_postfix_str(f"B={batch_size} baseline")
     baseline = []
     for i, batch in enumerate(batches):
-      baseline.append(_timed_call(
+      baseline.append(timed_call(
           functools.partial(
               decode.generate, pair.target, batch,
               key=jax.random.fold_in(jax.random.key(config.seed), i),
@@ -504,32 +529,44 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
                                 / 1e3),
         "warmup_s": sum(c.warmup_s for c in baseline)}
     for name in names:
-      for gamma in gammas:
-        bar.set_postfix_str(f"B={batch_size} γ={gamma} {name}")
-        runs.append(_speculative_run(
-            pair, batches, rows, baseline, gamma, cost, run_kwargs,
-            prompt_set, config, seen, bar.update, name))
+      for nodes in node_counts:
+        if nodes and name not in TREE_DRAFTERS:
+          continue  # a chain-only drafter: its nodes=0 row stands
+        policies = () if nodes else tuple(config.get("policies", ()))
+        for gamma in gammas + policies:
+          bar.set_postfix_str(f"B={batch_size} γ={gamma} {name}"
+                              + (f" T={nodes}" if nodes else ""))
+          runs.append(_speculative_run(
+              pair, batches, rows, baseline, gamma, cost, run_kwargs,
+              prompt_set, config, seen, bar.update, name, nodes))
   bar.close()
 
   head_gamma = config.gamma if config.gamma in gammas else gammas[0]
   head_batch = (config.batch_size if config.batch_size in batch_sizes
                 else batch_sizes[0])
   head_drafter = config.drafter if config.drafter in names else names[0]
+  head_nodes = (config.get("num_nodes", 0)
+                if config.get("num_nodes", 0) in node_counts
+                else node_counts[0])
   head = next(r for r in runs
               if r["gamma"] == head_gamma and r["batch_size"] == head_batch
-              and r["drafter"] == head_drafter)
+              and r["drafter"] == head_drafter
+              and r["num_nodes"] == head_nodes)
   keys = ("acceptance_rate", "mean_accepted_tokens", "per_position_acceptance",
           "draft_cost_ratio", "baseline_tokens_per_s", "spec_tokens_per_s",
           "speedup", "decode_speedup", "predicted_speedup", "lossless")
   return {
       **{k: head[k] for k in keys},
       "gamma": head_gamma,
+      "num_nodes": head_nodes,
       "batch_size": head_batch,
       "drafter": head_drafter,
       "synthetic": config.synthetic_acceptance is not None,
       "per_prompt": head["per_prompt"],
       "sweep": {"gammas": list(gammas), "batch_sizes": list(batch_sizes),
-                "drafters": list(names)},
+                "drafters": list(names),
+                "policies": list(config.get("policies", ())),
+                "num_nodes": list(node_counts)},
       "runs": runs,
       "baselines": baselines,
       "cost": costs,
@@ -556,8 +593,10 @@ def run_and_save(config: Any, pair: Pair | None = None) -> dict[str, Any]:
     The results, with `plots` (file names written) and `results_path`.
   """
   results = run_experiment(config, pair)
-  if config.plots:
-    results["plots"] = report.save_plots(results, config.output_dir)
+  # The figures first: a plotting error must not lose a long run.
   results["results_path"] = str(report.write_results(results,
                                                      config.output_dir))
+  if config.plots:
+    results["plots"] = report.save_plots(results, config.output_dir)
+    report.write_results(results, config.output_dir)
   return results

@@ -144,13 +144,13 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
   ]
   cost_rows = []
   for b, c in results["cost"].items():
-    verify = ", ".join(f"γ={g}: {v:.1f} ms ({c['verify_cost_ratio'][g]:.2f}x)"
+    verify = ", ".join(f"{g}+1: {v:.1f} ms ({c['verify_cost_ratio'][g]:.2f}x)"
                        for g, v in c["target_verify_ms"].items())
     cost_rows.append([b, _f(c["draft_forward_ms"], ".2f"),
                       _f(c["target_forward_ms"], ".2f"),
                       _f(c["draft_cost_ratio"], ".3f"), verify])
   lines.append(table(["B", "draft ms", "target ms", "c",
-                      "target verify (γ+1 tokens)"], cost_rows))
+                      "target verify (γ+1, or nodes+1, tokens)"], cost_rows))
   lines += _roofline_lines(results)
   lines += _matmul_lines(results)
   lines += ["", "baseline vs speculative (tokens/s over all prompts):"]
@@ -158,7 +158,8 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
   for r in results["runs"]:
     run_rows.append([
         r.get("drafter", "model"), str(r["batch_size"]), str(r["gamma"]),
-        _f(r["acceptance_rate"], ".3f"), _f(r["mean_accepted_tokens"], ".2f"),
+        str(r.get("num_nodes") or "-"), _f(r["acceptance_rate"], ".3f"),
+        _f(r["mean_accepted_tokens"], ".2f"),
         _f(r.get("drafting_cost_per_step"), ".2f"),
         _f(r["baseline_tokens_per_s"], ".2f"),
         _f(r["spec_tokens_per_s"], ".2f"), _f(r["speedup"], ".2f", "x"),
@@ -167,7 +168,7 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
         _f(r.get("predicted_speedup_measured_verify"), ".2f", "x"),
         _f(r.get("predicted_speedup_extended"), ".2f", "x"),
         _lossless(r)])
-  lines.append(table(["drafter", "B", "γ", "α", "τ", "draft/step",
+  lines.append(table(["drafter", "B", "γ", "nodes", "α", "τ", "draft/step",
                       "base tok/s", "spec tok/s", "speedup", "decode",
                       "predicted", "pred. (verify)", "pred. (ext.)",
                       "lossless"], run_rows))
@@ -178,7 +179,12 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
                " et al. with measured α and c; pred. (verify): the same with "
                "the measured verify/forward time in place of 1; pred. (ext.):"
                " also with the measured drafted fractions and forwards per "
-               "step of every drafter component (specjax.metrics).")
+               "step of every drafter component (specjax.metrics). nodes: "
+               "token-tree size (- a chain); α then counts depths (a depth "
+               "accepted of those with a node), τ is the accepted path plus "
+               "one. γ auto/heuristic: adaptive "
+               "policies (specjax.adaptive); predictions assume a fixed "
+               "chain.")
   head = (f"{results.get('drafter', 'model')}, B={results['batch_size']}, "
           f"γ={results['gamma']}")
   lines += ["", f"per-position acceptance ({head}): " + " ".join(
@@ -228,9 +234,12 @@ def save_plots(results: dict[str, Any],
 
   out = pathlib.Path(output_dir)
   out.mkdir(parents=True, exist_ok=True)
-  # γ and batch sweeps of the headline drafter; the drafter plot has them all.
+  # γ and batch sweeps of the headline drafter's fixed-γ chains; the
+  # drafter plot has every drafter, the tree plot every tree size.
   runs = [r for r in results["runs"]
-          if r.get("drafter") == results.get("drafter")]
+          if r.get("drafter") == results.get("drafter")
+          and isinstance(r["gamma"], int)]
+  chains = [r for r in runs if not r.get("num_nodes")]
   gammas, batches = results["sweep"]["gammas"], results["sweep"]["batch_sizes"]
   title = f"{results['config']['draft']} → {results['config']['target']}"
   if results.get("synthetic"):
@@ -244,7 +253,7 @@ def save_plots(results: dict[str, Any],
     written.append(name)
 
   fig, ax = plt.subplots(figsize=(6, 4))
-  for r in runs:
+  for r in chains:
     if r["batch_size"] != results["batch_size"]:
       continue
     acc = [_nan(a) for a in r["per_position_acceptance"]]
@@ -259,7 +268,7 @@ def save_plots(results: dict[str, Any],
   def sweep_plot(xs, x_of, group_of, groups, xlabel, group_name, name):
     fig, ax = plt.subplots(figsize=(6, 4))
     for g in groups:
-      sel = sorted((r for r in runs if group_of(r) == g), key=x_of)
+      sel = sorted((r for r in chains if group_of(r) == g), key=x_of)
       line, = ax.plot([x_of(r) for r in sel],
                       [_nan(r["speedup"]) for r in sel], marker="o",
                       label=f"measured, {group_name}={g}")
@@ -288,6 +297,29 @@ def save_plots(results: dict[str, Any],
   if len(batches) > 1:
     sweep_plot(batches, lambda r: r["batch_size"], lambda r: r["gamma"],
                gammas, "batch size", "γ", "speedup_vs_batch.png")
+  nodes = results["sweep"].get("num_nodes", [])
+  if len(nodes) > 1:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for gamma in gammas:
+      sel = sorted((r for r in runs if r["gamma"] == gamma
+                    and r["batch_size"] == results["batch_size"]),
+                   key=lambda r: r["num_nodes"])
+      xs = [r["num_nodes"] or gamma for r in sel]  # a chain has γ nodes
+      left.plot(xs, [_nan(r["mean_accepted_tokens"]) for r in sel],
+                marker="o", label=f"γ={gamma}")
+      right.plot(xs, [_nan(r["speedup"]) for r in sel], marker="o",
+                 label=f"γ={gamma}, end to end")
+      right.plot(xs, [_nan(r.get("decode_speedup")) for r in sel],
+                 marker="s", ls=":", label=f"γ={gamma}, decoding phase")
+    left.set(xlabel="draft tokens per step (tree nodes; chain = γ)",
+             ylabel="τ (tokens per target pass)", title=title)
+    right.set(xlabel="draft tokens per step (tree nodes; chain = γ)",
+              ylabel="speedup vs autoregressive", title=title)
+    for ax in (left, right):
+      ax.set_xscale("log", base=2)
+      ax.legend(fontsize=8)
+      ax.grid(alpha=0.3)
+    save(fig, "tree_nodes.png")
   names = results["sweep"].get("drafters", [])
   if len(names) > 1:
     head = [r for r in results["runs"]

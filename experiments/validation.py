@@ -19,6 +19,9 @@ __all__ = ["ConfigError", "DTYPES", "validate_config"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFTERS = ("model", "lookup", "fallback", "cascade")
+POLICIES = ("auto", "heuristic")
+# Drafters that grow token trees; the others run chains only in a sweep.
+TREE_DRAFTERS = ("model", "lookup")
 
 
 class ConfigError(ValueError):
@@ -85,6 +88,26 @@ def validate_config(config: Any) -> None:
   bad = [d for d in config.get("drafters", ()) if d not in DRAFTERS]
   check(not bad, f"config.drafters must name drafters in {DRAFTERS}, got "
         f"{bad}.")
+  bad = [p for p in config.get("policies", ()) if p not in POLICIES]
+  check(not bad, f"config.policies must name policies in {POLICIES}, got "
+        f"{bad}.")
+  max_gamma = config.get("max_gamma", 1)
+  check(_is_int(max_gamma) and max_gamma >= 1,
+        f"config.max_gamma must be an integer >= 1, got {max_gamma!r}.")
+  nodes = (config.get("num_nodes", 0),) + tuple(
+      config.get("num_nodes_sweep", ()))
+  check(all(_is_int(n) and n >= 0 for n in nodes),
+        f"config.num_nodes and num_nodes_sweep must be integers >= 0 (0: "
+        f"chains), got {nodes!r}.")
+  if any(nodes):
+    gammas = tuple(config.gammas) or (config.gamma,)
+    small = [n for n in nodes if 0 < n < max(gammas)]
+    check(not small, f"config.num_nodes values {small} are below gamma="
+          f"{max(gammas)}: a tree needs a node per depth at least.")
+    names = tuple(config.get("drafters", ())) or (config.drafter,)
+    check(any(d in TREE_DRAFTERS for d in names),
+          f"token trees (config.num_nodes) need the model or lookup drafter;"
+          f" {list(names)} draft chains only.")
   inner = config.get("cascade_gamma", 1)
   check(_is_int(inner) and inner >= 1,
         f"config.cascade_gamma must be an integer >= 1, got {inner!r}.")

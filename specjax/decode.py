@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import adaptive
 from specjax import buffers
 from specjax import compilation
 from specjax import sampling
@@ -62,7 +63,7 @@ __all__ = [
     "GenerateOutput", "SpecOutput", "SpecStats", "StepParams",
     "default_cache_size", "generate",
     "init_spec_state", "max_new_tokens_cap", "prepare_prompts",
-    "prompt_bucket", "speculative_generate", "warmup",
+    "prompt_bucket", "resolve_gamma", "speculative_generate", "warmup",
 ]
 
 _MIN_BUCKET = 16
@@ -95,7 +96,9 @@ class SpecOutput(GenerateOutput):
 
   Attributes:
     stats: counters (see `specjax.speculate.SpecStats`), as numpy arrays.
-    gamma: γ used.
+    gamma: γ used (γ_max under an adaptive policy).
+    policy: "" for a fixed γ, else the adaptive policy ("auto",
+      "heuristic").
     synthetic: True when acceptance was synthetic (fixed-rate, not
       distribution-preserving): such figures must be labelled synthetic.
   """
@@ -103,6 +106,7 @@ class SpecOutput(GenerateOutput):
   stats: SpecStats = None
   gamma: int = 0
   synthetic: bool = False
+  policy: str = ""
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -326,7 +330,8 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
                     prompts: jax.Array, lengths: jax.Array,
                     params: StepParams, key: jax.Array, *, gamma: int,
                     max_new_tokens: int | jax.Array, cache_size: int,
-                    tokens_cap: int | None = None) -> SpecState:
+                    tokens_cap: int | None = None,
+                    policy: adaptive.GammaPolicy | None = None) -> SpecState:
   """Prefills target and drafter and emits the target's first token.
 
   Args:
@@ -341,6 +346,7 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
     cache_size: S.
     tokens_cap: N_cap, the static output width (default N, which must then
       be an int).
+    policy: an adaptive γ policy (G is then its γ_max), or None.
 
   Returns:
     The `SpecState` that `speculate.speculate_step` advances.
@@ -356,35 +362,65 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
       drafter_state=drafter.init(prompts, lengths, first, cache_size),
       key=key,
       stats=SpecStats.zeros(prompts.shape[0], gamma, max(cap - 1, 1),
-                            components(drafter)))
+                            components(drafter)),
+      policy_state=None if policy is None else policy.init(prompts.shape[0]))
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "gamma", "tokens_cap", "cache_size", "pad_id", "synthetic"))
+    "gamma", "tokens_cap", "cache_size", "pad_id", "synthetic", "num_nodes"))
 def _speculative_generate(target, drafter, prompts, lengths, params, key,
-                          max_new_tokens, *, gamma, tokens_cap, cache_size,
-                          pad_id, synthetic):
+                          max_new_tokens, policy, *, gamma, tokens_cap,
+                          cache_size, pad_id, synthetic, num_nodes):
   state = init_spec_state(target, drafter, prompts, lengths, params, key,
                           gamma=gamma, max_new_tokens=max_new_tokens,
-                          cache_size=cache_size, tokens_cap=tokens_cap)
+                          cache_size=cache_size, tokens_cap=tokens_cap,
+                          policy=policy)
   step = functools.partial(
       speculate.speculate_step, target=target, drafter=drafter, params=params,
-      gamma=gamma, max_new_tokens=max_new_tokens, synthetic=synthetic)
+      gamma=gamma, max_new_tokens=max_new_tokens, synthetic=synthetic,
+      policy=policy, num_nodes=num_nodes)
   state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
   tokens = buffers.finalize(state.tokens, state.num_generated, tokens_cap,
                             pad_id)
   return tokens, state.num_generated, state.stats
 
 
+def resolve_gamma(gamma: int | str | adaptive.GammaPolicy, *,
+                  max_gamma: int, target: LanguageModel, drafter: Drafter,
+                  batch: int) -> tuple[int, adaptive.GammaPolicy | None]:
+  """G and the policy for a `gamma` argument of `speculative_generate`.
+
+  An int is a fixed γ (no policy); "heuristic" is `adaptive.Heuristic`
+  and "auto" `adaptive.Auto` with costs measured on this machine (cached
+  on disk), both with γ_max = `max_gamma`; a `GammaPolicy` is used as is.
+  """
+  if isinstance(gamma, adaptive.GammaPolicy):
+    return gamma.max_gamma, gamma
+  if isinstance(gamma, str):
+    if gamma == "heuristic":
+      return max_gamma, adaptive.Heuristic(max_gamma)
+    if gamma == "auto":
+      return max_gamma, adaptive.Auto.measure(
+          target, drafter, batch=batch, max_gamma=max_gamma)
+    raise ValueError(f"gamma must be an integer >= 1, 'auto' or "
+                     f"'heuristic', got {gamma!r}.")
+  if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
+    raise ValueError(f"gamma must be an integer >= 1, 'auto' or "
+                     f"'heuristic', got {gamma!r}.")
+  return int(gamma), None
+
+
 def speculative_generate(
     target: LanguageModel, draft: LanguageModel | Drafter,
-    prompts: Sequence[Sequence[int]], *, gamma: int, max_new_tokens: int,
+    prompts: Sequence[Sequence[int]], *,
+    gamma: int | str | adaptive.GammaPolicy, max_new_tokens: int,
     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
     eos_id: int | Sequence[int] | None = None,
     key: jax.Array | int | None = None, cache_size: int | None = None,
     pad_id: int = 0, draft_stop_threshold: float = 0.0,
     synthetic_acceptance: float | None = None,
-    tokens_cap: int | None = None) -> SpecOutput:
+    tokens_cap: int | None = None, max_gamma: int = 8,
+    num_nodes: int | None = None) -> SpecOutput:
   """Speculative decoding, compiled as one call.
 
   The output is distributed exactly as `generate(target, ...)` with the same
@@ -396,7 +432,12 @@ def speculative_generate(
     draft: a smaller `LanguageModel` with the same vocabulary, or any
       `Drafter`.
     prompts: B lists of token ids, of any lengths >= 1.
-    gamma: γ >= 1, draft tokens proposed per step.
+    gamma: γ >= 1, draft tokens proposed per step; or "auto" (a
+      cost-model policy choosing 0 to `max_gamma` drafts each step from
+      running acceptance estimates and forward costs measured on this
+      machine), "heuristic" (transformers' +2/-1 schedule up to
+      `max_gamma`), or a `specjax.adaptive.GammaPolicy`. Any policy keeps
+      the output exact; see `specjax.adaptive`.
     max_new_tokens: N.
     temperature: 0 for greedy; applied to draft and target alike.
     top_k: keep the k most likely tokens (0 disables).
@@ -411,18 +452,24 @@ def speculative_generate(
       probability instead of verifying it (system benchmarks on random
       weights only: the output is then NOT the target's distribution).
     tokens_cap: N_cap, as in `generate`.
+    max_gamma: γ_max for "auto" and "heuristic".
+    num_nodes: None drafts a chain of γ tokens per step; T makes a tree
+      drafter (`DraftModel`, `PromptLookup`) propose a token tree of at
+      most T nodes at depth at most γ, verified in one target pass of T + 1
+      tokens (`specjax.tree`); the cache must hold T + 1 positions past N.
 
   Returns:
     `SpecOutput` with tokens [B, N], lengths [B] and statistics.
   """
-  if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
-    raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}.")
   drafter = draft if hasattr(draft, "propose") else DraftModel(draft)
   if drafter.vocab_size != target.vocab_size:
     raise ValueError(
         f"Draft and target vocabularies differ: draft has "
         f"{drafter.vocab_size} tokens, target has {target.vocab_size}. "
         "Speculative decoding needs one shared tokenizer.")
+  gamma, policy = resolve_gamma(gamma, max_gamma=max_gamma, target=target,
+                                drafter=drafter, batch=len(prompts))
+  _check_tree(num_nodes, gamma, policy, drafter)
   params = StepParams.create(
       temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
       draft_stop_threshold=draft_stop_threshold,
@@ -432,20 +479,47 @@ def speculative_generate(
   cap = _tokens_cap(max_new_tokens, tokens_cap)
   tokens, lengths, cache_size = prepare_prompts(
       prompts, target.vocab_size, max_new_tokens=max_new_tokens,
-      cache_size=cache_size, reserve=int(gamma) + 1 + extra, tokens_cap=cap,
+      cache_size=cache_size, reserve=(num_nodes or gamma) + 1 + extra,
+      tokens_cap=cap,
       reserve_note=f" (gamma + 1, and {extra} for the drafter's inner "
-      "levels: a Cascade's inner gamma + 1)" if extra else "")
+      "levels: a Cascade's inner gamma + 1)" if extra else (
+          " (num_nodes + 1)" if num_nodes else ""))
   out, counts, stats = compilation.call(
       _speculative_generate, "speculative_generate",
       f"B={tokens.shape[0]}, P={tokens.shape[1]}, S={cache_size}, "
-      f"N<={cap}, gamma={gamma}", target, drafter, jnp.asarray(tokens),
-      jnp.asarray(lengths), params, _key(key), jnp.int32(max_new_tokens),
-      gamma=int(gamma), tokens_cap=cap, cache_size=cache_size, pad_id=pad_id,
-      synthetic=synthetic)
+      f"N<={cap}, gamma={gamma}{_policy_name(policy, ' ')}"
+      f"{f', num_nodes={num_nodes}' if num_nodes else ''}", target, drafter,
+      jnp.asarray(tokens), jnp.asarray(lengths), params, _key(key),
+      jnp.int32(max_new_tokens), policy, gamma=int(gamma), tokens_cap=cap,
+      cache_size=cache_size, pad_id=pad_id,
+      synthetic=synthetic, num_nodes=num_nodes)
   return SpecOutput(tokens=np.asarray(out)[:, :max_new_tokens],
                     lengths=np.asarray(counts),
                     stats=jax.tree.map(np.asarray, stats), gamma=int(gamma),
-                    synthetic=synthetic)
+                    synthetic=synthetic, policy=_policy_name(policy))
+
+
+def _check_tree(num_nodes: int | None, gamma: int,
+                policy: adaptive.GammaPolicy | None, drafter: Drafter
+                ) -> None:
+  if num_nodes is None:
+    return
+  if isinstance(num_nodes, bool) or int(num_nodes) != num_nodes or (
+      num_nodes < gamma):
+    raise ValueError(f"num_nodes must be an integer >= gamma={gamma} (one "
+                     f"node per depth at least), got {num_nodes!r}.")
+  if policy is not None:
+    raise ValueError("num_nodes (token trees) takes a fixed integer gamma, "
+                     f"not an adaptive policy ({_policy_name(policy)}).")
+  if not getattr(drafter, "supports_trees", False):
+    raise ValueError(f"{type(drafter).__name__} drafts chains only; token "
+                     "trees (num_nodes) need a tree drafter: DraftModel or "
+                     "PromptLookup.")
+
+
+def _policy_name(policy: adaptive.GammaPolicy | None, prefix: str = ""
+                 ) -> str:
+  return "" if policy is None else prefix + type(policy).__name__.lower()
 
 
 def warmup(target: LanguageModel, draft: LanguageModel | Drafter | None = None,

@@ -100,6 +100,14 @@ def _next_token(key: jax.Array, num_accepted: jax.Array, q: jax.Array | None,
   return sampling.sample(key, dist)
 
 
+def _no_drafts(key: jax.Array, p: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """G = 0 (an autoregressive step): nothing accepted, the next token drawn
+  from p [B, 1, V]."""
+  _, next_key = jax.random.split(key)
+  return (jnp.zeros(p.shape[:1], jnp.int32),
+          sampling.sample(next_key, p[:, 0]))
+
+
 def rejection_sample(
     key: jax.Array,
     draft_tokens: jax.Array,
@@ -111,7 +119,7 @@ def rejection_sample(
 
   Args:
     key: PRNG key.
-    draft_tokens: [B, G] int32.
+    draft_tokens: [B, G] int32 (G may be 0: a plain autoregressive step).
     q: [B, G, V] draft probabilities the tokens were drawn from, or None
       when the drafter is deterministic (one-hot at each drafted token).
     p: [B, G+1, V] target probabilities at the G draft positions and the one
@@ -123,6 +131,8 @@ def rejection_sample(
     num_accepted [B] int32 in [0, G] and next_token [B] int32.
   """
   batch, gamma = draft_tokens.shape
+  if gamma == 0:
+    return _no_drafts(key, p)
   accept_key, next_key = jax.random.split(key)
   p_x = _gather(p[:, :gamma], draft_tokens)  # [B, G]
   q_x = 1.0 if q is None else _gather(q, draft_tokens)  # [B, G]
@@ -160,6 +170,8 @@ def synthetic_sample(
     num_accepted [B] int32 and next_token [B] int32.
   """
   batch, gamma = draft_tokens.shape
+  if gamma == 0:
+    return _no_drafts(key, p)
   accept_key, next_key = jax.random.split(key)
   accept = jax.random.uniform(accept_key, (batch, gamma)) < rate
   accept &= _proposed(num_drafted, batch, gamma)

@@ -26,9 +26,13 @@ import numpy as np
 
 from specjax import buffers
 from specjax import sampling
+from specjax.adaptive import GammaPolicy
+from specjax.drafters.base import capped
 from specjax.drafters.base import Drafter
 from specjax.drafters.base import Proposal
+from specjax.drafters.base import propose_if
 from specjax.verify import verify
+from specjax.verify import verify_within
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -38,16 +42,20 @@ class SpecStats:
   Attributes:
     accepted: [B, M] int32 draft tokens accepted per row and step; -1 where
       the row was already done (or the step never ran).
-    proposed: [B] int32 draft tokens proposed per row.
+    proposed: [B] int32 draft positions proposed per row (for a token
+      tree, the depths at which it had nodes).
     accepted_by_position: [G] int32, steps (over rows) in which draft
       position i was accepted.
     proposed_by_position: [G] int32, steps (over rows) in which draft
-      position i was proposed.
+      position i (a tree: depth i + 1) was proposed.
     steps: [] int32 speculative steps run.
     target_forwards: [] int32 target passes, prefill included.
     draft_forwards: [C] int32 draft passes per drafter component
       (`Drafter.components`: a cascade's levels, a fallback's members),
       prefill included.
+    scored: [B, M] int32 draft slots the step's target pass scored, per
+      row and step, -1 where the row was done: G under a fixed γ; under an
+      adaptive policy 0 (an autoregressive step) to G.
   """
 
   accepted: jax.Array
@@ -57,6 +65,7 @@ class SpecStats:
   steps: jax.Array
   target_forwards: jax.Array
   draft_forwards: jax.Array
+  scored: jax.Array
 
   @classmethod
   def zeros(cls, batch: int, gamma: int, max_steps: int,
@@ -68,7 +77,8 @@ class SpecStats:
                accepted_by_position=jnp.zeros((gamma,), jnp.int32),
                proposed_by_position=jnp.zeros((gamma,), jnp.int32),
                steps=zero, target_forwards=jnp.int32(1),
-               draft_forwards=jnp.asarray(prefill, jnp.int32))
+               draft_forwards=jnp.asarray(prefill, jnp.int32),
+               scored=jnp.full((batch, max_steps), -1, jnp.int32))
 
   @classmethod
   def merge(cls, stats: Sequence["SpecStats"]) -> "SpecStats":
@@ -77,12 +87,13 @@ class SpecStats:
     `accepted` is padded with -1 to the widest M; totals are summed.
     """
     width = max(np.shape(s.accepted)[1] for s in stats)
-    accepted = [np.pad(np.asarray(s.accepted),
-                       ((0, 0), (0, width - np.shape(s.accepted)[1])),
-                       constant_values=-1) for s in stats]
+    rows = lambda name: np.concatenate([np.pad(
+        np.asarray(getattr(s, name)),
+        ((0, 0), (0, width - np.shape(s.accepted)[1])), constant_values=-1)
+                                        for s in stats])
     total = lambda name: sum(np.asarray(getattr(s, name)) for s in stats)
     return cls(
-        accepted=np.concatenate(accepted),
+        accepted=rows("accepted"), scored=rows("scored"),
         proposed=np.concatenate([np.asarray(s.proposed) for s in stats]),
         accepted_by_position=total("accepted_by_position"),
         proposed_by_position=total("proposed_by_position"),
@@ -90,19 +101,24 @@ class SpecStats:
         draft_forwards=total("draft_forwards"))
 
   def update(self, proposal: Proposal, num_accepted: jax.Array,
-             active: jax.Array) -> "SpecStats":
+             active: jax.Array, scored: jax.Array | int | None = None
+             ) -> "SpecStats":
     """Counts one step: `num_accepted` [B] of the proposal, for rows where
-    `active` [B] (rows already done count nothing)."""
-    gamma = proposal.tokens.shape[1]
-    positions = jnp.arange(gamma)[None]  # [1, G]
-    proposed = active[:, None] & (positions < proposal.num_drafted[:, None])
+    `active` [B] (rows already done count nothing), in a target pass that
+    scored `scored` ([] int32, default G) draft slots."""
+    gamma = proposal.max_depth
+    scored = gamma if scored is None else scored
+    positions = jnp.arange(gamma)[None]  # [1, G] draft depth - 1
+    proposed = active[:, None] & proposal.drafted_depths()
     accepted = active[:, None] & (positions < num_accepted[:, None])
-    step_col = jnp.where(active, num_accepted, -1)[:, None]  # [B, 1]
+    column = jnp.minimum(self.steps, self.accepted.shape[1] - 1)
+    record = lambda buf, value: jax.lax.dynamic_update_slice_in_dim(
+        buf, jnp.where(active, value, -1)[:, None], column, axis=1)
     return self.replace(
-        accepted=jax.lax.dynamic_update_slice_in_dim(
-            self.accepted, step_col, jnp.minimum(
-                self.steps, self.accepted.shape[1] - 1), axis=1),
-        proposed=self.proposed + jnp.sum(proposed, axis=1, dtype=jnp.int32),
+        accepted=record(self.accepted, num_accepted),
+        scored=record(self.scored, jnp.broadcast_to(scored, active.shape)),
+        proposed=self.proposed + jnp.sum(proposed, axis=1,
+                                         dtype=jnp.int32),
         accepted_by_position=self.accepted_by_position
         + jnp.sum(accepted, axis=0, dtype=jnp.int32),
         proposed_by_position=self.proposed_by_position
@@ -162,6 +178,8 @@ class SpecState:
     drafter_state: the drafter's own state.
     key: PRNG key.
     stats: counters.
+    policy_state: an adaptive γ policy's state (`specjax.adaptive`), or
+      None under a fixed γ.
   """
 
   tokens: jax.Array
@@ -172,6 +190,7 @@ class SpecState:
   drafter_state: Any
   key: jax.Array
   stats: SpecStats
+  policy_state: Any = None
 
   @property
   def active(self) -> jax.Array:
@@ -182,33 +201,62 @@ class SpecState:
 def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
                    params: StepParams, gamma: int,
                    max_new_tokens: int | jax.Array,
-                   synthetic: bool = False) -> SpecState:
-  """Drafts γ tokens, verifies them in one target pass, and commits.
+                   synthetic: bool = False,
+                   policy: GammaPolicy | None = None,
+                   num_nodes: int | None = None) -> SpecState:
+  """Drafts up to γ tokens, verifies them in one target pass, and commits.
 
   Args:
     state: loop state.
     target: a `specjax.models.LanguageModel`.
     drafter: a `specjax.drafters.Drafter`.
     params: traced settings.
-    gamma: G, static.
+    gamma: G, static (γ_max under a policy).
     max_new_tokens: N, an int or a traced [] int32.
     synthetic: accept with `params.synthetic_rate` instead of p/q (for system
       benchmarks on random weights; not distribution-preserving).
+    policy: None for a fixed γ = G; else an adaptive policy
+      (`specjax.adaptive`) that sets each step's draft budget, drafting
+      only when some row's budget is positive and verifying over the
+      smallest compiled width that holds the proposal.
+    num_nodes: None for a chain of G drafts; T for a token tree of at most
+      T nodes at depth at most G (`specjax.tree`), verified in one pass of
+      T + 1 tokens.
 
   Returns:
     The next state.
   """
   key, draft_key, verify_key = jax.random.split(state.key, 3)
-  proposal, drafter_state = drafter.propose(
-      state.drafter_state, draft_key, params.sampling, gamma,
-      params.stop_threshold)
-  start = state.target_cache.lengths
-  verification, target_cache = verify(
-      target, state.target_cache, state.last_token, proposal,
-      params.sampling, verify_key,
-      synthetic_rate=params.synthetic_rate if synthetic else None)
-
   active = state.active
+  synthetic_rate = params.synthetic_rate if synthetic else None
+  tree_kw = {} if num_nodes is None else {"num_nodes": num_nodes}
+  propose = lambda s, **kw: drafter.propose(
+      s, draft_key, params.sampling, gamma, params.stop_threshold,
+      **tree_kw, **kw)
+  start = state.target_cache.lengths
+  if policy is None:
+    proposal, drafter_state = propose(state.drafter_state)
+    verification, target_cache = verify(
+        target, state.target_cache, state.last_token, proposal,
+        params.sampling, verify_key, synthetic_rate=synthetic_rate)
+    scored = num_nodes or gamma
+  else:
+    budget = policy.budget(state.policy_state, active)  # [B]
+
+    def draft(s):
+      proposal, s = propose(s, limit=budget)
+      return proposal.replace(
+          num_drafted=capped(proposal.num_drafted, budget)), s
+
+    proposal, drafter_state = propose_if(jnp.any(budget > 0), draft,
+                                         state.drafter_state)
+    proposal = proposal.replace(num_drafted=capped(
+        proposal.num_drafted,
+        policy.trim(state.policy_state, proposal.num_drafted, active)))
+    verification, target_cache, scored = verify_within(
+        policy.widths, target, state.target_cache, state.last_token,
+        proposal, params.sampling, verify_key, synthetic_rate=synthetic_rate)
+
   num_accepted = jnp.where(active, verification.num_accepted, 0)
   verification = verification.replace(num_accepted=num_accepted)
   target_cache = target_cache.rollback(
@@ -218,9 +266,14 @@ def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
   tokens, num_generated, done = buffers.emit(
       state.tokens, state.num_generated, state.done, verification.emitted,
       verification.num_emitted, params.eos_ids, max_new_tokens)
+  policy_state = state.policy_state
+  if policy is not None:
+    policy_state = policy.update(policy_state, budget, proposal,
+                                 num_accepted, active)
   return state.replace(
       tokens=tokens, num_generated=num_generated, done=done,
       last_token=jnp.where(active, verification.next_token,
                            state.last_token),
       target_cache=target_cache, drafter_state=drafter_state, key=key,
-      stats=state.stats.update(proposal, num_accepted, active))
+      stats=state.stats.update(proposal, num_accepted, active, scored),
+      policy_state=policy_state)

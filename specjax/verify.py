@@ -13,7 +13,7 @@ comes back rolled back to each row's own committed length.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import flax.struct
 import jax
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from specjax import rejection
 from specjax import sampling
+from specjax import tree
 from specjax.drafters.base import Proposal
 from specjax.models.protocol import model_output
 
@@ -68,7 +69,7 @@ def verify(target: Any, cache: Any, last_token: jax.Array,
            proposal: Proposal, params: sampling.SamplingParams,
            key: jax.Array, *, synthetic_rate: jax.Array | None = None
            ) -> tuple[Verification, Any]:
-  """Scores a chain proposal in one target pass and rejection-samples it.
+  """Scores a proposal in one target pass and rejection-samples it.
 
   Args:
     target: a `specjax.models.LanguageModel`.
@@ -86,12 +87,11 @@ def verify(target: Any, cache: Any, last_token: jax.Array,
     The `Verification`, and the target's cache holding the last token and
     the accepted drafts (`lengths` advanced by `num_accepted + 1`).
 
-  Raises:
-    ValueError: for a tree proposal (`parents` set); chains only here.
+  A tree proposal (`parents` set) goes to `verify_tree`.
   """
   if proposal.parents is not None:
-    raise ValueError("verify handles chain proposals (parents=None); a "
-                     "token tree needs a tree verifier.")
+    return verify_tree(target, cache, last_token, proposal, params, key,
+                       synthetic_rate=synthetic_rate)
   start = cache.lengths
   chunk = jnp.concatenate([last_token[:, None], proposal.tokens], 1)
   out, cache = target(chunk, cache)  # [B, G+1] -> [B, G+1, V]
@@ -108,3 +108,111 @@ def verify(target: Any, cache: Any, last_token: jax.Array,
       emitted=emitted_tokens(proposal.tokens, num_accepted, next_token),
       logits=out.logits, probs=p, hidden=out.hidden)
   return verification, cache.rollback(start + 1 + num_accepted)
+
+
+def verify_tree(target: Any, cache: Any, last_token: jax.Array,
+                proposal: Proposal, params: sampling.SamplingParams,
+                key: jax.Array, *, synthetic_rate: jax.Array | None = None
+                ) -> tuple[Verification, Any]:
+  """Scores a token tree in one target pass and walks it (`specjax.tree`).
+
+  The root (`last_token`) and the T nodes go through the target as one
+  chunk at each row's cache offset, node i at position `length +
+  depth[i]` under the ancestor mask. The accepted path's keys and values
+  are then moved to consecutive slots after the root
+  (`KVCache.compact`, only those slots written) and the cache is rolled
+  back to the root plus the path.
+
+  Args:
+    as `verify`; `proposal.parents` [B, T] is set, `proposal.depth` gives
+    node depths (or they are computed) and `proposal.valid` the nodes that
+    exist.
+
+  Returns:
+    The `Verification` along the accepted path (`emitted`, `logits`,
+    `probs`, `hidden` at the root and the G deepest positions), and the
+    cache.
+  """
+  start = cache.lengths
+  valid = proposal.node_mask()
+  depth = proposal.depth if proposal.depth is not None else tree.depths(
+      proposal.parents)
+  gamma = proposal.max_depth
+  chunk = jnp.concatenate([last_token[:, None], proposal.tokens], 1)
+  positions = start[:, None] + jnp.concatenate(
+      [jnp.zeros_like(depth[:, :1]), depth], 1)  # [B, T+1]
+  mask = tree.ancestor_mask(proposal.parents, valid)
+  out, cache = target(chunk, cache, positions=positions, mask=mask)
+  out = model_output(out)  # logits [B, T+1, V]
+  p = sampling.probabilities(out.logits, params)
+  result = tree.walk(key, proposal.tokens, proposal.parents, valid,
+                     proposal.q, p, gamma, synthetic_rate)
+  slots = tree.path_slots(result.path, result.num_accepted)  # [B, G]
+  along = jnp.concatenate([jnp.zeros_like(slots[:, :1]), slots], 1)
+  take = lambda x: None if x is None else jnp.take_along_axis(
+      x, along.reshape(along.shape + (1,) * (x.ndim - 2)), axis=1)
+  path_tokens = jnp.take_along_axis(chunk, slots, axis=1)  # [B, G]
+  cache = cache.rollback(start + 1).compact(start[:, None] + slots,
+                                            start + 1)
+  verification = Verification(
+      num_accepted=result.num_accepted, next_token=result.next_token,
+      emitted=emitted_tokens(path_tokens, result.num_accepted,
+                             result.next_token),
+      logits=take(out.logits), probs=take(p), hidden=take(out.hidden))
+  return verification, cache.rollback(start + 1 + result.num_accepted)
+
+
+def _pad_steps(x: jax.Array | None, width: int) -> jax.Array | None:
+  """[B, T, ...] -> [B, width, ...], zero-padded along T."""
+  if x is None:
+    return None
+  pad = [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+  return jnp.pad(x, pad)
+
+
+def verify_within(widths: Sequence[int], target: Any, cache: Any,
+                  last_token: jax.Array, proposal: Proposal,
+                  params: sampling.SamplingParams, key: jax.Array, *,
+                  synthetic_rate: jax.Array | None = None
+                  ) -> tuple[Verification, Any, jax.Array]:
+  """`verify` over the smallest of several compiled widths that holds the
+  proposal (`lax.switch`), so a short proposal costs a short pass.
+
+  Args:
+    widths: T values compiled, ascending, from 1 (a plain autoregressive
+      step) to G + 1 (`specjax.adaptive.verify_widths`).
+    target, cache, last_token, params, key, synthetic_rate: as in `verify`.
+    proposal: a chain of G drafts; rows propose `num_drafted` of them.
+
+  Returns:
+    The `Verification` at full width (G + 1 positions; logits, probs and
+    hidden zero past the pass), the cache, and the draft slots the pass
+    scored ([] int32, T - 1).
+  """
+  gamma = proposal.tokens.shape[1]
+  if widths[0] != 1 or widths[-1] != gamma + 1:
+    raise ValueError(f"widths must run from 1 to G + 1 = {gamma + 1}, got "
+                     f"{tuple(widths)}.")
+  longest = jnp.max(proposal.num_drafted)
+  branch = jnp.searchsorted(jnp.asarray(widths, jnp.int32), longest + 1)
+
+  def at(width):
+    def run(cache):
+      sub = proposal.replace(
+          tokens=proposal.tokens[:, :width - 1],
+          q=None if proposal.q is None else proposal.q[:, :width - 1],
+          num_drafted=jnp.minimum(proposal.num_drafted, width - 1))
+      v, cache = verify(target, cache, last_token, sub, params, key,
+                        synthetic_rate=synthetic_rate)
+      return (v.num_accepted, v.next_token,
+              _pad_steps(v.logits, gamma + 1), _pad_steps(v.probs, gamma + 1),
+              _pad_steps(v.hidden, gamma + 1), cache)
+    return run
+
+  num_accepted, next_token, logits, probs, hidden, cache = jax.lax.switch(
+      branch, [at(w) for w in widths], cache)
+  verification = Verification(
+      num_accepted=num_accepted, next_token=next_token,
+      emitted=emitted_tokens(proposal.tokens, num_accepted, next_token),
+      logits=logits, probs=probs, hidden=hidden)
+  return verification, cache, jnp.asarray(widths, jnp.int32)[branch] - 1

@@ -90,3 +90,20 @@ def hf_checkpoint(tmp_path_factory):
 def hf_arch(request) -> str:
   """Parametrizes a test over every tiny checkpoint architecture."""
   return request.param
+
+
+@pytest.fixture(scope="module")
+def pair():
+  """The random tiny (target, draft) pair of `specjax.testing`, seed 0."""
+  from specjax import testing  # pylint: disable=g-import-not-at-top
+  return testing.tiny_pair(seed=0)
+
+
+@pytest.fixture(scope="module")
+def baseline(request, pair):
+  """Greedy `generate` of the tiny target on the test module's PROMPTS,
+  MAX_NEW tokens: the reference speculative outputs must equal."""
+  from specjax import decode  # pylint: disable=g-import-not-at-top
+  module = request.module
+  return decode.generate(pair[0], module.PROMPTS,
+                         max_new_tokens=module.MAX_NEW)

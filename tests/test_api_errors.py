@@ -7,11 +7,6 @@ from specjax import models
 from specjax import testing
 
 
-@pytest.fixture(scope="module")
-def pair():
-  return testing.tiny_pair(seed=0)
-
-
 def test_mismatched_vocabularies(pair):
   target, _ = pair
   _, other = testing.tiny_pair(seed=0, vocab_size=100)

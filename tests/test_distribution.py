@@ -16,7 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax import adaptive
 from specjax import decode
+from specjax import sampling
+from specjax import tree
+from specjax.drafters import track
+from specjax.drafters.base import pad_nodes
+from specjax.drafters.base import Proposal
 from specjax import drafters
 from specjax import models
 from specjax import testing
@@ -55,12 +61,12 @@ def _reference_probs(logits, temperature, top_k, top_p):
   return p
 
 
-def _exact_joint(target, settings):
+def _exact_joint(target, settings, prompt=PROMPT):
   """[V] * NUM_TOKENS array: P(first NUM_TOKENS tokens) under the target."""
   probs = {(): 1.0}
   for _ in range(NUM_TOKENS):
     prefixes = list(probs)
-    seqs = np.array([PROMPT + list(p) for p in prefixes], np.int32)
+    seqs = np.array([prompt + list(p) for p in prefixes], np.int32)
     out, _ = target(seqs, target.init_cache(len(seqs), 16))
     longer = {}
     for prefix, row in zip(prefixes, np.asarray(out.logits[:, -1])):
@@ -91,10 +97,10 @@ def _chi_square(samples, joint):
   return stat, critical
 
 
-def _spec_samples(pair, gamma, settings, seed, **kw):
+def _spec_samples(pair, gamma, settings, seed, prompt=PROMPT, **kw):
   temperature, top_k, top_p = settings
   out = decode.speculative_generate(
-      pair[0], pair[1], [PROMPT] * NUM_SAMPLES, gamma=gamma,
+      pair[0], pair[1], [prompt] * NUM_SAMPLES, gamma=gamma,
       max_new_tokens=NUM_TOKENS, temperature=temperature, top_k=top_k,
       top_p=top_p, key=seed, cache_size=32, **kw)
   assert np.all(out.lengths == NUM_TOKENS)
@@ -152,6 +158,141 @@ def test_combined_drafters_match_exact_distribution(pair, kind, gamma,
   samples = _spec_samples((pair[0], drafter), gamma, settings, seed=13)
   stat, critical = _chi_square(samples, joint)
   assert stat < critical, (stat, critical)
+
+
+def _alternating(max_gamma):
+  """`auto` with a prohibitive verify cost and a probe after every plain
+  step: plain steps and one-draft steps alternate within a generation."""
+  widths = adaptive.verify_widths(max_gamma)
+  return adaptive.Auto.create(max_gamma=max_gamma,
+                              target_ms=[1.0] + [100.0] * (len(widths) - 1),
+                              probe_every=1)
+
+
+@pytest.mark.parametrize("policy, drafter, settings", [
+    ("heuristic", "model", (1.0, 0, 1.0)),
+    ("heuristic", "fallback", (0.7, 3, 1.0)),
+    ("auto", "model", (0.7, 3, 1.0)),
+    ("auto", "lookup", (1.0, 0, 1.0)),
+], ids=["heuristic-model-t1", "heuristic-fallback-t0.7-topk3",
+        "auto-model-t0.7-topk3", "auto-lookup-t1"])
+def test_adaptive_gamma_matches_exact_distribution(pair, policy, drafter,
+                                                   settings):
+  # The heuristic starts rows at one draft and grows or shrinks each row's
+  # budget apart; `auto` alternates plain and drafting steps. Every branch
+  # must keep the target's law.
+  joint = _exact_joint(pair[0], settings)
+  lookup = drafters.PromptLookup(vocab_size=VOCAB, max_ngram=2, min_ngram=1)
+  drafter = {"model": drafters.DraftModel(pair[1]), "lookup": lookup,
+             "fallback": drafters.Fallback(lookup, drafters.DraftModel(
+                 pair[1]))}[drafter]
+  gamma = (adaptive.Heuristic(3, initial=1) if policy == "heuristic"
+           else _alternating(3))
+  samples = _spec_samples((pair[0], drafter), gamma, settings, seed=17)
+  stat, critical = _chi_square(samples, joint)
+  assert stat < critical, (stat, critical)
+
+
+# Lookup finds two earlier "1"s here, so its tree branches at the root.
+TREE_PROMPT = [1, 2, 1, 3, 1]
+
+
+@flax.struct.dataclass
+class _SampledTree:
+  """Test drafter: `width` children of the root drawn from the draft's q
+  (with or without replacement), each with one deterministic child (its
+  token + 1). q per node is the law it was drawn from given its earlier
+  siblings: q, q renormalised without them, or one-hot."""
+
+  inner: drafters.DraftModel
+  width: int = flax.struct.field(pytree_node=False)
+  replace: bool = flax.struct.field(pytree_node=False)
+
+  vocab_size = VOCAB
+  components = ("model",)
+  supports_trees = True
+
+  def init(self, *args):
+    return self.inner.init(*args)
+
+  def commit(self, *args):
+    return self.inner.commit(*args)
+
+  def propose(self, state, key, params, gamma, stop_threshold,
+              num_nodes=None):
+    del stop_threshold
+    logits, state, passes = track.catch_up(self.inner.model, state,
+                                           width=gamma + 1)
+    q = sampling.probabilities(logits, params)  # [B, V]
+    laws, children = [], []
+    left = q
+    for k in jax.random.split(key, self.width):
+      law = q if self.replace else left
+      child = sampling.sample(k, law)
+      laws.append(law)
+      children.append(child)
+      left = left * (1.0 - jax.nn.one_hot(child, VOCAB))
+      left = left / jnp.maximum(jnp.sum(left, -1, keepdims=True), 1e-30)
+    grand = [(c + 1) % VOCAB for c in children]
+    tokens = jnp.stack(children + grand, 1)  # [B, 2W]
+    q_nodes = jnp.stack(laws + [jax.nn.one_hot(g, VOCAB) for g in grand], 1)
+    batch = tokens.shape[0]
+    parents = jnp.array([-1] * self.width + list(range(self.width)))
+    nodes = pad_nodes(dict(
+        tokens=tokens, parents=jnp.broadcast_to(parents, tokens.shape),
+        depth=jnp.broadcast_to(jnp.array([1] * self.width + [2] * self.width),
+                               tokens.shape),
+        valid=jnp.ones(tokens.shape, bool),
+        num_drafted=jnp.full((batch,), 2 * self.width)), num_nodes)
+    q_nodes = jnp.pad(q_nodes, ((0, 0), (0, num_nodes - 2 * self.width),
+                                (0, 0)))
+    return Proposal(q=q_nodes, num_forwards=passes, tree_depth=gamma,
+                    **nodes), state
+
+
+@pytest.mark.parametrize("drafter, settings", [
+    ("lookup", (1.0, 0, 1.0)),
+    ("model", (0.7, 3, 1.0)),
+    ("sampled-with-replacement", (1.0, 0, 1.0)),
+    ("sampled-without-replacement", (0.7, 3, 1.0)),
+], ids=["lookup-t1", "model-t0.7-topk3", "sampled-with-replacement-t1",
+        "sampled-without-replacement-t0.7-topk3"])
+def test_token_trees_match_exact_distribution(pair, drafter, settings):
+  # Trees that branch at the root (and below, for the model), verified by
+  # multi-candidate speculative sampling.
+  joint = _exact_joint(pair[0], settings, TREE_PROMPT)
+  drafter = _tree_drafter(pair, drafter)
+  samples = _spec_samples((pair[0], drafter), 2, settings, seed=19,
+                          prompt=TREE_PROMPT, num_nodes=6)
+  stat, critical = _chi_square(samples, joint)
+  assert stat < critical, (stat, critical)
+
+
+def _tree_drafter(pair, name):
+  if name == "lookup":
+    return drafters.PromptLookup(vocab_size=VOCAB, max_ngram=2, min_ngram=1)
+  if name == "model":
+    return drafters.DraftModel(pair[1])  # 3 nodes per depth, top-3 children
+  return _SampledTree(drafters.DraftModel(pair[1]), width=3,
+                      replace=name == "sampled-with-replacement")
+
+
+def test_the_test_rejects_a_tree_verifier_without_residuals(pair,
+                                                            monkeypatch):
+  # A verifier that tries each child against the unchanged p (accepting
+  # the first that passes, never updating the residual) is biased.
+  settings = (1.0, 0, 1.0)
+  joint = _exact_joint(pair[0], settings, TREE_PROMPT)
+  monkeypatch.setattr(tree, "residual_after", lambda residual, q: residual)
+  jax.clear_caches()
+  try:
+    samples = _spec_samples(
+        (pair[0], _tree_drafter(pair, "sampled-with-replacement")), 2,
+        settings, seed=19, prompt=TREE_PROMPT, num_nodes=6)
+  finally:
+    jax.clear_caches()
+  stat, critical = _chi_square(samples, joint)
+  assert stat > critical, (stat, critical)
 
 
 def test_the_test_rejects_the_draft_distribution(pair):

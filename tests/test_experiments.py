@@ -10,6 +10,7 @@ simulation of greedy speculative decoding.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -300,3 +301,39 @@ def test_drafter_sweep(tmp_path):
       "model", "lookup"}
   assert "speedup_by_drafter.png" in results["plots"]
   assert "fallback" in report.format_report(results)
+
+
+def test_policy_and_tree_sweep(tmp_path):
+  # Adaptive policies beside a fixed γ, and token trees of two sizes beside
+  # the chain: one row each, all lossless, the tree plot written.
+  config = tiny_pair.get_config("n=2,tokens=8,gamma=2,gammas=2/3")
+  config.draft = "same"  # the target drafts for itself: trees accept
+  config.drafter = "model"
+  config.policies = ("auto", "heuristic")
+  config.max_gamma = 3
+  config.num_nodes_sweep = (0, 4, 8)
+  config.output_dir = str(tmp_path)
+  config.progress = False
+  results = bench.run_and_save(config)
+  rows = [(r["gamma"], r["num_nodes"]) for r in results["runs"]]
+  assert rows == [(2, 0), (3, 0), ("auto", 0), ("heuristic", 0), (2, 4),
+                  (3, 4), (2, 8), (3, 8)]
+  assert all(r["lossless"] for r in results["runs"])
+  tree_row = results["runs"][-1]
+  assert tree_row["mean_accepted_tokens"] > 1
+  assert math.isnan(tree_row["predicted_speedup"])
+  assert {"tree_nodes.png", "speedup_vs_gamma.png",
+          "acceptance_by_position.png"} <= set(results["plots"])
+  assert "heuristic" in report.format_report(results)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("policies", ("fast",), "config.policies must name policies in"),
+    ("num_nodes", 1, "below gamma"),
+    ("max_gamma", 0, "config.max_gamma must be an integer >= 1"),
+])
+def test_bad_policy_and_tree_config(field, value, message):
+  config = llama_pair.get_config()
+  config[field] = value
+  with pytest.raises(bench.ConfigError, match=message):
+    bench.run_experiment(config)

@@ -86,16 +86,19 @@ def test_unknown_architecture():
     testing.TINY_DRAFT.replace(arch="gpt2")
 
 
-def test_chunked_prefill_equals_one_pass():
+@pytest.mark.parametrize("longest", [128, 140, 160, 170])
+def test_chunked_prefill_equals_one_pass(longest):
+  # The longest prompt ends on a chunk edge, or leaves a rest of 12, 32 or
+  # 42 tokens for the last piece (16, 32 or 64 tokens wide).
   target, _ = testing.tiny_pair(seed=5)
   rng = np.random.default_rng(0)
-  lengths = jnp.array([128, 70, 5, 64], jnp.int32)  # chunk edges included
-  tokens = jnp.asarray(rng.integers(0, target.vocab_size, (4, 128)),
+  lengths = jnp.array([longest, 70, 5, 64], jnp.int32)
+  tokens = jnp.asarray(rng.integers(0, target.vocab_size, (4, 192)),
                        jnp.int32)
   prefill = jax.jit(target.prefill, static_argnames="chunk")
-  one, one_cache = prefill(tokens, lengths, target.init_cache(4, 192),
+  one, one_cache = prefill(tokens, lengths, target.init_cache(4, 256),
                            chunk=None)
-  chunked, cache = prefill(tokens, lengths, target.init_cache(4, 192),
+  chunked, cache = prefill(tokens, lengths, target.init_cache(4, 256),
                            chunk=64)
   np.testing.assert_allclose(chunked, one, atol=1e-5)
   np.testing.assert_array_equal(cache.lengths, lengths)

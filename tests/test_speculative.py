@@ -18,16 +18,6 @@ PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
 MAX_NEW = 13  # not a multiple of gamma + 1 for any gamma below
 
 
-@pytest.fixture(scope="module")
-def pair():
-  return testing.tiny_pair(seed=0)
-
-
-@pytest.fixture(scope="module")
-def baseline(pair):
-  return decode.generate(pair[0], PROMPTS, max_new_tokens=MAX_NEW)
-
-
 @pytest.mark.parametrize("gamma", [1, 2, 4, 7])
 def test_greedy_equals_autoregressive(pair, baseline, gamma):
   target, draft = pair

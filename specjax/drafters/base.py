@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import sampling
+from specjax import tree
 
 if TYPE_CHECKING:  # verify imports this module
   from specjax.verify import Verification
@@ -43,7 +44,15 @@ class Proposal:
       only; 0 for a drafter that runs no model).
     parents: [B, G] int32 index of each token's parent among the drafts (-1:
       the last committed token), or None for a chain (parent of i is i - 1,
-      `parent_indices`). Room for token trees; `verify` takes chains.
+      `parent_indices`). Set, the proposal is a token tree of G = T nodes
+      in topological order (`specjax.tree`); q, if given, is then the law
+      each node was drawn from given its earlier siblings.
+    depth: [B, T] int32 each tree node's depth (1 for the root's
+      children), or None (computed from `parents` when needed).
+    valid: [B, T] bool tree nodes that exist, or None: the first
+      `num_drafted`.
+    tree_depth: static, the deepest a tree's nodes may be (γ); 0 for a
+      chain, whose depth is G.
   """
 
   tokens: jax.Array
@@ -51,6 +60,31 @@ class Proposal:
   num_forwards: jax.Array
   q: jax.Array | None = None
   parents: jax.Array | None = None
+  depth: jax.Array | None = None
+  valid: jax.Array | None = None
+  tree_depth: int = flax.struct.field(pytree_node=False, default=0)
+
+  @property
+  def max_depth(self) -> int:
+    """γ: the deepest draft position (G for a chain)."""
+    return self.tree_depth or self.tokens.shape[1]
+
+  def node_mask(self) -> jax.Array:
+    """[B, G] bool drafts that exist."""
+    if self.valid is not None:
+      return self.valid
+    slots = jnp.arange(self.tokens.shape[1])[None]
+    return slots < self.num_drafted[:, None]
+
+  def drafted_depths(self) -> jax.Array:
+    """[B, γ] bool: whether some draft sits at depth d + 1."""
+    if self.parents is None:
+      return self.node_mask()
+    depth = self.depth if self.depth is not None else tree.depths(
+        self.parents)
+    levels = jnp.arange(1, self.max_depth + 1)[None, None]  # [1, 1, γ]
+    return jnp.any(self.node_mask()[..., None]
+                   & (depth[..., None] == levels), axis=1)
 
   def parent_indices(self) -> jax.Array:
     """[B, G] int32 parents, the chain i - 1 when `parents` is None."""
@@ -88,11 +122,16 @@ class Drafter(Protocol):
 
   def propose(self, state: Any, key: jax.Array,
               params: sampling.SamplingParams, gamma: int,
-              stop_threshold: jax.Array) -> tuple[Proposal, Any]:
+              stop_threshold: jax.Array,
+              limit: jax.Array | None = None) -> tuple[Proposal, Any]:
     """Drafts up to `gamma` tokens after every token committed so far.
 
     `stop_threshold` ([] float32) lets a drafter stop early when its top
     probability falls below it; unproposed positions keep static shapes.
+    `limit` ([B] int32 in [0, G], from an adaptive γ policy) caps each
+    row's proposal; a model drafter stops its loop once every row reached
+    its cap. Only adaptive policies pass it (`specjax.adaptive`), and the
+    engine truncates proposals to it either way.
     """
 
   def commit(self, state: Any, proposal: Proposal,
@@ -112,6 +151,54 @@ class Drafter(Protocol):
     drafter's state from before the block. A drafter must therefore take
     the committed text from `verification` alone.
     """
+
+
+def cost_model(drafter: Any) -> Any:
+  """The `LanguageModel` one of whose one-token forwards each drafted token
+  costs (a drafter's `cost_model`, else its `model`), or None for a drafter
+  that runs none (prompt lookup)."""
+  if hasattr(drafter, "cost_model"):
+    return drafter.cost_model
+  return getattr(drafter, "model", None)
+
+
+def capped(num_drafted: jax.Array, limit: jax.Array | None) -> jax.Array:
+  """num_drafted [B] no larger than limit [B] (None: unchanged)."""
+  return num_drafted if limit is None else jnp.minimum(num_drafted, limit)
+
+
+def limit_kwargs(limit: jax.Array | None) -> dict[str, Any]:
+  """`propose` keyword arguments passing `limit` on only when set, so a
+  drafter that predates it still works under a fixed γ."""
+  return {} if limit is None else {"limit": limit}
+
+
+def propose_if(pred: jax.Array, propose: Any, state: Any
+               ) -> tuple[Proposal, Any]:
+  """`propose(state)` where pred ([] bool) holds; else a zero-filled
+  proposal of the same shapes (nothing drafted) and the state unchanged.
+  The drafter's `commit` still sees every step, so it stays in step."""
+
+  def skip(s):
+    shapes, _ = jax.eval_shape(propose, s)
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), s
+
+  return jax.lax.cond(pred, propose, skip, state)
+
+
+def pad_nodes(nodes: dict[str, jax.Array], num_nodes: int
+              ) -> dict[str, jax.Array]:
+  """Tree `Proposal` fields of N <= num_nodes nodes padded to num_nodes
+  with invalid nodes (parent -1, depth 1, token 0)."""
+  extra = num_nodes - nodes["tokens"].shape[1]
+  if extra < 0:
+    raise ValueError(f"{nodes['tokens'].shape[1]} nodes exceed num_nodes="
+                     f"{num_nodes}.")
+  pad = lambda x, value: jnp.pad(x, ((0, 0), (0, extra)),
+                                 constant_values=value)
+  return dict(nodes, tokens=pad(nodes["tokens"], 0),
+              parents=pad(nodes["parents"], -1),
+              depth=pad(nodes["depth"], 1), valid=pad(nodes["valid"], False))
 
 
 def components(drafter: Any) -> tuple[str, ...]:

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from specjax import cache as cache_lib
 from specjax.drafters import track
+from specjax.drafters.base import capped
 from specjax.drafters.base import components
 from specjax.drafters.base import extra_positions
 from specjax.drafters.base import forwards
@@ -118,7 +119,7 @@ class Cascade:
         inner=self.drafter.init(prompts, prompt_lengths, first_token,
                                 cache_size))
 
-  def propose(self, state, key, params, gamma, stop_threshold):
+  def propose(self, state, key, params, gamma, stop_threshold, limit=None):
     # Feed the committed text but its last token, which opens round one.
     _, tr, passes = track.catch_up(self.model, state.track, width=gamma + 1,
                                    keep=1)
@@ -126,6 +127,8 @@ class Cascade:
         tr.context, (tr.length - 1)[:, None], axis=1)[:, 0]
     batch, width = last_token.shape[0], gamma + self.gamma + 1
     inner_parts = len(components(self.drafter))
+    # [B] tokens each row drafts: a block of gamma, or its limit.
+    cap = capped(jnp.full((batch,), gamma, jnp.int32), limit)
     rounds = _Rounds(
         count=jnp.zeros((batch,), jnp.int32),
         block=jnp.zeros((batch, width), jnp.int32),
@@ -135,7 +138,7 @@ class Cascade:
         inner_forwards=jnp.zeros((inner_parts,), jnp.int32))
 
     def body(r: _Rounds) -> _Rounds:
-      need = r.count < gamma  # [B] rows still short of a block
+      need = r.count < cap  # [B] rows still short of a block
       key, draft_key, verify_key = jax.random.split(r.key, 3)
       proposal, inner = self.drafter.propose(r.inner, draft_key, params,
                                              self.gamma, stop_threshold)
@@ -155,11 +158,11 @@ class Cascade:
           inner_forwards=r.inner_forwards + forwards(proposal,
                                                      self.drafter))
 
-    rounds = jax.lax.while_loop(lambda r: jnp.any(r.count < gamma), body,
+    rounds = jax.lax.while_loop(lambda r: jnp.any(r.count < cap), body,
                                 rounds)
     proposal = Proposal(
         tokens=rounds.block[:, :gamma], q=rounds.q[:, :gamma],
-        num_drafted=jnp.full((batch,), gamma, jnp.int32),
+        num_drafted=cap,
         num_forwards=jnp.concatenate([rounds.model_forwards[None],
                                       rounds.inner_forwards]))
     # The cache holds the block but its last token; record it as scratch.

@@ -20,11 +20,15 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specjax.drafters.base import capped
 from specjax.drafters.base import components
+from specjax.drafters.base import cost_model
 from specjax.drafters.base import dense_q
 from specjax.drafters.base import extra_positions
 from specjax.drafters.base import forwards
+from specjax.drafters.base import limit_kwargs
 from specjax.drafters.base import Proposal
+from specjax.drafters.base import propose_if
 from specjax.drafters.base import where_rows
 
 
@@ -77,22 +81,19 @@ class Fallback:
         second=self.second.init(prompts, prompt_lengths, first_token,
                                 cache_size))
 
-  def propose(self, state, key, params, gamma, stop_threshold):
+  @property
+  def cost_model(self) -> Any:
+    return cost_model(self.second)
+
+  def propose(self, state, key, params, gamma, stop_threshold, limit=None):
     key1, key2 = jax.random.split(key)
     p1, s1 = self.first.propose(state.first, key1, params, gamma,
-                                stop_threshold)
-    use_first = p1.num_drafted >= self.min_tokens  # [B]
-
-    def run_second(s):
-      return self.second.propose(s, key2, params, gamma, stop_threshold)
-
-    def skip_second(s):
-      # What the second would return, zero-filled: it sat this step out.
-      shapes, _ = jax.eval_shape(run_second, s)
-      return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), s
-
-    p2, s2 = jax.lax.cond(jnp.all(use_first), skip_second, run_second,
-                          state.second)
+                                stop_threshold, **limit_kwargs(limit))
+    use_first = capped(p1.num_drafted, limit) >= self.min_tokens  # [B]
+    p2, s2 = propose_if(
+        ~jnp.all(use_first),
+        lambda s: self.second.propose(s, key2, params, gamma, stop_threshold,
+                                      **limit_kwargs(limit)), state.second)
     pick = lambda a, b: where_rows(use_first, a, b)
     q = None
     if p1.q is not None or p2.q is not None:

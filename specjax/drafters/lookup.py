@@ -28,9 +28,12 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters import text
+from specjax.drafters.base import capped
+from specjax.drafters.base import pad_nodes
 from specjax.drafters.base import Proposal
 
-__all__ = ["LookupState", "PromptLookup", "ngram_match"]
+__all__ = ["LookupState", "PromptLookup", "ngram_match", "ngram_matches",
+           "trie"]
 
 
 def ngram_match(context: jax.Array, length: jax.Array, *, gamma: int,
@@ -73,6 +76,73 @@ def ngram_match(context: jax.Array, length: jax.Array, *, gamma: int,
   return tokens.astype(jnp.int32), num.astype(jnp.int32)
 
 
+def ngram_matches(context: jax.Array, length: jax.Array, *, gamma: int,
+                  max_ngram: int, min_ngram: int, count: int
+                  ) -> tuple[jax.Array, jax.Array]:
+  """The continuations of the `count` best earlier matches of the suffix.
+
+  Candidates are ranked by the longest n that matches before them, then by
+  recency (the order `ngram_match` picks its one match in).
+
+  Args:
+    context, length, gamma, max_ngram, min_ngram: as in `ngram_match`.
+    count: K, matches kept (static).
+
+  Returns:
+    tokens [B, K, G] int32 and their known counts [B, K] int32 in [0, G]
+    (0 for a missing match).
+  """
+  batch, size = context.shape
+  follow = jnp.arange(size)[None]  # [1, S] the first proposed position c
+  rank = jnp.full((batch, size), -1, jnp.int32)
+  for n in range(min_ngram, max_ngram + 1):
+    suffix = text.window(context, length - n, n)  # [B, n]
+    match = (follow >= n) & (follow < length[:, None]) & (
+        length[:, None] >= n)
+    for i in range(n):  # context[b, c - n + i] == suffix[b, i]
+      match &= jnp.roll(context, n - i, axis=1) == suffix[:, i:i + 1]
+    rank = jnp.where(match, n * size + follow, rank)
+  best, where = jax.lax.top_k(rank, count)  # [B, K]
+  tokens = jax.vmap(lambda c, starts: jax.vmap(
+      lambda s: jax.lax.dynamic_slice_in_dim(
+          jnp.pad(c, (0, gamma)), s, gamma))(starts))(context, where)
+  known = jnp.where(best >= 0, jnp.clip(length[:, None] - where, 0, gamma),
+                    0)
+  return tokens.astype(jnp.int32), known.astype(jnp.int32)
+
+
+def trie(tokens: jax.Array, known: jax.Array) -> dict[str, jax.Array]:
+  """K candidate continuations -> a token tree of K·G nodes (a trie).
+
+  Node k·G + d is token d of candidate k. Candidates that share a prefix
+  share its nodes: a node that repeats an earlier candidate's prefix is
+  invalid, and its children hang off the earlier node, so siblings are
+  distinct tokens. Candidates keep their order among siblings.
+
+  Args:
+    tokens: [B, K, G] int32.
+    known: [B, K] int32 tokens known per candidate.
+
+  Returns:
+    `Proposal` fields: tokens, parents, depth [B, K·G] int32, valid [B, K·G]
+    bool, num_drafted [B] int32.
+  """
+  batch, count, gamma = tokens.shape
+  exists = jnp.arange(gamma)[None, None] < known[..., None]  # [B, K, G]
+  same = jnp.cumprod(tokens[:, :, None] == tokens[:, None], axis=-1,
+                     dtype=jnp.int32).astype(bool)  # [B, K, K', G]
+  same &= exists[:, None]  # candidate k' has the node too
+  first = jnp.argmax(same, axis=2)  # [B, K, G] earliest sharing candidate
+  valid = exists & (first == jnp.arange(count)[None, :, None])
+  depth = jnp.broadcast_to(jnp.arange(gamma), (batch, count, gamma))
+  parents = jnp.where(depth == 0, -1,
+                      jnp.roll(first, 1, axis=2) * gamma + depth - 1)
+  flat = lambda x: x.reshape(batch, count * gamma)
+  return dict(tokens=flat(tokens), parents=flat(parents),
+              depth=flat(depth + 1), valid=flat(valid),
+              num_drafted=jnp.sum(valid, axis=(1, 2), dtype=jnp.int32))
+
+
 @flax.struct.dataclass(kw_only=True)
 class LookupState:
   """A row's context for lookup.
@@ -102,6 +172,7 @@ class PromptLookup:
   min_ngram: int = flax.struct.field(pytree_node=False, default=1)
 
   components = ("lookup",)
+  supports_trees = True
 
   def __post_init__(self):
     if not isinstance(self.min_ngram, int) or self.min_ngram < 1:
@@ -118,14 +189,27 @@ class PromptLookup:
                                 cache_size)
     return LookupState(context=context, length=length)
 
-  def propose(self, state: LookupState, key, params, gamma, stop_threshold
-              ) -> tuple[Proposal, LookupState]:
+  def propose(self, state: LookupState, key, params, gamma, stop_threshold,
+              limit=None, num_nodes=None) -> tuple[Proposal, LookupState]:
     del key, params, stop_threshold  # deterministic; no confidence to read
+    if num_nodes is not None:
+      return self._tree(state, gamma, num_nodes), state
     tokens, num = ngram_match(state.context, state.length, gamma=gamma,
                               max_ngram=self.max_ngram,
                               min_ngram=self.min_ngram)
-    return Proposal(tokens=tokens, q=None, num_drafted=num,
+    return Proposal(tokens=tokens, q=None, num_drafted=capped(num, limit),
                     num_forwards=jnp.int32(0)), state
+
+  def _tree(self, state: LookupState, gamma: int, num_nodes: int
+            ) -> Proposal:
+    """Up to num_nodes // γ matches as branches of a trie (`trie`)."""
+    count = num_nodes // gamma
+    tokens, known = ngram_matches(
+        state.context, state.length, gamma=gamma, max_ngram=self.max_ngram,
+        min_ngram=self.min_ngram, count=count)
+    nodes = pad_nodes(trie(tokens, known), num_nodes)
+    return Proposal(q=None, num_forwards=jnp.int32(0), tree_depth=gamma,
+                    **nodes)
 
   def commit(self, state: LookupState, proposal: Proposal, verification,
              active: jax.Array) -> LookupState:

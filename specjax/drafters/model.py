@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from specjax import sampling
 from specjax.drafters import track
+from specjax.drafters.base import pad_nodes
 from specjax.drafters.base import Proposal
 from specjax.models.protocol import model_output
 
@@ -64,18 +65,24 @@ class DraftModel:
     return track.init(self.model, prompts, prompt_lengths, first_token,
                       cache_size)
 
-  def propose(self, state, key, params, gamma, stop_threshold):
+  supports_trees = True
+
+  def propose(self, state, key, params, gamma, stop_threshold, limit=None,
+              num_nodes=None):
+    if num_nodes is not None:
+      return self._tree(state, gamma, num_nodes)
     last, state, passes = track.catch_up(self.model, state, width=gamma + 1)
     keys = jax.random.split(key, gamma)
     q0 = sampling.probabilities(last, params)  # [B, V]
     d0 = sampling.sample(keys[0], q0)  # [B]
     batch, vocab = q0.shape
-    ones = jnp.ones((batch,), jnp.int32)
+    cap = jnp.full((batch,), gamma, jnp.int32) if limit is None else limit
+    first = jnp.minimum(cap, 1)  # [B] 0 for a row that drafts nothing
     loop = _DraftLoop(
         step=jnp.int32(1),
         tokens=jnp.zeros((batch, gamma), jnp.int32).at[:, 0].set(d0),
         q=jnp.zeros((batch, gamma, vocab), jnp.float32).at[:, 0].set(q0),
-        num_drafted=ones, drafting=ones.astype(bool), cache=state.cache)
+        num_drafted=first, drafting=cap > 1, cache=state.cache)
 
     def body(s: _DraftLoop) -> _DraftLoop:
       prev = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
@@ -86,12 +93,14 @@ class DraftModel:
       # Confidence from the raw softmax: under greedy decoding q is one-hot.
       confidence = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
       drafting = s.drafting & (confidence >= stop_threshold)
+      added = drafting.astype(jnp.int32)
+      drafting &= s.step + 1 < cap
       return s.replace(
           step=s.step + 1,
           tokens=jax.lax.dynamic_update_slice_in_dim(
               s.tokens, di[:, None], s.step, 1),
           q=jax.lax.dynamic_update_slice_in_dim(s.q, qi[:, None], s.step, 1),
-          num_drafted=s.num_drafted + drafting.astype(jnp.int32),
+          num_drafted=s.num_drafted + added,
           drafting=drafting, cache=cache)
 
     loop = jax.lax.while_loop(
@@ -101,6 +110,68 @@ class DraftModel:
                         num_forwards=passes + loop.step - 1)
     state = track.write_scratch(state.replace(cache=loop.cache), loop.tokens)
     return proposal, state
+
+  def _tree(self, state, gamma, num_nodes):
+    """A tree of `width` = num_nodes // γ nodes per depth, grown by draft
+    confidence (EAGLE-2's selection under a static budget, Li et al.
+    2024): at each depth, the top `width` children of every frontier node
+    are scored by the draft's log-probability of their whole path, and the
+    `width` best become the next frontier. Children are chosen
+    deterministically (q=None), which keeps verification exact
+    (`specjax.tree`). One draft pass per depth scores the frontier, its
+    nodes reading the committed cache and their own ancestors, which sit in
+    the cache past the committed text (`cache_mask`); the cache is rolled
+    back to the committed text afterwards.
+    """
+    width = num_nodes // gamma
+    logits, state, passes = track.catch_up(self.model, state,
+                                           width=gamma + 1)
+    base = state.cache.lengths  # [B] committed tokens, all cached
+    batch, size = base.shape[0], width * gamma
+    slots = jnp.arange(state.cache.size)[None, None]  # [1, 1, S]
+    # Depth 1: the root's `width` most likely children.
+    score, tokens = jax.lax.top_k(jax.nn.log_softmax(logits), width)
+    nodes = dict(tokens=jnp.zeros((batch, size), jnp.int32).at[:, :width]
+                 .set(tokens),
+                 parents=jnp.full((batch, size), -1, jnp.int32))
+    # ancestors[b, i, j]: node j is an ancestor of node i.
+    ancestors = jnp.zeros((batch, size, size), bool)
+    cache = state.cache
+    for level in range(1, gamma):
+      lo = (level - 1) * width  # the frontier: nodes lo .. lo + width - 1
+      frontier = jnp.arange(lo, lo + width)
+      # Node j's keys sit at slot base + j once its depth was scored.
+      seen = (slots < base[:, None, None]) | jnp.take_along_axis(
+          jnp.pad(ancestors[:, lo:lo + width],
+                  ((0, 0), (0, 0), (0, cache.size - size))),
+          jnp.broadcast_to(slots - base[:, None, None],
+                           (batch, width, cache.size)).clip(0), axis=2)
+      cache = cache.rollback(base + lo)
+      out, cache = self.model(
+          jax.lax.dynamic_slice_in_dim(nodes["tokens"], lo, width, axis=1),
+          cache, positions=jnp.broadcast_to(base[:, None] - 1 + level,
+                                            (batch, width)),
+          mask=jnp.eye(width, dtype=bool)[None], cache_mask=seen)
+      logq = jax.nn.log_softmax(model_output(out).logits)  # [B, W, V]
+      child_score, child = jax.lax.top_k(logq, width)  # [B, W, W]
+      total = (score[:, :, None] + child_score).reshape(batch, -1)
+      score, pick = jax.lax.top_k(total, width)  # [B, W]
+      parent = frontier[pick // width]  # [B, W]
+      token = jnp.take_along_axis(child.reshape(batch, -1), pick, axis=1)
+      new = jnp.arange(lo + width, lo + 2 * width)
+      nodes["tokens"] = nodes["tokens"].at[:, new].set(token)
+      nodes["parents"] = nodes["parents"].at[:, new].set(parent)
+      above = jnp.take_along_axis(ancestors, parent[:, :, None], axis=1)
+      above |= jax.nn.one_hot(parent, size, dtype=bool)
+      ancestors = ancestors.at[:, new].set(above)
+    depth = jnp.repeat(jnp.arange(1, gamma + 1), width)[None]
+    filled = pad_nodes(dict(
+        nodes, depth=jnp.broadcast_to(depth, (batch, size)),
+        valid=jnp.ones((batch, size), bool),
+        num_drafted=jnp.full((batch,), size, jnp.int32)), num_nodes)
+    proposal = Proposal(q=None, num_forwards=passes + gamma - 1,
+                        tree_depth=gamma, **filled)
+    return proposal, state.replace(cache=cache.rollback(base))
 
   def commit(self, state, proposal, verification, active):
     del proposal

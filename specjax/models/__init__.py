@@ -13,6 +13,7 @@ three methods.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.struct
@@ -140,9 +141,11 @@ class Model:
     """Right-padded prompts [B, P] -> last prompt logits [B, V], cache.
 
     A prompt buffer wider than `chunk` (a multiple of it) runs in chunks of
-    `chunk` tokens in a `lax.while_loop` that stops after the longest real
-    prompt, so P can be a coarse bucket without costing compute; otherwise
-    (or with `chunk=None`) one pass over all P positions.
+    `chunk` tokens in a `lax.fori_loop` up to the longest real prompt, then
+    the rest in one piece of chunk/4, chunk/2 or chunk tokens, the
+    smallest that holds it, so P can be a coarse bucket without costing
+    compute; otherwise (or with `chunk=None`) one pass over all P
+    positions.
     """
     batch, width = tokens.shape
     if chunk is None or width <= chunk or width % chunk or width > cache.size:
@@ -152,22 +155,32 @@ class Model:
       logits = self.logits(last[:, 0])  # [B, V]; the last prompt position
       return logits, cache.rollback(lengths)
 
-    def body(i, carry):
+    def run(size, start, carry):
       cache, last = carry
-      start = i * chunk
-      piece = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
+      piece = jax.lax.dynamic_slice_in_dim(tokens, start, size, axis=1)
       cache = cache.rollback(jnp.full((batch,), start, jnp.int32))
       out = self.forward(piece, cache)
-      hidden, cache = out.hidden, out.cache  # [B, chunk, E]
-      at = lengths - 1 - start  # the last prompt position, if in this chunk
+      hidden, cache = out.hidden, out.cache  # [B, size, E]
+      at = lengths - 1 - start  # the last prompt position, if in this piece
       here = jnp.take_along_axis(
-          hidden, jnp.clip(at, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
-      inside = (at >= 0) & (at < chunk)
+          hidden, jnp.clip(at, 0, size - 1)[:, None, None], axis=1)[:, 0]
+      inside = (at >= 0) & (at < size)
       return cache, jnp.where(inside[:, None], here, last)
 
-    num_chunks = (jnp.max(lengths) + chunk - 1) // chunk
+    longest = jnp.max(lengths)
+    full = longest // chunk
     last = jnp.zeros((batch, self.config.hidden_size), self.dtype)
-    cache, last = jax.lax.fori_loop(0, num_chunks, body, (cache, last))
+    carry = jax.lax.fori_loop(
+        0, full, lambda i, c: run(chunk, i * chunk, c), (cache, last))
+    # The rest in one piece, the smallest of `sizes` that holds it:
+    # fewer rows never cost more, on any machine.
+    rest = longest - full * chunk
+    sizes = sorted({max(chunk >> k, 1) for k in (2, 1, 0)})
+    pieces = [lambda c: c] + [
+        functools.partial(run, size, full * chunk) for size in sizes]
+    pick = jnp.where(rest > 0, 1 + jnp.searchsorted(
+        jnp.asarray(sizes), rest), 0)
+    cache, last = jax.lax.switch(pick, pieces, carry)
     return self.logits(last), cache.rollback(lengths)
 
 

@@ -249,7 +249,8 @@ class Transformer(nn.Module):
                layers: tuple[int, int] | None = None,
                residual: jax.Array | None = None,
                hidden_layers: tuple[int, ...] = (),
-               cache_is_empty: bool = False) -> "TransformerOutput":
+               cache_is_empty: bool = False,
+               cache_mask: jax.Array | None = None) -> "TransformerOutput":
     """Runs a chunk of tokens per row at the rows' cache offsets.
 
     Args:
@@ -268,6 +269,11 @@ class Transformer(nn.Module):
       cache_is_empty: static promise that every row's length is 0 (prefill):
         attention then skips the cache, which saves work and keeps XLA from
         constant-folding attention over a zero cache at compile time.
+      cache_mask: [B, T, S] bool, further restricts which cache slots below
+        the row's length each query reads (default: all of them). A tree
+        drafter that keeps earlier tree levels in the cache shows each node
+        only its own ancestors. The sliding window still assumes slot s
+        holds position s.
 
     Returns:
       A `TransformerOutput`; the cache in it has the chunk written and
@@ -287,8 +293,11 @@ class Transformer(nn.Module):
       positions = default_positions(offsets, num_tokens)
     if mask is None:
       mask = causal_mask(num_tokens)
+    visible = cache_mask
     cache_mask, chunk_mask = attention_masks(offsets, positions, mask,
                                              cache.size, c.sliding_window)
+    if visible is not None:
+      cache_mask &= visible
     ks, vs, chosen = [], [], {}
     for i in range(first, stop):
       with jax.named_scope(f"layer_{i}"):

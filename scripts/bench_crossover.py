@@ -1,0 +1,250 @@
+r"""Batch crossover: decoding tokens/s against B for every γ policy.
+
+For each batch size B, runs autoregressive decoding, speculative decoding at
+each fixed γ, transformers' heuristic schedule and `gamma="auto"`
+(`specjax.adaptive`) on the same prompts, and reports the decoding-phase
+tokens/s of each (the first token's prompt pass timed apart and
+subtracted, as in `experiments.bench`), the ratio of `auto` to the best of
+the others, and the cost model's prediction beside each measurement.
+
+COMMAND (the real pair, HumanEval chat prompts, the draft model drafting):
+  python scripts/bench_crossover.py --weights=real --batches=1/2/4 \
+    --output_dir=/tmp/bench/crossover_real
+COMMAND (random weights at the pair's shapes, synthetic acceptance):
+  python scripts/bench_crossover.py --weights=random \
+    --batches=1/2/4/8/16/32 --alphas=0.05/0.5/0.8/0.95 \
+    --output_dir=/tmp/bench/crossover_random
+
+With random weights, acceptance is synthetic (`synthetic_acceptance`: each
+draft accepted with probability α, not distribution-preserving); figures
+from such runs must be labelled synthetic. Rows ignore EOS, so every row
+does the same work.
+
+Predicted tokens/s (`specjax.tuning.cost`): for autoregressive and fixed γ,
+`predict_tokens_per_s` with the forward costs measured at this B and the
+measured conditional acceptance per position; for the adaptive policies,
+the generated tokens over the predicted time of the steps they took (each
+step's target pass at the width it ran, plus its draft forwards).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+from absl import app
+from absl import flags
+import jax
+import numpy as np
+
+from experiments import bench
+from experiments import prompts as prompts_lib
+from specjax import adaptive
+from specjax import decode
+from specjax import drafters
+from specjax import hardware
+from specjax import models
+from specjax import registry
+from specjax import testing
+from specjax.tuning import cost
+from specjax.tuning import matmul as tuning
+
+_WEIGHTS = flags.DEFINE_enum("weights", "real", ["real", "random"],
+                             "Checkpoints, or random weights at their shapes.")
+_TARGET = flags.DEFINE_string("target", "qwen2.5-coder-1.5b-instruct",
+                              "Registry name, or 'tiny' (smoke runs).")
+_DRAFT = flags.DEFINE_string("draft", "qwen2.5-coder-0.5b-instruct",
+                             "Registry name, or 'tiny'.")
+_DRAFTER = flags.DEFINE_enum("drafter", "model", ["model", "lookup"], "")
+_BATCHES = flags.DEFINE_string("batches", "1/2/4", "B values, /-separated.")
+_GAMMAS = flags.DEFINE_string("gammas", "1/2/4", "Fixed γ values.")
+_MAX_GAMMA = flags.DEFINE_integer("max_gamma", 4, "γ_max of the policies.")
+_ALPHAS = flags.DEFINE_string(
+    "alphas", "", "Synthetic acceptance rates (random weights only).")
+_TOKENS = flags.DEFINE_integer("tokens", 32, "New tokens per row.")
+_PROMPT_TOKENS = flags.DEFINE_integer(
+    "prompt_tokens", 128, "Prompt length with random weights.")
+_OUTPUT = flags.DEFINE_string("output_dir", "/tmp/specjax/crossover", "")
+
+# The real pair's shapes, for random weights where no checkpoint is at hand
+# (Qwen2.5-Coder-1.5B/0.5B-Instruct, from their config.json).
+SHAPES = {
+    "qwen2.5-coder-1.5b-instruct": models.ModelConfig(
+        arch="qwen2", vocab_size=151936, hidden_size=1536,
+        intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2,
+        head_dim=128, rope_theta=1e6, qkv_bias=True, tie_embeddings=True),
+    "qwen2.5-coder-0.5b-instruct": models.ModelConfig(
+        arch="qwen2", vocab_size=151936, hidden_size=896,
+        intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+        head_dim=64, rope_theta=1e6, qkv_bias=True, tie_embeddings=True),
+}
+
+
+def _values(text: str, kind=int) -> list:
+  return [kind(x) for x in text.split("/") if x]
+
+
+def _load(name: str, seed: int):
+  if name == "tiny":  # smoke runs: the random tiny pair
+    return testing.tiny_pair(0)[seed], None
+  if _WEIGHTS.value == "real":
+    return registry.load_pretrained(name, progress=False)
+  model = models.init_random(SHAPES[name], jax.random.key(seed))
+  return tuning.apply(model, "auto")[0], None
+
+
+def _prompts(tokenizer, batch: int, vocab: int) -> list[list[int]]:
+  if tokenizer is None:
+    rng = np.random.default_rng(batch)
+    return rng.integers(1, min(1000, vocab), (batch, _PROMPT_TOKENS.value)
+                        ).tolist()
+  prompt_set = prompts_lib.load_prompts("humaneval", batch)
+  return [prompts_lib.encode_prompt(tokenizer, p, chat_template=True)
+          for p in prompt_set.prompts]
+
+
+def _conditional_acceptance(stats, gamma: int) -> list[float]:
+  """a_j = P(position j accepted | all before were), from the counters."""
+  accepted = np.asarray(stats.accepted_by_position, float)[:gamma]
+  reached = np.concatenate([[float(np.asarray(
+      stats.proposed_by_position)[0])], accepted[:-1]])
+  return list(np.where(reached > 0, accepted / np.maximum(reached, 1), 0.0))
+
+
+def _steps_ms(stats, target_costs, draft_costs) -> float:
+  """Predicted ms of the speculative steps a generation took."""
+  scored = np.asarray(stats.scored)
+  per_step = scored.max(axis=0)  # [M] the batch's width - 1, -1 unused
+  target_ms = sum(target_costs.at(int(k) + 1) for k in per_step if k >= 0)
+  forwards = int(np.sum(stats.draft_forwards))
+  return target_ms + (forwards * draft_costs.at(1) if draft_costs else 0.0)
+
+
+def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
+  batch = len(prompts)
+  widths = sorted({1, *(g + 1 for g in gammas),
+                   *adaptive.verify_widths(_MAX_GAMMA.value)})
+  target_costs = cost.measure(target, batch=batch, chunks=widths)
+  draft_costs = (cost.measure(draft, batch=batch, chunks=(1,))
+                 if _DRAFTER.value == "model" else None)
+  policies = {"ar": None, **{f"γ={g}": g for g in gammas},
+              "heuristic": adaptive.Heuristic(_MAX_GAMMA.value),
+              "auto": adaptive.Auto.create(
+                  max_gamma=_MAX_GAMMA.value,
+                  target_ms=[target_costs.at(w) for w in
+                             adaptive.verify_widths(_MAX_GAMMA.value)],
+                  draft_ms=draft_costs.at(1) if draft_costs else 0.0)}
+  kwargs = dict(max_new_tokens=_TOKENS.value, key=0)
+  rows = {}
+  for name, gamma in policies.items():
+    if gamma is None:
+      fn = functools.partial(decode.generate, target, prompts, **kwargs)
+    else:
+      fn = functools.partial(decode.speculative_generate, target, drafter,
+                             prompts, gamma=gamma,
+                             synthetic_acceptance=alpha, **kwargs)
+    call = bench.timed_call(fn, (name, batch, alpha), seen, 1)
+    measured = call.decode_tokens / call.decode_s
+    if gamma is None:
+      predicted = cost.predict_tokens_per_s(target_costs, 0, [])
+      row = {}
+    else:
+      stats = call.output.stats
+      if isinstance(gamma, int):
+        predicted = cost.predict_tokens_per_s(
+            target_costs, gamma, _conditional_acceptance(stats, gamma),
+            draft_costs)
+      else:
+        tokens = int(np.sum(np.maximum(call.output.lengths - 1, 0)))
+        predicted = tokens / (_steps_ms(stats, target_costs, draft_costs)
+                              / 1e3)
+      scored = np.asarray(stats.scored)
+      row = {"tau": float(call.output.lengths.sum() - batch)
+                    / max(int(stats.steps), 1) / batch,
+             "autoregressive_steps": float(np.mean(scored[scored >= 0] == 0)),
+             "mean_drafts": float(np.mean(scored[scored >= 0]))}
+    rows[name] = {"tokens_per_s": measured, "predicted_tokens_per_s":
+                  predicted, "predicted_over_measured": predicted / measured,
+                  **row}
+  best_other = max(v["tokens_per_s"] for k, v in rows.items()
+                   if k not in ("auto", "heuristic"))
+  return {"batch": batch, "alpha": alpha, "policies": rows,
+          "auto_over_best": rows["auto"]["tokens_per_s"] / best_other,
+          "target_ms": {str(w): target_costs.at(w) for w in widths},
+          "draft_ms": draft_costs.at(1) if draft_costs else 0.0}
+
+
+def _table(results) -> str:
+  names = list(results[0]["policies"])
+  head = ["α", "B"] + names + ["auto/best"]
+  lines = [" | ".join(head), " | ".join("---" for _ in head)]
+  for r in results:
+    alpha = "real" if r["alpha"] is None else f"{r['alpha']:.2f}"
+    cells = [f"{r['policies'][n]['tokens_per_s']:.2f}" for n in names]
+    lines.append(" | ".join([alpha, str(r["batch"])] + cells
+                            + [f"{r['auto_over_best']:.2f}x"]))
+  lines += ["", "predicted / measured tokens/s:"]
+  lines += [" | ".join(["α", "B"] + names)]
+  for r in results:
+    alpha = "real" if r["alpha"] is None else f"{r['alpha']:.2f}"
+    cells = [f"{r['policies'][n]['predicted_over_measured']:.2f}"
+             for n in names]
+    lines.append(" | ".join([alpha, str(r["batch"])] + cells))
+  return "\n".join(lines)
+
+
+def _plot(results, path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  alphas = sorted({r["alpha"] for r in results}, key=lambda a: a or 0)
+  fig, axes = plt.subplots(1, len(alphas), figsize=(5 * len(alphas), 4),
+                           squeeze=False)
+  for ax, alpha in zip(axes[0], alphas):
+    part = [r for r in results if r["alpha"] == alpha]
+    for name in part[0]["policies"]:
+      ax.plot([r["batch"] for r in part],
+              [r["policies"][name]["tokens_per_s"] for r in part],
+              marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size B")
+    ax.set_ylabel("decoding tokens/s (all rows)")
+    ax.set_title("real acceptance" if alpha is None
+                 else f"synthetic α = {alpha}")
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv):
+  del argv
+  gammas = _values(_GAMMAS.value)
+  alphas = _values(_ALPHAS.value, float) or [None]
+  if _WEIGHTS.value == "real" and alphas != [None]:
+    raise app.UsageError("--alphas needs --weights=random.")
+  target, tokenizer = _load(_TARGET.value, 0)
+  draft, _ = _load(_DRAFT.value, 1)
+  drafter = (drafters.DraftModel(draft) if _DRAFTER.value == "model"
+             else drafters.PromptLookup(target.vocab_size))
+  results, seen = [], set()
+  for batch in _values(_BATCHES.value):
+    prompts = _prompts(tokenizer, batch, target.vocab_size)
+    for alpha in alphas:
+      results.append(_run_batch(target, draft, drafter, prompts, alpha,
+                                gammas, seen))
+      print(_table(results[-1:]), flush=True)
+  os.makedirs(_OUTPUT.value, exist_ok=True)
+  out = {"machine": hardware.machine(), "jax": jax.__version__,
+         "weights": _WEIGHTS.value, "drafter": _DRAFTER.value,
+         "tokens": _TOKENS.value, "gammas": gammas,
+         "max_gamma": _MAX_GAMMA.value, "results": results}
+  with open(os.path.join(_OUTPUT.value, "crossover.json"), "w") as f:
+    json.dump(out, f, indent=1)
+  _plot(results, os.path.join(_OUTPUT.value, "crossover.png"))
+  print(_table(results))
+  print(f"wrote {_OUTPUT.value}/crossover.json, crossover.png")
+
+
+if __name__ == "__main__":
+  app.run(main)

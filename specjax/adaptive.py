@@ -1,0 +1,338 @@
+"""How much to speculate, chosen per step inside the compiled loop.
+
+Shape letters (`specjax.shapes`): B batch, G = γ_max, W verification
+widths.
+
+A fixed γ pays for γ drafts and a (γ+1)-token target pass every step,
+whether or not the drafts are accepted; at low acceptance, or at a batch
+size where the target pass stops being memory-bound, that is slower than
+plain decoding. A `GammaPolicy` picks, before each step, a draft budget
+per row (0 to G). `speculate_step` then drafts only when some row's budget
+is positive (`lax.cond`) and runs the target over the smallest compiled
+width T in `widths` (1, 2, 3, 5, 9, ..., G+1) that holds the longest
+proposal (`lax.switch`). T = 1 is a plain autoregressive step. Every branch
+is the same exact verifier (`specjax.verify.verify`) on a truncated
+proposal, so the output keeps the target's distribution whichever branch
+runs, and nothing recompiles when the choice changes.
+
+Two policies:
+
+- `Heuristic`: transformers' schedule for assisted generation (its
+  `num_assistant_tokens_schedule="heuristic"`): per row, the budget grows
+  by 2 after a step in which every budgeted draft was accepted and shrinks
+  by 1 (to no less than 1) otherwise. It never stops drafting.
+- `Auto`: per row, a running estimate of the conditional acceptance at
+  each draft position, and the measured cost of each target width and of
+  a draft token (`specjax.tuning.cost`). The estimate is a ratio of
+  exponentially decayed counts, accepted over verified, updated wherever
+  the position was verified; position 1 starts from `prior` (as one
+  decaying pseudo-observation), and a deeper position leans on the
+  estimate of the position before it with the weight of one observation,
+  so a position rarely reached (deep in a long match) is neither
+  forgotten nor guessed from a fixed prior. Drafting is a batch-wide cost
+  (every draft forward and the target pass run over all rows), so it picks
+  the one budget K that maximises the predicted tokens per second of the
+  batch,
+
+      Σ_b E[τ_b](K) / (K · t_draft + t_target(width(K + 1))),
+
+  with E[τ](K) = 1 + Σ_{i≤K} Π_{j≤i} a_j (`tuning.cost.expected_tokens`),
+  and gives it to every active row. K = 0 is an autoregressive step. Once
+  drafted, it verifies the K' leading drafts of each row that maximise
+  the same prediction without the (spent) drafting cost and with each
+  row's actual proposal length (`trim`); a drafter that costs nothing
+  (prompt lookup) always drafts γ_max and is only trimmed, so a row
+  without a match costs a plain step. After `probe_every` steps without
+  drafting it tries one token, so the estimates follow a text that
+  becomes predictable again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.drafters.base import cost_model
+from specjax.drafters.base import Proposal
+
+__all__ = ["Auto", "GammaPolicy", "Heuristic", "PolicyState",
+           "verify_widths"]
+
+
+def verify_widths(max_gamma: int) -> tuple[int, ...]:
+  """Target chunk lengths T compiled for a γ_max: 1, then 2^i + 1 below
+  G + 1, then G + 1 (e.g. G = 8: 1, 2, 3, 5, 9)."""
+  if isinstance(max_gamma, bool) or int(max_gamma) != max_gamma or (
+      max_gamma < 1):
+    raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma!r}.")
+  widths = {1, max_gamma + 1}
+  step = 1
+  while step + 1 < max_gamma + 1:
+    widths.add(step + 1)
+    step *= 2
+  return tuple(sorted(widths))
+
+
+def width_index(widths: Sequence[int], num_tokens: jax.Array) -> jax.Array:
+  """Index of the smallest width >= num_tokens ([...] int32)."""
+  return jnp.searchsorted(jnp.asarray(widths, jnp.int32), num_tokens,
+                          side="left").astype(jnp.int32)
+
+
+@flax.struct.dataclass(kw_only=True)
+class PolicyState:
+  """What a policy carries between steps.
+
+  Attributes:
+    budget: [B] int32 the heuristic's current draft budget per row.
+    verified: [B, G] float32 decayed count of steps in which each draft
+      position was verified, per row (`Auto`).
+    accepted: [B, G] float32 the same count of acceptances (`Auto`).
+    idle: [] int32 consecutive steps without drafting (`Auto`).
+  """
+
+  budget: jax.Array
+  verified: jax.Array
+  accepted: jax.Array
+  idle: jax.Array
+
+
+class GammaPolicy:
+  """Chooses each step's per-row draft budget; see the module docstring.
+
+  Subclasses are `flax.struct.dataclass`es: `max_gamma` is static (it fixes
+  the compiled shapes), the rest is traced.
+  """
+
+  max_gamma: int
+
+  @property
+  def widths(self) -> tuple[int, ...]:
+    return verify_widths(self.max_gamma)
+
+  def init(self, batch: int) -> PolicyState:
+    raise NotImplementedError
+
+  def budget(self, state: PolicyState, active: jax.Array) -> jax.Array:
+    """[B] int32 draft budget in [0, G] for the next step (0 where
+    inactive)."""
+    raise NotImplementedError
+
+  def trim(self, state: PolicyState, num_drafted: jax.Array,
+           active: jax.Array) -> jax.Array:
+    """[B] int32 how many of the `num_drafted` [B] drafts to verify, once
+    drafted (default: all)."""
+    del state, active
+    return num_drafted
+
+  def update(self, state: PolicyState, budget: jax.Array,
+             proposal: Proposal, num_accepted: jax.Array,
+             active: jax.Array) -> PolicyState:
+    """Learns from one step: `budget` [B] as chosen, the proposal, and
+    `num_accepted` [B] for rows where `active` [B]."""
+    raise NotImplementedError
+
+
+def _reached(proposal: Proposal, num_accepted: jax.Array,
+             active: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """[B, G] bool: positions the target judged (every earlier one accepted),
+  and those it accepted."""
+  slots = jnp.arange(proposal.tokens.shape[1])[None]
+  judged = (active[:, None] & (slots < proposal.num_drafted[:, None])
+            & (slots <= num_accepted[:, None]))
+  return judged, judged & (slots < num_accepted[:, None])
+
+
+@flax.struct.dataclass
+class Heuristic(GammaPolicy):
+  """transformers' heuristic schedule: +2 after a fully accepted budget,
+  -1 (to no less than 1) otherwise, per row, starting at `initial`
+  (default G) and capped at G."""
+
+  max_gamma: int = flax.struct.field(pytree_node=False)
+  initial: int = flax.struct.field(pytree_node=False, default=0)
+
+  def __post_init__(self):
+    verify_widths(self.max_gamma)
+    if not 0 <= self.initial <= self.max_gamma:
+      raise ValueError(f"initial must be in [1, max_gamma={self.max_gamma}]"
+                       f" (0 for max_gamma), got {self.initial}.")
+
+  def init(self, batch):
+    start = self.initial or self.max_gamma
+    none = jnp.zeros((batch, 0), jnp.float32)
+    return PolicyState(budget=jnp.full((batch,), start, jnp.int32),
+                       verified=none, accepted=none, idle=jnp.int32(0))
+
+  def budget(self, state, active):
+    return jnp.where(active, state.budget, 0)
+
+  def update(self, state, budget, proposal, num_accepted, active):
+    tried = active & (proposal.num_drafted > 0)
+    grown = jnp.where(num_accepted >= budget, state.budget + 2,
+                      state.budget - 1)
+    return state.replace(budget=jnp.where(
+        tried, jnp.clip(grown, 1, self.max_gamma), state.budget))
+
+
+@flax.struct.dataclass
+class Auto(GammaPolicy):
+  """Cost-model-driven budget; see the module docstring.
+
+  Attributes:
+    target_ms: [W] float32 ms of a target pass of each width in `widths`,
+      at this batch size.
+    draft_ms: [] float32 ms of one draft token (0 for a drafter that runs
+      no model).
+    prior: [] float32 initial acceptance estimate (of position 1, which
+      deeper positions inherit until observed).
+    rate: [] float32 the weight of the newest observation: earlier counts
+      decay by 1 - rate.
+    probe_every: [] int32 draft one token after this many steps without
+      drafting.
+    max_gamma: G, static.
+  """
+
+  target_ms: jax.Array
+  draft_ms: jax.Array
+  prior: jax.Array
+  rate: jax.Array
+  probe_every: jax.Array
+  max_gamma: int = flax.struct.field(pytree_node=False)
+
+  @classmethod
+  def create(cls, *, max_gamma: int, target_ms: Sequence[float],
+             draft_ms: float = 0.0, prior: float = 0.7, rate: float = 0.2,
+             probe_every: int = 16) -> "Auto":
+    """Validates host values.
+
+    Args:
+      max_gamma: G.
+      target_ms: ms of a target pass of each width in `verify_widths(G)`.
+      draft_ms: ms per drafted token.
+      prior: initial acceptance estimate in [0, 1].
+      rate: moving-average weight of a new observation, in (0, 1].
+      probe_every: steps without drafting before a one-token probe, >= 1.
+    """
+    widths = verify_widths(max_gamma)
+    costs = np.asarray(target_ms, np.float32).reshape(-1)
+    if costs.shape != (len(widths),) or not np.all(costs > 0):
+      raise ValueError(f"target_ms needs one positive time per width "
+                       f"{widths}, got {np.asarray(target_ms).tolist()}.")
+    if not draft_ms >= 0:
+      raise ValueError(f"draft_ms must be >= 0, got {draft_ms}.")
+    if not 0.0 <= prior <= 1.0:
+      raise ValueError(f"prior must be in [0, 1], got {prior}.")
+    if not 0.0 < rate <= 1.0:
+      raise ValueError(f"rate must be in (0, 1], got {rate}.")
+    if int(probe_every) < 1:
+      raise ValueError(f"probe_every must be >= 1, got {probe_every}.")
+    return cls(target_ms=jnp.asarray(costs), draft_ms=jnp.float32(draft_ms),
+               prior=jnp.float32(prior), rate=jnp.float32(rate),
+               probe_every=jnp.int32(probe_every), max_gamma=int(max_gamma))
+
+  @classmethod
+  def measure(cls, target: Any, drafter: Any, *, batch: int,
+              max_gamma: int, cache_dir: str | None = None,
+              **kwargs) -> "Auto":
+    """`create` with costs measured on this machine (`tuning.cost.measure`,
+    cached on disk per machine, model, B and widths).
+
+    A drafter's per-token cost is one forward of its `cost_model` (the
+    draft model; none for prompt lookup). For a `Fallback` that is its
+    second drafter's model, an upper bound; for a `Cascade`, its middle
+    model's forward, which ignores the inner drafter's work.
+    """
+    from specjax.tuning import cost  # the cost module imports decode
+    widths = verify_widths(max_gamma)
+    target_costs = cost.measure(target, batch=batch, chunks=widths,
+                                cache_dir=cache_dir)
+    model = cost_model(drafter)
+    draft_ms = 0.0
+    if model is not None:
+      draft_ms = cost.measure(model, batch=batch, chunks=(1,),
+                              cache_dir=cache_dir).at(1)
+    return cls.create(max_gamma=max_gamma,
+                      target_ms=[target_costs.at(w) for w in widths],
+                      draft_ms=draft_ms, **kwargs)
+
+  def init(self, batch):
+    # Position 1 holds the prior as one pseudo-observation.
+    first = jax.nn.one_hot(0, self.max_gamma, dtype=jnp.float32)
+    return PolicyState(
+        budget=jnp.zeros((batch,), jnp.int32),
+        verified=jnp.broadcast_to(first, (batch, self.max_gamma)),
+        accepted=jnp.broadcast_to(first * self.prior,
+                                  (batch, self.max_gamma)),
+        idle=jnp.int32(0))
+
+  def acceptance(self, state: PolicyState) -> jax.Array:
+    """[B, G] conditional acceptance estimates: position 1 accepted over
+    verified; position j > 1 the same with the estimate of position j - 1
+    added as one more observation."""
+    first = state.accepted[:, 0] / jnp.maximum(state.verified[:, 0], 1e-6)
+    columns = [first]
+    for j in range(1, self.max_gamma):
+      columns.append((state.accepted[:, j] + columns[-1])
+                     / (state.verified[:, j] + 1.0))
+    return jnp.stack(columns, axis=1)
+
+  def predicted_rate(self, acceptance: jax.Array, active: jax.Array,
+                     available: jax.Array | None = None,
+                     drafting: bool = True) -> jax.Array:
+    """[G+1] predicted tokens per ms of the batch for each budget K = 0..G.
+
+    Args:
+      acceptance: [B, G] conditional acceptance estimates.
+      active: [B] rows that count.
+      available: [B] drafts each row already has (a row verifies at most
+        that many), or None for as many as K.
+      drafting: whether the K drafts are still to be paid for (before
+        drafting) or already spent (choosing how many drafted tokens to
+        verify).
+    """
+    survive = jnp.cumprod(acceptance, axis=1)  # [B, G]
+    if available is not None:
+      positions = jnp.arange(self.max_gamma)[None]
+      survive = jnp.where(positions < available[:, None], survive, 0.0)
+    expected = 1.0 + jnp.concatenate(
+        [jnp.zeros_like(survive[:, :1]), jnp.cumsum(survive, axis=1)], 1)
+    tokens = jnp.sum(jnp.where(active[:, None], expected, 0.0), 0)  # [G+1]
+    k = jnp.arange(self.max_gamma + 1)
+    step_ms = self.target_ms[width_index(self.widths, k + 1)]
+    if drafting:
+      step_ms = step_ms + k * self.draft_ms
+    return tokens / step_ms
+
+  def _probe(self, state: PolicyState, k: jax.Array) -> jax.Array:
+    return jnp.where((k == 0) & (state.idle >= self.probe_every), 1, k)
+
+  def budget(self, state, active):
+    # A drafter that costs nothing drafts all it can; `trim` then picks
+    # how much of it to verify.
+    k = jnp.argmax(self.predicted_rate(self.acceptance(state), active))
+    k = jnp.where(self.draft_ms > 0, self._probe(state, k), self.max_gamma)
+    return jnp.where(active, k, 0).astype(jnp.int32)
+
+  def trim(self, state, num_drafted, active):
+    """The drafts are paid for: verify the K' <= G leading ones of each row
+    that maximise the predicted tokens per ms of the verification alone."""
+    k = jnp.argmax(self.predicted_rate(self.acceptance(state), active,
+                                       available=num_drafted,
+                                       drafting=False))
+    k = self._probe(state, k)
+    return jnp.where(active, k, 0).astype(jnp.int32)
+
+  def update(self, state, budget, proposal, num_accepted, active):
+    judged, accepted = _reached(proposal, num_accepted, active)
+    keep = 1.0 - self.rate
+    decay = lambda count, new: jnp.where(judged, keep * count + new, count)
+    drafted = jnp.any(active & (proposal.num_drafted > 0))
+    return state.replace(
+        verified=decay(state.verified, 1.0),
+        accepted=decay(state.accepted, accepted.astype(jnp.float32)),
+        idle=jnp.where(drafted, 0, state.idle + 1))

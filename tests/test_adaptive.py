@@ -1,0 +1,249 @@
+"""Adaptive γ (`gamma="auto"`, `"heuristic"`): exact, switching, no recompile.
+
+Expectations come from independent computations: autoregressive `generate`
+on the same target, the cost model's own `predict_tokens_per_s`, and
+transformers' schedule written out by hand.
+"""
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import adaptive
+from specjax import decode
+from specjax import drafters
+from specjax.drafters.base import Proposal
+from specjax.tuning import cost
+
+PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
+MAX_NEW = 48
+GAMMA = 4
+# Drafting is cheap and the widest pass costs 1.2 forwards: full
+# acceptance pays, no acceptance does not.
+COSTS = dict(max_gamma=GAMMA, target_ms=[1.0, 1.05, 1.1, 1.2], draft_ms=0.05)
+
+
+@flax.struct.dataclass
+class _Phases:
+  """Drafts with the target itself (always accepted under greedy), except
+  while the committed text is `bad_from` to `bad_to` tokens long, where it
+  shifts every draft by one token (never accepted). q is shifted with it,
+  so the proposal stays a sample from its q."""
+
+  inner: drafters.DraftModel
+  bad_from: int = flax.struct.field(pytree_node=False)
+  bad_to: int = flax.struct.field(pytree_node=False)
+
+  @property
+  def vocab_size(self):
+    return self.inner.vocab_size
+
+  components = ("model",)
+
+  def init(self, *args):
+    return self.inner.init(*args)
+
+  def commit(self, *args):
+    return self.inner.commit(*args)
+
+  def propose(self, state, key, params, gamma, stop_threshold, limit=None):
+    length = state.length  # [B] committed tokens
+    proposal, state = self.inner.propose(state, key, params, gamma,
+                                         stop_threshold, limit=limit)
+    bad = (length >= self.bad_from) & (length < self.bad_to)  # [B]
+    tokens = jnp.where(bad[:, None], (proposal.tokens + 1) % self.vocab_size,
+                       proposal.tokens)
+    q = jnp.where(bad[:, None, None], jnp.roll(proposal.q, 1, axis=-1),
+                  proposal.q)
+    return proposal.replace(tokens=tokens, q=q), state
+
+
+def _phases(pair, prompts):
+  shortest = min(len(p) for p in prompts)
+  return _Phases(drafters.DraftModel(pair[0]), bad_from=shortest + 12,
+                 bad_to=shortest + 30)
+
+
+@pytest.mark.parametrize("kind", ["model", "lookup", "fallback", "cascade"])
+@pytest.mark.parametrize("policy", ["auto", "heuristic"])
+def test_greedy_equals_autoregressive(pair, baseline, kind, policy):
+  target, draft = pair
+  lookup = drafters.PromptLookup(target.vocab_size)
+  drafter = {
+      "model": drafters.DraftModel(draft), "lookup": lookup,
+      "fallback": drafters.Fallback(lookup, drafters.DraftModel(draft)),
+      "cascade": drafters.Cascade(draft, lookup, 2)}[kind]
+  gamma = (adaptive.Auto.create(**COSTS) if policy == "auto"
+           else adaptive.Heuristic(GAMMA, initial=2))
+  out = decode.speculative_generate(target, drafter, PROMPTS, gamma=gamma,
+                                    max_new_tokens=MAX_NEW)
+  np.testing.assert_array_equal(out.tokens, baseline.tokens)
+  np.testing.assert_array_equal(out.lengths, baseline.lengths)
+  assert out.policy == policy
+  scored = out.stats.scored
+  assert np.all((scored >= 0) == (out.stats.accepted >= 0))
+  assert scored.max() <= GAMMA
+
+
+def test_auto_switches_between_autoregressive_and_full_drafts(pair,
+                                                              baseline):
+  # Full acceptance, then a stretch where every draft is rejected, then
+  # full acceptance again: `auto` must draft G, drop to plain steps, and
+  # come back (through its probes), and stay exact throughout.
+  target, _ = pair
+  policy = adaptive.Auto.create(**COSTS, rate=0.5, probe_every=4)
+  out = decode.speculative_generate(
+      target, _phases(pair, PROMPTS), PROMPTS, gamma=policy,
+      max_new_tokens=MAX_NEW)
+  np.testing.assert_array_equal(out.tokens, baseline.tokens)
+  for scored, accepted in zip(out.stats.scored, out.stats.accepted):
+    # Full blocks first, then plain steps, then full blocks accepted again.
+    assert scored[0] == GAMMA and accepted[0] == GAMMA, scored
+    first_plain = np.argmax(scored == 0)
+    assert first_plain > 0 and np.sum(scored == 0) >= 5, scored
+    assert np.any(accepted[first_plain:] == GAMMA), (scored, accepted)
+
+
+def test_heuristic_follows_transformers_schedule():
+  # Budget 2, +2 after a fully accepted budget, -1 (not below 1) after a
+  # rejection, capped at G; rows that drafted nothing keep their budget.
+  policy = adaptive.Heuristic(GAMMA, initial=2)
+  proposal = Proposal(tokens=jnp.zeros((3, GAMMA), jnp.int32),
+                      num_drafted=jnp.array([2, 2, 0], jnp.int32),
+                      num_forwards=jnp.int32(0))
+  state = policy.init(3)
+  budget = policy.budget(state, jnp.array([True, True, True]))
+  np.testing.assert_array_equal(budget, [2, 2, 2])
+  state = policy.update(state, budget, proposal, jnp.array([2, 1, 0]),
+                        jnp.array([True, True, True]))
+  # Row 0 accepted its budget, row 1 did not, row 2 drafted nothing.
+  np.testing.assert_array_equal(state.budget, [4, 1, 2])
+  state = policy.update(state, jnp.array([4, 1, 2]), proposal.replace(
+      num_drafted=jnp.array([4, 1, 2])), jnp.array([4, 0, 2]),
+                        jnp.array([True, True, False]))
+  np.testing.assert_array_equal(state.budget, [4, 1, 2])
+
+
+def test_auto_budget_maximises_the_cost_models_prediction():
+  # The in-loop choice must agree with `tuning.cost.predict_tokens_per_s`
+  # evaluated on the host for each γ, with the width each γ runs at.
+  widths = adaptive.verify_widths(8)
+  assert widths == (1, 2, 3, 5, 9)
+  target_ms = [100.0, 104.0, 107.0, 118.0, 160.0]
+  for acceptance, draft_ms in [(0.9, 5.0), (0.6, 5.0), (0.2, 0.0),
+                               (0.97, 0.0), (0.75, 30.0)]:
+    policy = adaptive.Auto.create(max_gamma=8, target_ms=target_ms,
+                                  draft_ms=draft_ms, prior=acceptance)
+    state = policy.init(2)
+    active = jnp.array([True, True])
+    budget = int(policy.budget(state, active)[0])
+    if draft_ms:
+      chosen = budget
+    else:
+      # Free drafts: draft all, then verify the best prefix of them.
+      assert budget == 8
+      chosen = int(policy.trim(state, jnp.array([8, 8]), active)[0])
+    draft = cost.ForwardCosts(batch=2, forward_ms={1: draft_ms})
+
+    def predicted(g):
+      padded = cost.ForwardCosts(batch=2, forward_ms={
+          1: target_ms[0], g + 1: target_ms[widths.index(
+              next(w for w in widths if w >= g + 1))]})
+      return cost.predict_tokens_per_s(
+          padded, g, [acceptance] * g, draft if draft_ms else None)
+
+    best = max(range(9), key=predicted)
+    assert chosen == best, (acceptance, draft_ms, chosen, best)
+
+
+def test_auto_trims_to_what_rows_have():
+  # After drafting, rows with no draft cost a plain step; with drafts the
+  # choice is capped by the longest proposal.
+  policy = adaptive.Auto.create(max_gamma=4, target_ms=[1.0, 1.01, 1.02,
+                                                        1.03], prior=0.9)
+  state = policy.init(2)
+  active = jnp.array([True, True])
+  np.testing.assert_array_equal(
+      policy.trim(state, jnp.array([0, 0]), active), [0, 0])
+  np.testing.assert_array_equal(
+      policy.trim(state, jnp.array([2, 1]), active), [2, 2])
+  np.testing.assert_array_equal(
+      policy.trim(state, jnp.array([4, 0]), active), [4, 4])
+
+
+def test_auto_estimates_follow_observed_acceptance():
+  # Decayed counts (weight 1 - rate = 0.5 on the past): position 1 starts
+  # from the prior as one observation; deeper positions add the estimate
+  # before them as one observation. Expected values worked out by hand.
+  policy = adaptive.Auto.create(max_gamma=3,
+                                target_ms=[1.0, 1.1, 1.2, 1.3],
+                                prior=0.5, rate=0.5)
+  state = policy.init(1)
+  np.testing.assert_allclose(policy.acceptance(state)[0], [0.5] * 3)
+  proposal = Proposal(tokens=jnp.zeros((1, 3), jnp.int32),
+                      num_drafted=jnp.array([3]), num_forwards=jnp.int32(3))
+  # Positions 1 and 2 accepted, 3 rejected: all three were verified.
+  state = policy.update(state, jnp.array([3]), proposal, jnp.array([2]),
+                        jnp.array([True]))
+  # verified [1.5, 1, 1], accepted [1.25, 1, 0].
+  a1 = 1.25 / 1.5
+  a2 = (1 + a1) / 2
+  np.testing.assert_allclose(policy.acceptance(state)[0],
+                             [a1, a2, a2 / 2], rtol=1e-6)
+  # First rejected: positions 2 and 3 were not verified, so their counts
+  # stay; verified[0] = 0.75 + 1, accepted[0] = 0.625.
+  state = policy.update(state, jnp.array([3]), proposal, jnp.array([0]),
+                        jnp.array([True]))
+  a1 = 0.625 / 1.75
+  a2 = (1 + a1) / 2
+  np.testing.assert_allclose(policy.acceptance(state)[0],
+                             [a1, a2, a2 / 2], rtol=1e-6)
+  assert int(state.idle) == 0
+
+
+def test_low_acceptance_drops_to_autoregressive_steps(pair):
+  # Synthetic acceptance 0.05 on the tiny pair: once its estimates have
+  # fallen, `auto` stops drafting but for one probe every 16 steps (and,
+  # rarely, a step after an accepted probe).
+  target, draft = pair
+  policy = adaptive.Auto.create(**COSTS, probe_every=16)
+  out = decode.speculative_generate(target, draft, PROMPTS, gamma=policy,
+                                    max_new_tokens=MAX_NEW,
+                                    synthetic_acceptance=0.05)
+  for scored in out.stats.scored:
+    last = scored[scored >= 0][-24:]
+    assert len(last) == 24 and np.sum(last > 0) <= 3, scored
+
+
+def test_changing_regime_and_settings_compiles_nothing(pair):
+  target, draft = pair
+  policy = adaptive.Auto.create(**COSTS)
+  run = lambda gamma, **kw: decode.speculative_generate(
+      target, draft, PROMPTS, gamma=gamma, max_new_tokens=8, **kw)
+  run(policy)
+  compiled = decode._speculative_generate._cache_size()
+  run(policy, temperature=0.8, top_k=5)
+  run(adaptive.Auto.create(max_gamma=GAMMA, target_ms=[1.0, 5.0, 6.0, 7.0],
+                           draft_ms=2.0, prior=0.1), temperature=1.2, key=3)
+  assert decode._speculative_generate._cache_size() == compiled
+  run(adaptive.Heuristic(GAMMA))
+  compiled = decode._speculative_generate._cache_size()
+  run(adaptive.Heuristic(GAMMA), temperature=0.6, top_p=0.9)
+  assert decode._speculative_generate._cache_size() == compiled
+
+
+def test_errors_name_the_problem(pair):
+  target, draft = pair
+  with pytest.raises(ValueError, match="'auto' or 'heuristic'"):
+    decode.speculative_generate(target, draft, PROMPTS, gamma="fast",
+                                max_new_tokens=4)
+  with pytest.raises(ValueError, match="max_gamma"):
+    adaptive.Heuristic(0)
+  with pytest.raises(ValueError, match="target_ms"):
+    adaptive.Auto.create(max_gamma=4, target_ms=[1.0, 2.0])
+  with pytest.raises(ValueError, match="prior"):
+    adaptive.Auto.create(**COSTS, prior=1.5)
+  with pytest.raises(ValueError, match="rate"):
+    adaptive.Auto.create(**COSTS, rate=0.0)
