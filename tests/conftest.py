@@ -18,6 +18,12 @@ import os
 
 import pytest
 
+# Tests compile their own programs and must neither read nor fill the
+# user's persistent compilation cache; writing executables to one shared
+# cache from two pytest-xdist workers at once aborted a worker once (JAX
+# 0.10.2, in the cache write). Tests of the cache set their own directory.
+os.environ.setdefault("SPECJAX_NO_COMPILE_CACHE", "1")
+
 HF_ARCHS = ("llama", "mistral", "qwen2")
 
 # Small but not degenerate: grouped-query attention (4 query heads per 2 kv

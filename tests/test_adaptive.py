@@ -6,7 +6,6 @@ transformers' schedule written out by hand.
 """
 
 import flax.struct
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
