@@ -113,3 +113,17 @@ def baseline(request, pair):
   module = request.module
   return decode.generate(pair[0], module.PROMPTS,
                          max_new_tokens=module.MAX_NEW)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+  """Drops every compiled program after each test module.
+
+  A pytest-xdist worker otherwise keeps every program it compiled for the
+  whole session (hundreds, with the tree and adaptive-γ variants); two CI
+  runs lost a worker late in the suite, once in JAX's executable
+  serialisation and once in XLA compilation, the two memory-hungry steps.
+  """
+  yield
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.clear_caches()
