@@ -19,6 +19,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specjax import adaptive
 from specjax import rejection
 from specjax import sampling
 from specjax import tree
@@ -135,8 +136,7 @@ def verify_tree(target: Any, cache: Any, last_token: jax.Array,
   """
   start = cache.lengths
   valid = proposal.node_mask()
-  depth = proposal.depth if proposal.depth is not None else tree.depths(
-      proposal.parents)
+  depth = proposal.node_depths()  # [B, T]
   gamma = proposal.max_depth
   chunk = jnp.concatenate([last_token[:, None], proposal.tokens], 1)
   positions = start[:, None] + jnp.concatenate(
@@ -193,8 +193,7 @@ def verify_within(widths: Sequence[int], target: Any, cache: Any,
   if widths[0] != 1 or widths[-1] != gamma + 1:
     raise ValueError(f"widths must run from 1 to G + 1 = {gamma + 1}, got "
                      f"{tuple(widths)}.")
-  longest = jnp.max(proposal.num_drafted)
-  branch = jnp.searchsorted(jnp.asarray(widths, jnp.int32), longest + 1)
+  branch = adaptive.width_index(widths, jnp.max(proposal.num_drafted) + 1)
 
   def at(width):
     def run(cache):

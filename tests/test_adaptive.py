@@ -183,22 +183,16 @@ def test_auto_estimates_follow_observed_acceptance():
   np.testing.assert_allclose(policy.acceptance(state)[0], [0.5] * 3)
   proposal = Proposal(tokens=jnp.zeros((1, 3), jnp.int32),
                       num_drafted=jnp.array([3]), num_forwards=jnp.int32(3))
-  # Positions 1 and 2 accepted, 3 rejected: all three were verified.
-  state = policy.update(state, jnp.array([3]), proposal, jnp.array([2]),
-                        jnp.array([True]))
-  # verified [1.5, 1, 1], accepted [1.25, 1, 0].
-  a1 = 1.25 / 1.5
-  a2 = (1 + a1) / 2
-  np.testing.assert_allclose(policy.acceptance(state)[0],
-                             [a1, a2, a2 / 2], rtol=1e-6)
-  # First rejected: positions 2 and 3 were not verified, so their counts
-  # stay; verified[0] = 0.75 + 1, accepted[0] = 0.625.
-  state = policy.update(state, jnp.array([3]), proposal, jnp.array([0]),
-                        jnp.array([True]))
-  a1 = 0.625 / 1.75
-  a2 = (1 + a1) / 2
-  np.testing.assert_allclose(policy.acceptance(state)[0],
-                             [a1, a2, a2 / 2], rtol=1e-6)
+  # Positions 1 and 2 accepted, 3 rejected: all three were verified, so
+  # verified [1.5, 1, 1], accepted [1.25, 1, 0]. Then the first rejected:
+  # positions 2 and 3 were not verified and keep their counts;
+  # verified[0] = 0.75 + 1, accepted[0] = 0.625.
+  for num_accepted, a1 in ((2, 1.25 / 1.5), (0, 0.625 / 1.75)):
+    state = policy.update(state, jnp.array([3]), proposal,
+                          jnp.array([num_accepted]), jnp.array([True]))
+    a2 = (1 + a1) / 2
+    np.testing.assert_allclose(policy.acceptance(state)[0],
+                               [a1, a2, a2 / 2], rtol=1e-6)
   assert int(state.idle) == 0
 
 

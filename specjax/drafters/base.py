@@ -76,15 +76,19 @@ class Proposal:
     slots = jnp.arange(self.tokens.shape[1])[None]
     return slots < self.num_drafted[:, None]
 
+  def node_depths(self) -> jax.Array:
+    """[B, T] int32 tree node depths: `depth`, or computed from `parents`
+    (a tree only)."""
+    return self.depth if self.depth is not None else tree.depths(
+        self.parents)
+
   def drafted_depths(self) -> jax.Array:
     """[B, γ] bool: whether some draft sits at depth d + 1."""
     if self.parents is None:
       return self.node_mask()
-    depth = self.depth if self.depth is not None else tree.depths(
-        self.parents)
     levels = jnp.arange(1, self.max_depth + 1)[None, None]  # [1, 1, γ]
     return jnp.any(self.node_mask()[..., None]
-                   & (depth[..., None] == levels), axis=1)
+                   & (self.node_depths()[..., None] == levels), axis=1)
 
   def parent_indices(self) -> jax.Array:
     """[B, G] int32 parents, the chain i - 1 when `parents` is None."""
@@ -131,7 +135,10 @@ class Drafter(Protocol):
     `limit` ([B] int32 in [0, G], from an adaptive γ policy) caps each
     row's proposal; a model drafter stops its loop once every row reached
     its cap. Only adaptive policies pass it (`specjax.adaptive`), and the
-    engine truncates proposals to it either way.
+    engine truncates proposals to it either way. A drafter with
+    `supports_trees = True` also takes `num_nodes=T` (passed only for
+    token trees) and then returns a tree of at most T nodes at depth at
+    most `gamma` (`Proposal.parents`, `specjax.tree`).
     """
 
   def commit(self, state: Any, proposal: Proposal,
