@@ -23,9 +23,12 @@ Other arguments: `gamma=4` (default: the pair's best, 8 for `qwen`, else
 `batch=1`, `batches=1/2/4/8` (sweep), `prompts=mtbench`, `n=8` (prompts),
 `tokens=64` (max new tokens), `temperature=0.0`, `dtype=auto`,
 `matmul=auto` (or a forced plan, e.g. `matmul=in_out/xla`),
-`drafter=model|lookup|fallback|cascade` (default: the pair's best, `lookup`
-for `qwen`, else `model`), `drafters=model/lookup/fallback/cascade` (sweep,
-one row per drafter), `policies=auto/heuristic` (adaptive γ runs beside the
+`drafter=model|lookup|fallback|cascade|early_exit|layer_skip` (default: the
+pair's best, `lookup` for `qwen`, else `model`; `early_exit@E` drafts with
+the target's first E layers, `exit=E` sets it for `early_exit`, and
+`layer_skip` with all but `config.skip_layers`),
+`drafters=model/lookup/early_exit@8/early_exit@14` (sweep, one row per
+drafter), `policies=auto/heuristic` (adaptive γ runs beside the
 fixed ones, `specjax.adaptive`) with `max_gamma=8`, `nodes=16` (token trees
 of at most 16 nodes at depth <= γ; 0 drafts chains) and `nodes_sweep=0/8/16`
 (one row per tree size, 0 a chain), e.g.
@@ -78,7 +81,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       arg, pair="qwen", gamma=0, gammas="", batch=1, batches="", prompts="",
       n=8, tokens=64, temperature=0.0, dtype="auto", matmul="auto",
       drafter="", drafters="", policies="", max_gamma=8, nodes=0,
-      nodes_sweep="")
+      nodes_sweep="", exit=0)
   if arg["pair"] not in PAIRS:
     raise ValueError(f"Unknown pair {arg['pair']!r} in the config argument "
                      f"'pair='; known pairs: {sorted(PAIRS)}.")
@@ -104,8 +107,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # What drafts (`specjax.drafters`): `model` (config.draft), `lookup`
   # (n-gram prompt lookup in each row's own context, no model), `fallback`
-  # (lookup where it matches, else the draft model, per row) or `cascade`
-  # (the draft model drafts its block by speculative decoding over lookup).
+  # (lookup where it matches, else the draft model, per row), `cascade`
+  # (the draft model drafts its block by speculative decoding over lookup),
+  # `early_exit` / `early_exit@E` / `layer_skip` (the target's own layers).
   # Default: the pair's best drafter, else `model`.
   config.drafter = arg["drafter"] or pair.get("drafter", "model")
   # Drafter sweep, e.g. ("model", "lookup"); empty runs only `drafter`.
@@ -113,6 +117,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # The cascade's inner γ: lookup tokens proposed to the draft model per
   # round.
   config.cascade_gamma = 2
+  # Self-speculation (`specjax.drafters.EarlyExit`): `early_exit` drafts
+  # with the target's first `exit_layer` layers (0: half of them);
+  # `layer_skip` with every layer but `skip_layers` (empty: every other
+  # layer of the second half).
+  config.exit_layer = arg["exit"]
+  config.skip_layers = ()
   # γ: draft tokens proposed per speculative step.
   # Default (gamma=0 in the argument): the pair's best, else 4.
   config.gamma = arg["gamma"] or pair.get("gamma", 4)

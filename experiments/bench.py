@@ -41,6 +41,7 @@ from experiments import cost as cost_lib
 from experiments import prompts as prompts_lib
 from experiments import report
 from experiments.validation import ConfigError
+from experiments.validation import drafter_kind
 from experiments.validation import TREE_DRAFTERS
 from experiments.validation import validate_config
 from specjax import decode
@@ -131,15 +132,45 @@ def load_pair(config: Any) -> Pair:
 
 
 def make_drafter(name: str, config: Any, pair: Pair) -> Any:
-  """The drafter `name` (`validation.DRAFTERS`) built from the pair."""
+  """The drafter `name` (`validation.DRAFTERS`, or `early_exit@E`) built
+  from the pair."""
+  kind, exit_layer = drafter_kind(name)
   lookup = drafters.PromptLookup(vocab_size=pair.target.vocab_size)
-  if name == "lookup":
+  if kind == "lookup":
     return lookup
-  if name == "fallback":
+  if kind == "fallback":
     return drafters.Fallback(lookup, drafters.DraftModel(pair.draft))
-  if name == "cascade":
+  if kind == "cascade":
     return drafters.Cascade(pair.draft, lookup, config.cascade_gamma)
+  if kind == "early_exit":
+    return drafters.EarlyExit(pair.target, exit_layer or config.exit_layer
+                              or pair.target.config.num_layers // 2)
+  if kind == "layer_skip":
+    return drafters.EarlyExit(pair.target, None, skip=config.skip_layers or
+                              default_skip(pair.target.config.num_layers))
   return drafters.DraftModel(pair.draft)
+
+
+def default_skip(num_layers: int) -> tuple[int, ...]:
+  """Layers `layer_skip` leaves out unless told: every other layer of the
+  second half (Draft & Verify and SWIFT find that later layers are the
+  more redundant; this is a fixed choice, not their search)."""
+  return tuple(range(num_layers // 2 + 1, num_layers - 1, 2))
+
+
+def drafter_cost_ratio(drafter: Any, pair: Pair, cost: dict[str, Any],
+                       batch: Sequence[Sequence[int]], cache_size: int,
+                       repeats: int) -> float:
+  """c of the model whose forward each drafted token costs: the pair's
+  draft (measured in `cost`), a self-drafter's layers (measured here
+  against the target), or 0 for a drafter without a model."""
+  model = drafters.base.cost_model(drafter)
+  if model is None:
+    return 0.0
+  if model is pair.draft:
+    return cost["draft_cost_ratio"]
+  return cost_lib.measure_cost(pair.target, model, batch, cache_size, (),
+                               repeats)["draft_cost_ratio"]
 
 
 def drafter_names(config: Any) -> tuple[str, ...]:
@@ -266,8 +297,8 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
                      ) -> dict[str, Any]:
   """Speculative decoding of every batch at one (B, γ, drafter), against
   baseline. γ may name an adaptive policy ("auto", "heuristic"), run with
-  γ_max = `config.max_gamma`; the predictions, which assume a fixed γ, are
-  then NaN, as they are for token trees (`num_nodes` > 0, at most that many
+  γ_max = `config.max_gamma`, carrying its estimates from one batch to the
+  next; the predictions, which assume a fixed γ, are then NaN, as they are for token trees (`num_nodes` > 0, at most that many
   draft tokens per step)."""
   batch_size = len(batches[0])
   fixed = isinstance(gamma, int) and not num_nodes
@@ -275,17 +306,25 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
   greedy_check = (config.temperature == 0
                   and config.synthetic_acceptance is None)
   drafter = make_drafter(drafter_name, config, pair)
-  # Cost per target forward of each drafter component: the draft model's
-  # measured c; lookup runs no model.
-  component_costs = [cost["draft_cost_ratio"] if c == "model" else 0.0
+  # Cost per target forward of each drafter component: the measured c of
+  # its model; lookup runs none.
+  model_cost = drafter_cost_ratio(drafter, pair, cost, batches[0],
+                                  run_kwargs["cache_size"],
+                                  config.cost_repeats)
+  component_costs = [model_cost if c == "model" else 0.0
                      for c in drafters.components(drafter)]
   draft_cost = max(component_costs)
+  # An adaptive policy carries what it learned from one call into the next
+  # (`GammaPolicy.warm`), as a server running many requests would.
+  policy = gamma if isinstance(gamma, int) else decode.resolve_gamma(
+      gamma, max_gamma=width, target=pair.target, drafter=drafter,
+      batch=batch_size)[1]
   calls, rows = [], []
   for i, batch in enumerate(batches):
     call = timed_call(
         functools.partial(
             decode.speculative_generate, pair.target, drafter, batch,
-            gamma=gamma, max_gamma=width, num_nodes=num_nodes or None,
+            gamma=policy, max_gamma=width, num_nodes=num_nodes or None,
             key=jax.random.fold_in(jax.random.key(config.seed), i),
             draft_stop_threshold=config.draft_stop_threshold,
             synthetic_acceptance=config.synthetic_acceptance, **run_kwargs),
@@ -294,6 +333,8 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
         config.timing_repeats)
     advance()
     calls.append(call)
+    if call.output.policy_state is not None:
+      policy = policy.warm(call.output.policy_state)
     base = baseline[i]
     base_tokens = int(base.output.lengths.sum())
     spec_tokens = int(call.output.lengths.sum())
@@ -530,7 +571,7 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
         "warmup_s": sum(c.warmup_s for c in baseline)}
     for name in names:
       for nodes in node_counts:
-        if nodes and name not in TREE_DRAFTERS:
+        if nodes and drafter_kind(name)[0] not in TREE_DRAFTERS:
           continue  # a chain-only drafter: its nodes=0 row stands
         policies = () if nodes else tuple(config.get("policies", ()))
         for gamma in gammas + policies:

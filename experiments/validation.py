@@ -18,14 +18,34 @@ from specjax.tuning import matmul as tuning
 __all__ = ["ConfigError", "DTYPES", "validate_config"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DRAFTERS = ("model", "lookup", "fallback", "cascade")
+# `early_exit@E` drafts with the target's first E layers (`early_exit`:
+# `config.exit_layer`); `layer_skip` with all but `config.skip_layers`.
+DRAFTERS = ("model", "lookup", "fallback", "cascade", "early_exit",
+            "layer_skip")
 POLICIES = ("auto", "heuristic")
 # Drafters that grow token trees; the others run chains only in a sweep.
-TREE_DRAFTERS = ("model", "lookup")
+TREE_DRAFTERS = ("model", "lookup", "early_exit", "layer_skip")
 
 
 class ConfigError(ValueError):
   """An invalid experiment config; the message names each bad field."""
+
+
+def drafter_kind(name: str) -> tuple[str, int | None]:
+  """A drafter name as (kind in DRAFTERS, exit layer or None): `model`
+  -> ("model", None), `early_exit@8` -> ("early_exit", 8).
+
+  Raises:
+    ConfigError: an unknown name, or an exit layer that is not a positive
+      integer.
+  """
+  kind, at, layer = name.partition("@")
+  if kind not in DRAFTERS or (at and (kind != "early_exit"
+                                      or not layer.isdigit()
+                                      or int(layer) < 1)):
+    raise ConfigError(f"drafter {name!r} is not one of {DRAFTERS} or "
+                      "early_exit@E with an exit layer E >= 1.")
+  return kind, int(layer) if at else None
 
 
 # ------------------------------------------------------------- validation
@@ -83,11 +103,15 @@ def validate_config(config: Any) -> None:
         "config.target cannot be 'same' (only the draft can).")
   check(config.dtype in DTYPES,
         f"config.dtype must be one of {DTYPES}, got {config.dtype!r}.")
-  check(config.drafter in DRAFTERS,
-        f"config.drafter must be one of {DRAFTERS}, got {config.drafter!r}.")
-  bad = [d for d in config.get("drafters", ()) if d not in DRAFTERS]
-  check(not bad, f"config.drafters must name drafters in {DRAFTERS}, got "
-        f"{bad}.")
+  for name in (config.drafter,) + tuple(config.get("drafters", ())):
+    try:
+      drafter_kind(name)
+    except ConfigError as e:
+      check(False, f"config.drafter(s): {e}")
+  exit_layer = config.get("exit_layer", 0)
+  check(_is_int(exit_layer) and exit_layer >= 0,
+        f"config.exit_layer must be an integer >= 0 (0: half the target's "
+        f"layers), got {exit_layer!r}.")
   bad = [p for p in config.get("policies", ()) if p not in POLICIES]
   check(not bad, f"config.policies must name policies in {POLICIES}, got "
         f"{bad}.")
@@ -105,8 +129,8 @@ def validate_config(config: Any) -> None:
     check(not small, f"config.num_nodes values {small} are below gamma="
           f"{max(gammas)}: a tree needs a node per depth at least.")
     names = tuple(config.get("drafters", ())) or (config.drafter,)
-    check(any(d in TREE_DRAFTERS for d in names),
-          f"token trees (config.num_nodes) need the model or lookup drafter;"
+    check(any(d.partition("@")[0] in TREE_DRAFTERS for d in names),
+          f"token trees (config.num_nodes) need one of {TREE_DRAFTERS};"
           f" {list(names)} draft chains only.")
   inner = config.get("cascade_gamma", 1)
   check(_is_int(inner) and inner >= 1,

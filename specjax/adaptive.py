@@ -44,7 +44,9 @@ Two policies:
   (prompt lookup) always drafts γ_max and is only trimmed, so a row
   without a match costs a plain step. After `probe_every` steps without
   drafting it tries one token, so the estimates follow a text that
-  becomes predictable again.
+  becomes predictable again. `Auto.warm` starts a next generation from
+  the estimates an earlier one ended with (`SpecOutput.policy_state`),
+  so short generations do not each pay for relearning from the prior.
 """
 
 from __future__ import annotations
@@ -129,6 +131,12 @@ class GammaPolicy:
     del state, active
     return num_drafted
 
+  def warm(self, state: PolicyState) -> "GammaPolicy":
+    """The policy for a next generation, given the `PolicyState` an
+    earlier one ended with (default: unchanged)."""
+    del state
+    return self
+
   def update(self, state: PolicyState, budget: jax.Array,
              proposal: Proposal, num_accepted: jax.Array,
              active: jax.Array) -> PolicyState:
@@ -188,8 +196,10 @@ class Auto(GammaPolicy):
       at this batch size.
     draft_ms: [] float32 ms of one draft token (0 for a drafter that runs
       no model).
-    prior: [] float32 initial acceptance estimate (of position 1, which
-      deeper positions inherit until observed).
+    start_verified: [G] float32 the decayed counts every row starts
+      from: one pseudo-observation of position 1 at `prior` (`create`), or
+      what an earlier generation learned (`warm`).
+    start_accepted: [G] float32 the matching acceptance counts.
     rate: [] float32 the weight of the newest observation: earlier counts
       decay by 1 - rate.
     probe_every: [] int32 draft one token after this many steps without
@@ -199,7 +209,8 @@ class Auto(GammaPolicy):
 
   target_ms: jax.Array
   draft_ms: jax.Array
-  prior: jax.Array
+  start_verified: jax.Array
+  start_accepted: jax.Array
   rate: jax.Array
   probe_every: jax.Array
   max_gamma: int = flax.struct.field(pytree_node=False)
@@ -214,7 +225,8 @@ class Auto(GammaPolicy):
       max_gamma: G.
       target_ms: ms of a target pass of each width in `verify_widths(G)`.
       draft_ms: ms per drafted token.
-      prior: initial acceptance estimate in [0, 1].
+      prior: initial acceptance estimate in [0, 1], of position 1 (one
+        pseudo-observation; deeper positions inherit it until observed).
       rate: moving-average weight of a new observation, in (0, 1].
       probe_every: steps without drafting before a one-token probe, >= 1.
     """
@@ -231,8 +243,10 @@ class Auto(GammaPolicy):
       raise ValueError(f"rate must be in (0, 1], got {rate}.")
     if int(probe_every) < 1:
       raise ValueError(f"probe_every must be >= 1, got {probe_every}.")
+    first = jax.nn.one_hot(0, max_gamma, dtype=jnp.float32)
     return cls(target_ms=jnp.asarray(costs), draft_ms=jnp.float32(draft_ms),
-               prior=jnp.float32(prior), rate=jnp.float32(rate),
+               start_verified=first, start_accepted=first * prior,
+               rate=jnp.float32(rate),
                probe_every=jnp.int32(probe_every), max_gamma=int(max_gamma))
 
   @classmethod
@@ -261,14 +275,22 @@ class Auto(GammaPolicy):
                       draft_ms=draft_ms, **kwargs)
 
   def init(self, batch):
-    # Position 1 holds the prior as one pseudo-observation.
-    first = jax.nn.one_hot(0, self.max_gamma, dtype=jnp.float32)
+    shape = (batch, self.max_gamma)
     return PolicyState(
         budget=jnp.zeros((batch,), jnp.int32),
-        verified=jnp.broadcast_to(first, (batch, self.max_gamma)),
-        accepted=jnp.broadcast_to(first * self.prior,
-                                  (batch, self.max_gamma)),
+        verified=jnp.broadcast_to(self.start_verified, shape),
+        accepted=jnp.broadcast_to(self.start_accepted, shape),
         idle=jnp.int32(0))
+
+  def warm(self, state: PolicyState) -> "Auto":
+    """This policy, with every row of the next generation starting from
+    the row-averaged counts an earlier one ended with (`state`, e.g.
+    `SpecOutput.policy_state`): a server keeps what it learned about its
+    drafter on its workload instead of restarting from the prior at each
+    request. Same shapes, so nothing recompiles."""
+    pooled = lambda counts: jnp.mean(jnp.asarray(counts, jnp.float32), 0)
+    return self.replace(start_verified=pooled(state.verified),
+                        start_accepted=pooled(state.accepted))
 
   def acceptance(self, state: PolicyState) -> jax.Array:
     """[B, G] conditional acceptance estimates: position 1 accepted over

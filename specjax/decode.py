@@ -101,12 +101,16 @@ class SpecOutput(GenerateOutput):
       "heuristic").
     synthetic: True when acceptance was synthetic (fixed-rate, not
       distribution-preserving): such figures must be labelled synthetic.
+    policy_state: the adaptive policy's final `adaptive.PolicyState`
+      (numpy; None for a fixed γ): `policy.warm(policy_state)` carries
+      what it learned into the next call.
   """
 
   stats: SpecStats = None
   gamma: int = 0
   synthetic: bool = False
   policy: str = ""
+  policy_state: Any = None
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -382,7 +386,7 @@ def _speculative_generate(target, drafter, prompts, lengths, params, key,
   state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
   tokens = buffers.finalize(state.tokens, state.num_generated, tokens_cap,
                             pad_id)
-  return tokens, state.num_generated, state.stats
+  return tokens, state.num_generated, state.stats, state.policy_state
 
 
 def resolve_gamma(gamma: int | str | adaptive.GammaPolicy, *,
@@ -484,7 +488,7 @@ def speculative_generate(
       reserve_note=f" (gamma + 1, and {extra} for the drafter's inner "
       "levels: a Cascade's inner gamma + 1)" if extra else (
           " (num_nodes + 1)" if num_nodes else ""))
-  out, counts, stats = compilation.call(
+  out, counts, stats, policy_state = compilation.call(
       _speculative_generate, "speculative_generate",
       f"B={tokens.shape[0]}, P={tokens.shape[1]}, S={cache_size}, "
       f"N<={cap}, gamma={gamma}{_policy_name(policy, ' ')}"
@@ -496,7 +500,8 @@ def speculative_generate(
   return SpecOutput(tokens=np.asarray(out)[:, :max_new_tokens],
                     lengths=np.asarray(counts),
                     stats=jax.tree.map(np.asarray, stats), gamma=int(gamma),
-                    synthetic=synthetic, policy=_policy_name(policy))
+                    synthetic=synthetic, policy=_policy_name(policy),
+                    policy_state=jax.tree.map(np.asarray, policy_state))
 
 
 def _check_tree(num_nodes: int | None, gamma: int,

@@ -196,6 +196,22 @@ def test_auto_estimates_follow_observed_acceptance():
   assert int(state.idle) == 0
 
 
+def test_warm_policy_starts_from_pooled_estimates():
+  # Two rows that ended with different counts: the next generation starts
+  # every row from their mean, so its estimates are the pooled ratios.
+  policy = adaptive.Auto.create(max_gamma=2, target_ms=[1.0, 1.1, 1.2])
+  state = policy.init(2).replace(
+      verified=jnp.array([[4.0, 2.0], [2.0, 0.0]]),
+      accepted=jnp.array([[4.0, 1.0], [0.0, 0.0]]))
+  warm = policy.warm(state).init(3)
+  np.testing.assert_allclose(warm.verified, [[3.0, 1.0]] * 3)
+  a1 = 2.0 / 3.0
+  np.testing.assert_allclose(policy.acceptance(warm)[0],
+                             [a1, (0.5 + a1) / 2], rtol=1e-6)
+  heuristic = adaptive.Heuristic(2)
+  assert heuristic.warm(heuristic.init(2)) is heuristic
+
+
 def test_low_acceptance_drops_to_autoregressive_steps(pair):
   # Synthetic acceptance 0.05 on the tiny pair: once its estimates have
   # fallen, `auto` stops drafting but for one probe every 16 steps (and,
@@ -215,9 +231,9 @@ def test_changing_regime_and_settings_compiles_nothing(pair):
   policy = adaptive.Auto.create(**COSTS)
   run = lambda gamma, **kw: decode.speculative_generate(
       target, draft, PROMPTS, gamma=gamma, max_new_tokens=8, **kw)
-  run(policy)
+  out = run(policy)
   compiled = decode._speculative_generate._cache_size()
-  run(policy, temperature=0.8, top_k=5)
+  run(policy.warm(out.policy_state), temperature=0.8, top_k=5)
   run(adaptive.Auto.create(max_gamma=GAMMA, target_ms=[1.0, 5.0, 6.0, 7.0],
                            draft_ms=2.0, prior=0.1), temperature=1.2, key=3)
   assert decode._speculative_generate._cache_size() == compiled

@@ -160,6 +160,21 @@ def test_combined_drafters_match_exact_distribution(pair, kind, gamma,
   assert stat < critical, (stat, critical)
 
 
+@pytest.mark.parametrize("exit_layer, skip, gamma, settings", [
+    (1, (), 3, (1.0, 0, 1.0)),
+    (None, (0,), 2, (0.7, 3, 1.0)),
+], ids=["early-exit-t1", "skip-t0.7-topk3"])
+def test_self_speculation_matches_exact_distribution(pair, exit_layer, skip,
+                                                     gamma, settings):
+  # The target's own first layer (early exit), or its last alone (layer
+  # skipping), drafts with the target's head.
+  joint = _exact_joint(pair[0], settings)
+  drafter = drafters.EarlyExit(pair[0], exit_layer, skip=skip)
+  samples = _spec_samples((pair[0], drafter), gamma, settings, seed=17)
+  stat, critical = _chi_square(samples, joint)
+  assert stat < critical, (stat, critical)
+
+
 def _alternating(max_gamma):
   """`auto` with a prohibitive verify cost and a probe after every plain
   step: plain steps and one-draft steps alternate within a generation."""

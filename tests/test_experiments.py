@@ -286,7 +286,8 @@ def test_drafter_sweep(tmp_path):
   # One row per drafter, each lossless under greedy decoding, and the plot
   # that compares them.
   config = tiny_pair.get_config("n=2,tokens=8")
-  config.drafters = ("model", "lookup", "fallback", "cascade")
+  config.drafters = ("model", "lookup", "fallback", "cascade",
+                     "early_exit@1")
   config.drafter = "fallback"
   config.output_dir = str(tmp_path)
   config.progress = False
@@ -299,6 +300,9 @@ def test_drafter_sweep(tmp_path):
   assert by_name["model"]["drafting_cost_per_step"] > 0.0
   assert set(by_name["cascade"]["draft_forwards_by_component"]) == {
       "model", "lookup"}
+  # The target's first layer, timed against the target (tiny models: the
+  # ratio is mostly dispatch overhead, so only its presence is checked).
+  assert by_name["early_exit@1"]["draft_cost_ratio"] > 0.0
   assert "speedup_by_drafter.png" in results["plots"]
   assert "fallback" in report.format_report(results)
 
@@ -331,6 +335,9 @@ def test_policy_and_tree_sweep(tmp_path):
     ("policies", ("fast",), "config.policies must name policies in"),
     ("num_nodes", 1, "below gamma"),
     ("max_gamma", 0, "config.max_gamma must be an integer >= 1"),
+    ("drafter", "early_exit@x", "early_exit@E with an exit layer E >= 1"),
+    ("drafters", ("model", "medusa"), "'medusa' is not one of"),
+    ("exit_layer", -1, "config.exit_layer must be an integer >= 0"),
 ])
 def test_bad_policy_and_tree_config(field, value, message):
   config = llama_pair.get_config()

@@ -11,8 +11,10 @@ from specjax.drafters.lookup import ngram_matches
 from specjax.drafters.lookup import PromptLookup
 from specjax.drafters.lookup import trie
 from specjax.drafters.model import DraftModel
+from specjax.drafters.self_draft import EarlyExit
 from specjax.drafters.track import Track
 
-__all__ = ["Cascade", "DraftModel", "Drafter", "Fallback", "LookupState",
+__all__ = ["Cascade", "DraftModel", "Drafter", "EarlyExit", "Fallback",
+           "LookupState",
            "PromptLookup", "Proposal", "Track", "components",
            "extra_positions", "ngram_matches", "trie"]

@@ -13,7 +13,6 @@ three methods.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import flax.struct
@@ -28,28 +27,27 @@ from specjax.models.config import unflatten
 from specjax.models.config import ModelConfig
 from specjax.models.config import param_shapes
 from specjax.models.config import RopeScaling
+from specjax.models.decoder import Decoder
 from specjax.models.matmul import MatmulPlan
 from specjax.models.protocol import LanguageModel
 from specjax.models.protocol import ModelOutput
 from specjax.models.protocol import model_output
 from specjax.models.protocol import supports_compaction
+from specjax.models.subset import LayerSubset
 from specjax.models.transformer import Transformer
 from specjax.models.transformer import TransformerOutput
 
 __all__ = [
-    "ARCHITECTURES", "LanguageModel", "MatmulPlan", "Model", "ModelConfig",
+    "ARCHITECTURES", "Decoder", "LanguageModel", "LayerSubset", "MatmulPlan",
+    "Model", "ModelConfig",
     "ModelOutput", "RopeScaling", "Transformer", "TransformerOutput",
     "check_params", "init_random", "model_output", "param_shapes",
     "supports_compaction",
 ]
 
 
-# Prompt tokens per prefill pass when the prompt buffer is wider.
-PREFILL_CHUNK = 64
-
-
 @flax.struct.dataclass
-class Model:
+class Model(Decoder):
   """A specjax transformer: static config plus a parameter pytree.
 
   Attributes:
@@ -122,66 +120,6 @@ class Model:
     """hidden [..., E] -> logits [..., V] float32."""
     return self.module.apply({"params": self.params}, hidden,
                              method=Transformer.logits)
-
-  def __call__(self, tokens: jax.Array | None, cache: cache_lib.KVCache, *,
-               positions: jax.Array | None = None,
-               mask: jax.Array | None = None, **kwargs):
-    """tokens [B, T] -> `ModelOutput` (logits [B, T, V], hidden [B, T, E]),
-    cache. `positions` [B, T] and `mask` [B or 1, T, T] set the chunk's
-    geometry (default: consecutive after `cache.lengths`, causal); other
-    keywords (`layers`, `residual`, `hidden_layers`) go to `forward`."""
-    out = self.forward(tokens, cache, positions=positions, mask=mask,
-                       **kwargs)
-    return ModelOutput(logits=self.logits(out.hidden), hidden=out.hidden,
-                       residual=out.residual,
-                       layer_hidden=out.layer_hidden), out.cache
-
-  def prefill(self, tokens: jax.Array, lengths: jax.Array,
-              cache: cache_lib.KVCache, chunk: int | None = PREFILL_CHUNK):
-    """Right-padded prompts [B, P] -> last prompt logits [B, V], cache.
-
-    A prompt buffer wider than `chunk` (a multiple of it) runs in chunks of
-    `chunk` tokens in a `lax.fori_loop` up to the longest real prompt, then
-    the rest in one piece of chunk/4, chunk/2 or chunk tokens, the
-    smallest that holds it, so P can be a coarse bucket without costing
-    compute; otherwise (or with `chunk=None`) one pass over all P
-    positions.
-    """
-    batch, width = tokens.shape
-    if chunk is None or width <= chunk or width % chunk or width > cache.size:
-      out = self.forward(tokens, cache, cache_is_empty=True)
-      hidden, cache = out.hidden, out.cache
-      last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)
-      logits = self.logits(last[:, 0])  # [B, V]; the last prompt position
-      return logits, cache.rollback(lengths)
-
-    def run(size, start, carry):
-      cache, last = carry
-      piece = jax.lax.dynamic_slice_in_dim(tokens, start, size, axis=1)
-      cache = cache.rollback(jnp.full((batch,), start, jnp.int32))
-      out = self.forward(piece, cache)
-      hidden, cache = out.hidden, out.cache  # [B, size, E]
-      at = lengths - 1 - start  # the last prompt position, if in this piece
-      here = jnp.take_along_axis(
-          hidden, jnp.clip(at, 0, size - 1)[:, None, None], axis=1)[:, 0]
-      inside = (at >= 0) & (at < size)
-      return cache, jnp.where(inside[:, None], here, last)
-
-    longest = jnp.max(lengths)
-    full = longest // chunk
-    last = jnp.zeros((batch, self.config.hidden_size), self.dtype)
-    carry = jax.lax.fori_loop(
-        0, full, lambda i, c: run(chunk, i * chunk, c), (cache, last))
-    # The rest in one piece, the smallest of `sizes` that holds it:
-    # fewer rows never cost more, on any machine.
-    rest = longest - full * chunk
-    sizes = sorted({max(chunk >> k, 1) for k in (2, 1, 0)})
-    pieces = [lambda c: c] + [
-        functools.partial(run, size, full * chunk) for size in sizes]
-    pick = jnp.where(rest > 0, 1 + jnp.searchsorted(
-        jnp.asarray(sizes), rest), 0)
-    cache, last = jax.lax.switch(pick, pieces, carry)
-    return self.logits(last), cache.rollback(lengths)
 
 
 # Projections whose storage layout a `MatmulPlan` chooses; `embed` is always

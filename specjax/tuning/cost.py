@@ -135,7 +135,9 @@ def _key(model: Any, batch: int, cache_size: int,
   config = getattr(model, "config", None)
   plan = getattr(getattr(model, "plan", None), "name", "")
   dtype = getattr(model, "dtype", "")
-  return (f"{hardware.machine_key()}|{config}|{dtype}|{plan}|B={batch}|"
+  # A model that runs part of another (`LayerSubset`) says which part.
+  part = getattr(model, "cost_key", "")
+  return (f"{hardware.machine_key()}|{config}|{part}|{dtype}|{plan}|B={batch}|"
           f"S={cache_size}|T={','.join(map(str, chunks))}")
 
 
