@@ -47,9 +47,12 @@ from experiments.validation import validate_config
 from specjax import decode
 from specjax import drafters
 from specjax import hardware
+from specjax import heads
 from specjax import metrics
 from specjax import registry
 from specjax import testing
+from specjax.heads import train as heads_train
+from specjax.hardware import median_ms
 from specjax.tuning import matmul as tuning
 
 __all__ = [
@@ -145,6 +148,8 @@ def make_drafter(name: str, config: Any, pair: Pair) -> Any:
   if kind == "early_exit":
     return drafters.EarlyExit(pair.target, exit_layer or config.exit_layer
                               or pair.target.config.num_layers // 2)
+  if kind == "medusa":
+    return heads_train.load_medusa(config.heads_path, pair.target)
   if kind == "layer_skip":
     return drafters.EarlyExit(pair.target, None, skip=config.skip_layers or
                               default_skip(pair.target.config.num_layers))
@@ -163,7 +168,17 @@ def drafter_cost_ratio(drafter: Any, pair: Pair, cost: dict[str, Any],
                        repeats: int) -> float:
   """c of the model whose forward each drafted token costs: the pair's
   draft (measured in `cost`), a self-drafter's layers (measured here
-  against the target), or 0 for a drafter without a model."""
+  against the target), Medusa heads (their one pass per step), or 0 for a
+  drafter without a model."""
+  if isinstance(drafter, heads.Medusa):
+    # One pass of the heads and the shared LM head proposes all K tokens.
+    hidden = jnp.zeros((len(batch), pair.target.config.hidden_size),
+                       pair.target.dtype)
+    pass_ = jax.jit(lambda d, h: d.logits(h))
+    ms = median_ms({"heads": lambda: pass_(drafter, hidden),
+                    "target": cost_lib.forward_step(pair.target, batch,
+                                                    cache_size, 1)}, repeats)
+    return ms["heads"] / ms["target"]
   model = drafters.base.cost_model(drafter)
   if model is None:
     return 0.0
@@ -311,7 +326,7 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
   model_cost = drafter_cost_ratio(drafter, pair, cost, batches[0],
                                   run_kwargs["cache_size"],
                                   config.cost_repeats)
-  component_costs = [model_cost if c == "model" else 0.0
+  component_costs = [0.0 if c == "lookup" else model_cost
                      for c in drafters.components(drafter)]
   draft_cost = max(component_costs)
   # An adaptive policy carries what it learned from one call into the next

@@ -9,6 +9,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specjax.heads.medusa import Medusa
+from specjax.heads.medusa import MedusaHeads
 from specjax.models import init_random
 from specjax.models import Model
 from specjax.models import ModelConfig
@@ -72,3 +74,17 @@ class FixedLogitsModel:
   def prefill(self, tokens, lengths, cache):
     last = jnp.take_along_axis(tokens, (lengths - 1)[:, None], axis=1)[:, 0]
     return self.table[last], cache.rollback(lengths)
+
+
+def random_medusa(target: Model, num_heads: int = 3, seed: int = 1,
+                  scale: float = 0.3) -> Medusa:
+  """`Medusa` heads on `target` with random (untrained) weights."""
+  module = MedusaHeads(num_heads, target.config.hidden_size)
+  shapes = jax.eval_shape(lambda: module.init(
+      jax.random.key(0), jnp.zeros((1, target.config.hidden_size))))
+  keys = iter(jax.random.split(jax.random.key(seed), 2))
+  params = jax.tree.map(
+      lambda x: scale * jax.random.normal(next(keys), x.shape, x.dtype),
+      shapes["params"])
+  return Medusa(target=target, params=params, num_heads=num_heads)
+

@@ -175,6 +175,17 @@ def test_self_speculation_matches_exact_distribution(pair, exit_layer, skip,
   assert stat < critical, (stat, critical)
 
 
+def test_medusa_heads_match_exact_distribution(pair):
+  # Random heads: each draft from its own head's distribution, whatever
+  # the drafts before it; the first step drafts nothing (no hidden state
+  # yet), the later ones three.
+  joint = _exact_joint(pair[0], (1.0, 0, 1.0))
+  samples = _spec_samples((pair[0], testing.random_medusa(pair[0], 3)), 3,
+                          (1.0, 0, 1.0), seed=19)
+  stat, critical = _chi_square(samples, joint)
+  assert stat < critical, (stat, critical)
+
+
 def _alternating(max_gamma):
   """`auto` with a prohibitive verify cost and a probe after every plain
   step: plain steps and one-draft steps alternate within a generation."""

@@ -33,6 +33,7 @@ from experiments import bench
 from experiments import prompts as prompts_lib
 from experiments import report
 from specjax import testing
+from specjax.heads import train as heads_train
 
 HEADLINE_FIELDS = (
     "acceptance_rate", "mean_accepted_tokens", "per_position_acceptance",
@@ -307,6 +308,30 @@ def test_drafter_sweep(tmp_path):
   assert "fallback" in report.format_report(results)
 
 
+def test_medusa_drafter_from_trained_heads(tmp_path):
+  # Heads trained briefly for the tiny target (the experiment's own model)
+  # are read from their checkpoint directory and draft losslessly.
+  config = tiny_pair.get_config("n=2,tokens=8,gamma=3")
+  config.drafters = ("model", "medusa")
+  config.heads_path = str(tmp_path / "heads")
+  config.output_dir = str(tmp_path / "out")
+  config.progress = False
+  target = bench.load_pair(config).target
+  hidden = np.random.default_rng(0).normal(
+      size=(8, 16, target.config.hidden_size)).astype(np.float16)
+  heads_train.fit(target, hidden[:6], hidden[6:],
+                  heads_train.TrainConfig(num_steps=2, batch_size=2,
+                                          eval_every=2, save_every=2),
+                  config.heads_path)
+  results = bench.run_and_save(config)
+  medusa = results["runs"][1]
+  assert medusa["drafter"] == "medusa" and medusa["lossless"]
+  assert medusa["draft_cost_ratio"] > 0.0
+  config.heads_path = ""
+  with pytest.raises(bench.ConfigError, match="needs config.heads_path"):
+    bench.run_experiment(config)
+
+
 def test_policy_and_tree_sweep(tmp_path):
   # Adaptive policies beside a fixed γ, and token trees of two sizes beside
   # the chain: one row each, all lossless, the tree plot written.
@@ -336,7 +361,7 @@ def test_policy_and_tree_sweep(tmp_path):
     ("num_nodes", 1, "below gamma"),
     ("max_gamma", 0, "config.max_gamma must be an integer >= 1"),
     ("drafter", "early_exit@x", "early_exit@E with an exit layer E >= 1"),
-    ("drafters", ("model", "medusa"), "'medusa' is not one of"),
+    ("drafters", ("model", "eagle"), "'eagle' is not one of"),
     ("exit_layer", -1, "config.exit_layer must be an integer >= 0"),
 ])
 def test_bad_policy_and_tree_config(field, value, message):
