@@ -23,11 +23,11 @@ Other arguments: `gamma=4` (default: the pair's best, 8 for `qwen`, else
 `batch=1`, `batches=1/2/4/8` (sweep), `prompts=mtbench`, `n=8` (prompts),
 `tokens=64` (max new tokens), `temperature=0.0`, `dtype=auto`,
 `matmul=auto` (or a forced plan, e.g. `matmul=in_out/xla`),
-`drafter=model|lookup|fallback|cascade|early_exit|layer_skip|medusa`
-(default: the pair's best, `lookup` for `qwen`, else `model`; `early_exit@E` drafts with
+`drafter=model|lookup|fallback|cascade|early_exit|layer_skip|medusa|
+eagle` (default: the pair's best, `lookup` for `qwen`, else `model`; `early_exit@E` drafts with
 the target's first E layers, `exit=E` sets it for `early_exit`, and
-`layer_skip` with all but `config.skip_layers`; `medusa` with the heads
-trained by `experiments.train_heads` in `heads=WORKDIR`),
+`layer_skip` with all but `config.skip_layers`; `medusa` and `eagle` with
+the heads trained by `experiments.train_heads` in `heads=WORKDIR`),
 `drafters=model/lookup/early_exit@8/early_exit@14` (sweep, one row per
 drafter), `policies=auto/heuristic` (adaptive γ runs beside the
 fixed ones, `specjax.adaptive`) with `max_gamma=8`, `nodes=16` (token trees
@@ -111,7 +111,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # (lookup where it matches, else the draft model, per row), `cascade`
   # (the draft model drafts its block by speculative decoding over lookup),
   # `early_exit` / `early_exit@E` / `layer_skip` (the target's own layers)
-  # or `medusa` (trained heads on the target's hidden states).
+  # or `medusa` / `eagle` (trained heads on the target's hidden states).
   # Default: the pair's best drafter, else `model`.
   config.drafter = arg["drafter"] or pair.get("drafter", "model")
   # Drafter sweep, e.g. ("model", "lookup"); empty runs only `drafter`.
@@ -125,7 +125,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # layer of the second half).
   config.exit_layer = arg["exit"]
   config.skip_layers = ()
-  # `medusa`: heads trained for the target by `experiments.train_heads`
+  # `medusa` / `eagle`: heads trained for the target by
+  # `experiments.train_heads`
   # (its workdir or checkpoints directory).
   config.heads_path = arg["heads"]
   # γ: draft tokens proposed per speculative step.

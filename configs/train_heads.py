@@ -1,4 +1,5 @@
-r"""Training Medusa heads on a target by self-distillation (`specjax.heads`).
+r"""Training Medusa heads or an EAGLE layer on a target by self-distillation
+(`specjax.heads`).
 
 COMMAND: python -m experiments.train_heads --config=configs/train_heads.py
 
@@ -8,8 +9,9 @@ the same command resumes), evaluates per-head top-1 accuracy against the
 target's greedy tokens on a held-out split, and writes `history.json`,
 `results.json` and `training.png` into `workdir`.
 
-Arguments (`configs/train_heads.py:ARG`): `target=NAME` (a registry name,
-or `tiny` for a smoke run), `corpus=python|sharegpt`, `heads=3`,
+Arguments (`configs/train_heads.py:ARG`): `kind=medusa|eagle`,
+`target=NAME` (a registry name, or `tiny` for a smoke run),
+`corpus=python|sharegpt`, `heads=3` (Medusa),
 `steps=N`, `sequences=N` (training sequences), `preset=cpu|accelerator`:
 `cpu` (default) is budgeted to finish in under an hour on a 2-core CPU for
 Qwen2.5-Coder-1.5B; `accelerator` is a longer run on more data, e.g.
@@ -44,7 +46,8 @@ PRESETS = {
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The training config; see the module docstring for `arg`."""
-  arg = configs.parse_arg(arg, target="qwen2.5-coder-1.5b-instruct",
+  arg = configs.parse_arg(arg, kind="medusa",
+                          target="qwen2.5-coder-1.5b-instruct",
                           corpus="python", heads=3, steps=0, sequences=0,
                           preset="cpu")
   if arg["preset"] not in PRESETS:
@@ -67,7 +70,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Sequences per forward when extracting features.
   config.extract_batch = 4
 
-  # Heads (`specjax.heads.MedusaHeads`): K heads of `depth` residual blocks.
+  # What to train: `medusa` (`specjax.heads.MedusaHeads`: K heads of
+  # `depth` residual blocks) or `eagle` (`specjax.heads.EagleLayer`).
+  config.kind = arg["kind"]
   config.num_heads = arg["heads"]
   config.depth = 1
   # Optimisation (`specjax.heads.train.TrainConfig`).
@@ -77,8 +82,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.warmup_steps = max(config.num_steps // 20, 1)
   config.weight_decay = 0.0
   config.clip_norm = 1.0
-  # Head k's loss weight is loss_decay^(k-1) (Medusa's 0.8).
+  # Medusa: head k's loss weight is loss_decay^(k-1) (Medusa's 0.8).
   config.loss_decay = 0.8
+  # EAGLE: weight of the token-law KL beside the feature regression, and
+  # the half-width of the uniform noise on input features (EAGLE's 0.1).
+  config.cls_weight = 0.1
+  config.noise = 0.1
   config.seed = 0
   config.eval_every = preset["eval_every"]
   config.save_every = preset["eval_every"]
@@ -86,7 +95,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.keep = 2
 
   # Checkpoints, cached features, history and plot.
-  config.workdir = f"/tmp/specjax/heads/{arg['target']}-{arg['corpus']}"
+  config.workdir = (f"/tmp/specjax/heads/{arg['target']}-{arg['corpus']}"
+                    + ("" if arg["kind"] == "medusa" else f"-{arg['kind']}"))
   # specjax cache root for weights and wheels ('' = $SPECJAX_CACHE or
   # ~/.cache/specjax).
   config.cache_dir = ""

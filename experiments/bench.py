@@ -148,8 +148,12 @@ def make_drafter(name: str, config: Any, pair: Pair) -> Any:
   if kind == "early_exit":
     return drafters.EarlyExit(pair.target, exit_layer or config.exit_layer
                               or pair.target.config.num_layers // 2)
-  if kind == "medusa":
-    return heads_train.load_medusa(config.heads_path, pair.target)
+  if kind in ("medusa", "eagle"):
+    drafter = heads_train.load_heads(config.heads_path, pair.target)
+    if type(drafter).__name__.lower() != kind:
+      raise ConfigError(f"config.heads_path {config.heads_path!r} holds "
+                        f"{type(drafter).__name__} heads, not {kind}.")
+    return drafter
   if kind == "layer_skip":
     return drafters.EarlyExit(pair.target, None, skip=config.skip_layers or
                               default_skip(pair.target.config.num_layers))
@@ -168,13 +172,23 @@ def drafter_cost_ratio(drafter: Any, pair: Pair, cost: dict[str, Any],
                        repeats: int) -> float:
   """c of the model whose forward each drafted token costs: the pair's
   draft (measured in `cost`), a self-drafter's layers (measured here
-  against the target), Medusa heads (their one pass per step), or 0 for a
-  drafter without a model."""
-  if isinstance(drafter, heads.Medusa):
-    # One pass of the heads and the shared LM head proposes all K tokens.
-    hidden = jnp.zeros((len(batch), pair.target.config.hidden_size),
+  against the target), Medusa heads (their one pass per step), an EAGLE
+  layer (one step per token), or 0 for a drafter without a model."""
+  if isinstance(drafter, (heads.Medusa, heads.Eagle)):
+    # Medusa: one pass of the heads and the shared LM head proposes all K
+    # tokens; EAGLE: one layer step and the LM head per drafted token.
+    rows = len(batch)
+    hidden = jnp.zeros((rows, 1, pair.target.config.hidden_size),
                        pair.target.dtype)
-    pass_ = jax.jit(lambda d, h: d.logits(h))
+    if isinstance(drafter, heads.Medusa):
+      pass_ = jax.jit(lambda d, h: d.logits(h))
+    else:
+      state = drafter.init(jnp.ones((rows, 1), jnp.int32),
+                           jnp.ones((rows,), jnp.int32),
+                           jnp.ones((rows,), jnp.int32), cache_size,
+                           prompt_hidden=hidden)
+      pass_ = jax.jit(lambda d, h: d.target.logits(d.step(
+          h, jnp.zeros(h.shape[:2], jnp.int32), state.cache)[0]))
     ms = median_ms({"heads": lambda: pass_(drafter, hidden),
                     "target": cost_lib.forward_step(pair.target, batch,
                                                     cache_size, 1)}, repeats)
@@ -313,8 +327,9 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
   """Speculative decoding of every batch at one (B, γ, drafter), against
   baseline. γ may name an adaptive policy ("auto", "heuristic"), run with
   γ_max = `config.max_gamma`, carrying its estimates from one batch to the
-  next; the predictions, which assume a fixed γ, are then NaN, as they are for token trees (`num_nodes` > 0, at most that many
-  draft tokens per step)."""
+  next; the predictions, which assume a fixed γ, are then NaN, as they
+  are for token trees (`num_nodes` > 0, at most that many draft tokens per
+  step)."""
   batch_size = len(batches[0])
   fixed = isinstance(gamma, int) and not num_nodes
   width = gamma if isinstance(gamma, int) else config.max_gamma

@@ -1,4 +1,4 @@
-r"""Trains Medusa heads on a target by self-distillation.
+r"""Trains Medusa heads or an EAGLE layer on a target by self-distillation.
 
 COMMAND: python -m experiments.train_heads --config=configs/train_heads.py
   (smoke: --config=configs/train_heads.py:target=tiny,steps=20,sequences=16
@@ -6,8 +6,8 @@ COMMAND: python -m experiments.train_heads --config=configs/train_heads.py
 
 Rerunning the same command resumes from the last orbax checkpoint. The work
 is in `specjax.heads.pipeline.run`; the trained heads draft with
-`python -m experiments.run --config=configs/llama_pair.py:drafter=medusa
---config.heads_path=WORKDIR`.
+`python -m experiments.run --config=configs/llama_pair.py:drafter=medusa`
+(or `drafter=eagle`) `--config.heads_path=WORKDIR`.
 """
 
 from __future__ import annotations

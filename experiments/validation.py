@@ -20,10 +20,10 @@ __all__ = ["ConfigError", "DTYPES", "validate_config"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # `early_exit@E` drafts with the target's first E layers (`early_exit`:
 # `config.exit_layer`); `layer_skip` with all but `config.skip_layers`.
-# `medusa` drafts with trained heads (`experiments.train_heads`) read from
-# `config.heads_path`.
+# `medusa` and `eagle` draft with heads trained by `experiments.train_heads`,
+# read from `config.heads_path`.
 DRAFTERS = ("model", "lookup", "fallback", "cascade", "early_exit",
-            "layer_skip", "medusa")
+            "layer_skip", "medusa", "eagle")
 POLICIES = ("auto", "heuristic")
 # Drafters that grow token trees; the others run chains only in a sweep.
 TREE_DRAFTERS = ("model", "lookup", "early_exit", "layer_skip")
@@ -110,10 +110,11 @@ def validate_config(config: Any) -> None:
       drafter_kind(name)
     except ConfigError as e:
       check(False, f"config.drafter(s): {e}")
-  if "medusa" in (config.drafter,) + tuple(config.get("drafters", ())):
-    check(bool(config.get("heads_path")),
-          "drafter 'medusa' needs config.heads_path: the workdir of "
-          "`python -m experiments.train_heads`.")
+  trained = {"medusa", "eagle"} & set(
+      (config.drafter,) + tuple(config.get("drafters", ())))
+  check(not trained or bool(config.get("heads_path")),
+        f"drafter {sorted(trained)} needs config.heads_path: the workdir of "
+        "`python -m experiments.train_heads`.")
   exit_layer = config.get("exit_layer", 0)
   check(_is_int(exit_layer) and exit_layer >= 0,
         f"config.exit_layer must be an integer >= 0 (0: half the target's "

@@ -239,23 +239,31 @@ def _key(key: jax.Array | int | None) -> jax.Array:
 
 def _start(target: LanguageModel, prompts: jax.Array, lengths: jax.Array,
            params: sampling.SamplingParams, eos_ids: jax.Array, key: jax.Array,
-           *, cache_size: int, width: int, max_new_tokens: int):
+           *, cache_size: int, width: int, max_new_tokens: int,
+           return_hidden: bool = False):
   """Prefills the target, samples and emits the first token.
 
   Returns:
     first [B] token, the target's cache, the output buffer [B, width], counts
-    [B], done [B], and the key left for the loop.
+    [B], done [B], and the key left for the loop; with `return_hidden`,
+    also the target's hidden states [B, P, E] over the prompts.
   """
   key, first_key = jax.random.split(key)
   cache = target.init_cache(prompts.shape[0], cache_size)
-  logits, cache = target.prefill(prompts, lengths, cache)  # [B, V]
+  hidden = ()
+  if return_hidden:
+    logits, cache, hidden = target.prefill(prompts, lengths, cache,
+                                           return_hidden=True)
+    hidden = (hidden,)
+  else:
+    logits, cache = target.prefill(prompts, lengths, cache)  # [B, V]
   first = sampling.sample(first_key, sampling.probabilities(logits, params))
   batch = first.shape[0]
   tokens, counts, done = buffers.emit(
       jnp.zeros((batch, width), jnp.int32), jnp.zeros((batch,), jnp.int32),
       jnp.zeros((batch,), bool), first[:, None], jnp.ones((batch,), jnp.int32),
       eos_ids, max_new_tokens)
-  return first, cache, tokens, counts, done, key
+  return (first, cache, tokens, counts, done, key) + hidden
 
 
 @functools.partial(jax.jit, static_argnames=("tokens_cap", "cache_size",
@@ -356,14 +364,18 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
     The `SpecState` that `speculate.speculate_step` advances.
   """
   cap = max_new_tokens if tokens_cap is None else tokens_cap
-  first, target_cache, tokens, counts, done, key = _start(
+  # A drafter reading the target's features (EAGLE) gets the prompt's.
+  features = getattr(drafter, "uses_prompt_hidden", False)
+  first, target_cache, tokens, counts, done, key, *hidden = _start(
       target, prompts, lengths, params.sampling, params.eos_ids, key,
       cache_size=cache_size, width=cap + gamma + 1,
-      max_new_tokens=max_new_tokens)
+      max_new_tokens=max_new_tokens, return_hidden=features)
+  extra = {"prompt_hidden": hidden[0]} if features else {}
   return SpecState(
       tokens=tokens, num_generated=counts, done=done, last_token=first,
       target_cache=target_cache,
-      drafter_state=drafter.init(prompts, lengths, first, cache_size),
+      drafter_state=drafter.init(prompts, lengths, first, cache_size,
+                                 **extra),
       key=key,
       stats=SpecStats.zeros(prompts.shape[0], gamma, max(cap - 1, 1),
                             components(drafter)),

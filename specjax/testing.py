@@ -9,6 +9,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specjax.heads.eagle import Eagle
+from specjax.heads.eagle import EagleLayer
+from specjax.heads.eagle import layer_cache
 from specjax.heads.medusa import Medusa
 from specjax.heads.medusa import MedusaHeads
 from specjax.models import init_random
@@ -76,15 +79,30 @@ class FixedLogitsModel:
     return self.table[last], cache.rollback(lengths)
 
 
+def _randomized(shapes, seed: int, scale: float):
+  leaves, tree = jax.tree.flatten(shapes)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(tree, [
+      scale * jax.random.normal(k, x.shape, x.dtype)
+      for k, x in zip(keys, leaves)])
+
+
 def random_medusa(target: Model, num_heads: int = 3, seed: int = 1,
                   scale: float = 0.3) -> Medusa:
   """`Medusa` heads on `target` with random (untrained) weights."""
   module = MedusaHeads(num_heads, target.config.hidden_size)
   shapes = jax.eval_shape(lambda: module.init(
       jax.random.key(0), jnp.zeros((1, target.config.hidden_size))))
-  keys = iter(jax.random.split(jax.random.key(seed), 2))
-  params = jax.tree.map(
-      lambda x: scale * jax.random.normal(next(keys), x.shape, x.dtype),
-      shapes["params"])
-  return Medusa(target=target, params=params, num_heads=num_heads)
+  return Medusa(target=target, params=_randomized(shapes["params"], seed,
+                                                  scale),
+                num_heads=num_heads)
 
+
+def random_eagle(target: Model, seed: int = 1, scale: float = 0.1) -> Eagle:
+  """An `Eagle` layer on `target` with random (untrained) weights."""
+  c = target.config
+  zeros = jnp.zeros((1, 1, c.hidden_size))
+  shapes = jax.eval_shape(lambda: EagleLayer(c).init(
+      jax.random.key(0), zeros, zeros, layer_cache(c, 1, 1)))
+  return Eagle(target=target,
+               params=_randomized(shapes["params"], seed, scale))

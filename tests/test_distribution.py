@@ -188,13 +188,15 @@ def test_self_speculation_matches_exact_distribution(pair, exit_layer, skip,
   assert stat < critical, (stat, critical)
 
 
-def test_medusa_heads_match_exact_distribution(pair):
-  # Random heads: each draft from its own head's distribution, whatever
-  # the drafts before it; the first step drafts nothing (no hidden state
-  # yet), the later ones three.
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_heads_match_exact_distribution(pair, kind):
+  # Random Medusa heads: each draft from its own head's law, whatever the
+  # drafts before it (the first step drafts nothing: no hidden state yet).
+  # A random EAGLE layer: a chain from the prompt's features on.
   joint = _exact_joint(pair[0], (1.0, 0, 1.0))
-  samples = _spec_samples((pair[0], testing.random_medusa(pair[0], 3)), 3,
-                          (1.0, 0, 1.0), seed=19)
+  drafter = (testing.random_medusa(pair[0], 3) if kind == "medusa"
+             else testing.random_eagle(pair[0], scale=0.3))
+  samples = _spec_samples((pair[0], drafter), 3, (1.0, 0, 1.0), seed=19)
   stat, critical = _chi_square(samples, joint)
   assert stat < critical, (stat, critical)
 

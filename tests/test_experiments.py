@@ -308,25 +308,36 @@ def test_drafter_sweep(tmp_path):
   assert "fallback" in report.format_report(results)
 
 
-def test_medusa_drafter_from_trained_heads(tmp_path):
+def test_drafters_from_trained_heads(tmp_path):
   # Heads trained briefly for the tiny target (the experiment's own model)
   # are read from their checkpoint directory and draft losslessly.
   config = tiny_pair.get_config("n=2,tokens=8,gamma=3")
   config.drafters = ("model", "medusa")
-  config.heads_path = str(tmp_path / "heads")
   config.output_dir = str(tmp_path / "out")
   config.progress = False
   target = bench.load_pair(config).target
-  hidden = np.random.default_rng(0).normal(
-      size=(8, 16, target.config.hidden_size)).astype(np.float16)
-  heads_train.fit(target, hidden[:6], hidden[6:],
-                  heads_train.TrainConfig(num_steps=2, batch_size=2,
-                                          eval_every=2, save_every=2),
-                  config.heads_path)
+  rng = np.random.default_rng(0)
+  split = heads_train.Split(
+      tokens=rng.integers(0, target.vocab_size, (4, 16)).astype(np.int32),
+      hidden=rng.normal(size=(4, 16, target.config.hidden_size)))
+  for kind in ("medusa", "eagle"):
+    heads_train.fit(target, split, split,
+                    heads_train.TrainConfig(kind=kind, num_steps=2,
+                                            batch_size=2, eval_every=2,
+                                            save_every=2),
+                    tmp_path / kind)
+  config.heads_path = str(tmp_path / "medusa")
   results = bench.run_and_save(config)
   medusa = results["runs"][1]
   assert medusa["drafter"] == "medusa" and medusa["lossless"]
   assert medusa["draft_cost_ratio"] > 0.0
+  config.drafters, config.drafter = (), "eagle"
+  config.heads_path = str(tmp_path / "eagle")
+  eagle = bench.run_and_save(config)["runs"][0]
+  assert eagle["drafter"] == "eagle" and eagle["lossless"]
+  config.drafter = "medusa"  # the heads there are EAGLE's
+  with pytest.raises(bench.ConfigError, match="holds Eagle heads"):
+    bench.run_and_save(config)
   config.heads_path = ""
   with pytest.raises(bench.ConfigError, match="needs config.heads_path"):
     bench.run_experiment(config)
@@ -361,7 +372,7 @@ def test_policy_and_tree_sweep(tmp_path):
     ("num_nodes", 1, "below gamma"),
     ("max_gamma", 0, "config.max_gamma must be an integer >= 1"),
     ("drafter", "early_exit@x", "early_exit@E with an exit layer E >= 1"),
-    ("drafters", ("model", "eagle"), "'eagle' is not one of"),
+    ("drafters", ("model", "hydra"), "'hydra' is not one of"),
     ("exit_layer", -1, "config.exit_layer must be an integer >= 0"),
 ])
 def test_bad_policy_and_tree_config(field, value, message):

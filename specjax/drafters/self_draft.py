@@ -27,7 +27,8 @@ from specjax.models import LayerSubset
 from specjax.models import Model
 
 
-def EarlyExit(target: Model, exit_layer: int | None, *,  # pylint: disable=invalid-name
+# pylint: disable-next=invalid-name
+def EarlyExit(target: Model, exit_layer: int | None, *,
               skip: Sequence[int] = ()) -> DraftModel:
   """A drafter running layers [0, exit_layer) of `target` but `skip`.
 

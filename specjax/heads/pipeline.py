@@ -35,8 +35,8 @@ def load_target(config: Any) -> tuple[Any, Callable[[str], list[int]],
     render = lambda messages: "\n".join(m["content"] for m in messages)
     return target, encode, render, (0,)
   target, tokenizer = registry.load_pretrained(
-      config.target, dtype=np.dtype(config.dtype), cache_dir=config.cache_dir or None,
-      progress=config.progress)
+      config.target, dtype=np.dtype(config.dtype),
+      cache_dir=config.cache_dir or None, progress=config.progress)
   encode = lambda text: tokenizer.encode(text, add_bos=False)
   render = lambda messages: tokenizer.apply_chat_template(
       messages, add_generation_prompt=False)
@@ -64,8 +64,9 @@ def train_config(config: Any) -> train.TrainConfig:
 
 
 def _features(config: Any, target: Any, encode, render, separator,
-              split: str, count: int) -> np.ndarray:
-  """Hidden states [N, T, E] of a split, cached in the workdir."""
+              split: str, count: int) -> train.Split:
+  """Tokens [N, T] and hidden states [N, T, E] of a split, cached in the
+  workdir."""
   meta = {"target": config.target, "corpus": config.corpus,
           "held_out": config.held_out, "seq_len": config.seq_len,
           "sequences": count, "split": split,
@@ -74,7 +75,7 @@ def _features(config: Any, target: Any, encode, render, separator,
   if path.exists():
     cached = data.Features.load(path)
     if cached.meta == meta:
-      return cached.hidden
+      return train.Split(tokens=cached.tokens, hidden=cached.hidden)
   tokens = data.tokenize(_documents(config, render, split), encode,
                          config.seq_len, count, separator)
   if len(tokens) < count:
@@ -86,7 +87,7 @@ def _features(config: Any, target: Any, encode, render, separator,
     hidden = data.extract(target, tokens, batch=config.extract_batch,
                           progress=bar.update)
   data.Features(tokens=tokens, hidden=hidden, meta=meta).save(path)
-  return hidden
+  return train.Split(tokens=tokens, hidden=hidden)
 
 
 def run(config: Any) -> dict[str, Any]:
@@ -103,8 +104,8 @@ def run(config: Any) -> dict[str, Any]:
   loaded = time.perf_counter()
   val = _features(config, target, encode, render, separator, "val",
                   config.num_val_sequences)
-  train_hidden = _features(config, target, encode, render, separator,
-                           "train", config.num_sequences)
+  train_split = _features(config, target, encode, render, separator,
+                          "train", config.num_sequences)
   extracted = time.perf_counter()
   settings = train_config(config)
   with tqdm.tqdm(total=settings.num_steps, desc="train", unit="step",
@@ -117,16 +118,17 @@ def run(config: Any) -> dict[str, Any]:
                       for k, a in enumerate(record["accuracy"])})
       bar.set_postfix(postfix)
 
-    _, history = train.fit(target, train_hidden, val, settings, workdir,
+    _, history = train.fit(target, train_split, val, settings, workdir,
                            target_name=config.target, progress=progress)
   trained = time.perf_counter()
   final = [r for r in history if "val_accuracy" in r][-1]
   train.save_plot(history, workdir / "training.png")
   results = {
       "target": config.target, "corpus": config.corpus,
-      "num_heads": config.num_heads, "steps": settings.num_steps,
-      "train_tokens": int(train_hidden.shape[0] * train_hidden.shape[1]),
-      "val_tokens": int(val.shape[0] * val.shape[1]),
+      "kind": config.kind, "num_heads": config.num_heads,
+      "steps": settings.num_steps,
+      "train_tokens": int(train_split.tokens.size),
+      "val_tokens": int(val.tokens.size),
       "val_accuracy": final["val_accuracy"], "val_kl": final["val_loss"],
       "initial_val_accuracy": history[0]["val_accuracy"],
       "load_s": loaded - start, "features_s": extracted - loaded,

@@ -39,8 +39,12 @@ class Decoder:
                        layer_hidden=out.layer_hidden), out.cache
 
   def prefill(self, tokens: jax.Array, lengths: jax.Array,
-              cache: cache_lib.KVCache, chunk: int | None = PREFILL_CHUNK):
-    """Right-padded prompts [B, P] -> last prompt logits [B, V], cache.
+              cache: cache_lib.KVCache, chunk: int | None = PREFILL_CHUNK,
+              *, return_hidden: bool = False):
+    """Right-padded prompts [B, P] -> last prompt logits [B, V], cache
+    (and with `return_hidden`, the hidden states [B, P, E] of every prompt
+    position, junk past each row's length, for drafters that read the
+    target's features, e.g. EAGLE).
 
     A prompt buffer wider than `chunk` (a multiple of it) runs in chunks of
     `chunk` tokens in a `lax.fori_loop` up to the longest real prompt, then
@@ -55,10 +59,12 @@ class Decoder:
       hidden, cache = out.hidden, out.cache
       last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)
       logits = self.logits(last[:, 0])  # [B, V]; the last prompt position
+      if return_hidden:
+        return logits, cache.rollback(lengths), hidden
       return logits, cache.rollback(lengths)
 
     def run(size, start, carry):
-      cache, last = carry
+      cache, last, everything = carry
       piece = jax.lax.dynamic_slice_in_dim(tokens, start, size, axis=1)
       cache = cache.rollback(jnp.full((batch,), start, jnp.int32))
       out = self.forward(piece, cache)
@@ -67,13 +73,19 @@ class Decoder:
       here = jnp.take_along_axis(
           hidden, jnp.clip(at, 0, size - 1)[:, None, None], axis=1)[:, 0]
       inside = (at >= 0) & (at < size)
-      return cache, jnp.where(inside[:, None], here, last)
+      if everything is not None:
+        everything = jax.lax.dynamic_update_slice_in_dim(everything, hidden,
+                                                         start, axis=1)
+      return cache, jnp.where(inside[:, None], here, last), everything
 
     longest = jnp.max(lengths)
     full = longest // chunk
     last = jnp.zeros((batch, self.config.hidden_size), self.dtype)
+    everything = jnp.zeros((batch, width, self.config.hidden_size),
+                           self.dtype) if return_hidden else None
     carry = jax.lax.fori_loop(
-        0, full, lambda i, c: run(chunk, i * chunk, c), (cache, last))
+        0, full, lambda i, c: run(chunk, i * chunk, c),
+        (cache, last, everything))
     # The rest in one piece, the smallest of `sizes` that holds it:
     # fewer rows never cost more, on any machine.
     rest = longest - full * chunk
@@ -82,5 +94,7 @@ class Decoder:
         functools.partial(run, size, full * chunk) for size in sizes]
     pick = jnp.where(rest > 0, 1 + jnp.searchsorted(
         jnp.asarray(sizes), rest), 0)
-    cache, last = jax.lax.switch(pick, pieces, carry)
+    cache, last, everything = jax.lax.switch(pick, pieces, carry)
+    if return_hidden:
+      return self.logits(last), cache.rollback(lengths), everything
     return self.logits(last), cache.rollback(lengths)
