@@ -27,7 +27,8 @@ Other arguments: `gamma=4` (default: the pair's best, 8 for `qwen`, else
 eagle` (default: the pair's best, `lookup` for `qwen`, else `model`; `early_exit@E` drafts with
 the target's first E layers, `exit=E` sets it for `early_exit`, and
 `layer_skip` with all but `config.skip_layers`; `medusa` and `eagle` with
-the heads trained by `experiments.train_heads` in `heads=WORKDIR`),
+the heads `experiments.train_heads` trained, in `medusa=WORKDIR` and
+`eagle=WORKDIR`),
 `drafters=model/lookup/early_exit@8/early_exit@14` (sweep, one row per
 drafter), `policies=auto/heuristic` (adaptive γ runs beside the
 fixed ones, `specjax.adaptive`) with `max_gamma=8`, `nodes=16` (token trees
@@ -82,7 +83,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       arg, pair="qwen", gamma=0, gammas="", batch=1, batches="", prompts="",
       n=8, tokens=64, temperature=0.0, dtype="auto", matmul="auto",
       drafter="", drafters="", policies="", max_gamma=8, nodes=0,
-      nodes_sweep="", exit=0, heads="")
+      nodes_sweep="", exit=0, medusa="", eagle="")
   if arg["pair"] not in PAIRS:
     raise ValueError(f"Unknown pair {arg['pair']!r} in the config argument "
                      f"'pair='; known pairs: {sorted(PAIRS)}.")
@@ -126,9 +127,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.exit_layer = arg["exit"]
   config.skip_layers = ()
   # `medusa` / `eagle`: heads trained for the target by
-  # `experiments.train_heads`
-  # (its workdir or checkpoints directory).
-  config.heads_path = arg["heads"]
+  # `experiments.train_heads` (its workdir or checkpoints directory).
+  config.medusa_path = arg["medusa"]
+  config.eagle_path = arg["eagle"]
   # γ: draft tokens proposed per speculative step.
   # Default (gamma=0 in the argument): the pair's best, else 4.
   config.gamma = arg["gamma"] or pair.get("gamma", 4)

@@ -35,9 +35,10 @@ except ImportError:  # Loaded by path from outside the repository root.
 
 # Sizes per preset: sequences of `seq_len` tokens, steps of `batch_size`.
 PRESETS = {
-    # About 25 min of feature extraction and 25 of training on machine C.
+    # On machine C (BENCHMARKS.md): about 8 min of feature extraction and
+    # 32 of training.
     "cpu": dict(seq_len=128, sequences=320, val_sequences=24, batch_size=4,
-                steps=240, eval_every=60),
+                steps=160, eval_every=40),
     # An accelerator: more data, longer sequences, more steps.
     "accelerator": dict(seq_len=512, sequences=20_000, val_sequences=256,
                         batch_size=16, steps=20_000, eval_every=1000),

@@ -149,9 +149,10 @@ def make_drafter(name: str, config: Any, pair: Pair) -> Any:
     return drafters.EarlyExit(pair.target, exit_layer or config.exit_layer
                               or pair.target.config.num_layers // 2)
   if kind in ("medusa", "eagle"):
-    drafter = heads_train.load_heads(config.heads_path, pair.target)
+    path = config[f"{kind}_path"]
+    drafter = heads_train.load_heads(path, pair.target)
     if type(drafter).__name__.lower() != kind:
-      raise ConfigError(f"config.heads_path {config.heads_path!r} holds "
+      raise ConfigError(f"config.{kind}_path {path!r} holds "
                         f"{type(drafter).__name__} heads, not {kind}.")
     return drafter
   if kind == "layer_skip":

@@ -7,7 +7,8 @@ COMMAND: python -m experiments.train_heads --config=configs/train_heads.py
 Rerunning the same command resumes from the last orbax checkpoint. The work
 is in `specjax.heads.pipeline.run`; the trained heads draft with
 `python -m experiments.run --config=configs/llama_pair.py:drafter=medusa`
-(or `drafter=eagle`) `--config.heads_path=WORKDIR`.
+`--config.medusa_path=WORKDIR` (or `drafter=eagle`
+`--config.eagle_path=WORKDIR`).
 """
 
 from __future__ import annotations

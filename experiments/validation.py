@@ -21,7 +21,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # `early_exit@E` drafts with the target's first E layers (`early_exit`:
 # `config.exit_layer`); `layer_skip` with all but `config.skip_layers`.
 # `medusa` and `eagle` draft with heads trained by `experiments.train_heads`,
-# read from `config.heads_path`.
+# read from `config.medusa_path` / `config.eagle_path`.
 DRAFTERS = ("model", "lookup", "fallback", "cascade", "early_exit",
             "layer_skip", "medusa", "eagle")
 POLICIES = ("auto", "heuristic")
@@ -110,11 +110,11 @@ def validate_config(config: Any) -> None:
       drafter_kind(name)
     except ConfigError as e:
       check(False, f"config.drafter(s): {e}")
-  trained = {"medusa", "eagle"} & set(
-      (config.drafter,) + tuple(config.get("drafters", ())))
-  check(not trained or bool(config.get("heads_path")),
-        f"drafter {sorted(trained)} needs config.heads_path: the workdir of "
-        "`python -m experiments.train_heads`.")
+  for kind in sorted({"medusa", "eagle"} & set(
+      (config.drafter,) + tuple(config.get("drafters", ())))):
+    check(bool(config.get(f"{kind}_path")),
+          f"drafter {kind!r} needs config.{kind}_path: the workdir of "
+          f"`python -m experiments.train_heads` (kind={kind}).")
   exit_layer = config.get("exit_layer", 0)
   check(_is_int(exit_layer) and exit_layer >= 0,
         f"config.exit_layer must be an integer >= 0 (0: half the target's "

@@ -326,20 +326,21 @@ def test_drafters_from_trained_heads(tmp_path):
                                             batch_size=2, eval_every=2,
                                             save_every=2),
                     tmp_path / kind)
-  config.heads_path = str(tmp_path / "medusa")
+  config.medusa_path = str(tmp_path / "medusa")
   results = bench.run_and_save(config)
   medusa = results["runs"][1]
   assert medusa["drafter"] == "medusa" and medusa["lossless"]
   assert medusa["draft_cost_ratio"] > 0.0
   config.drafters, config.drafter = (), "eagle"
-  config.heads_path = str(tmp_path / "eagle")
+  config.eagle_path = str(tmp_path / "eagle")
   eagle = bench.run_and_save(config)["runs"][0]
   assert eagle["drafter"] == "eagle" and eagle["lossless"]
   config.drafter = "medusa"  # the heads there are EAGLE's
+  config.medusa_path = config.eagle_path
   with pytest.raises(bench.ConfigError, match="holds Eagle heads"):
     bench.run_and_save(config)
-  config.heads_path = ""
-  with pytest.raises(bench.ConfigError, match="needs config.heads_path"):
+  config.medusa_path = ""
+  with pytest.raises(bench.ConfigError, match="needs config.medusa_path"):
     bench.run_experiment(config)
 
 

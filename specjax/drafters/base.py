@@ -120,6 +120,10 @@ class Drafter(Protocol):
       first_token: [B] int32, the token the target sampled after the prompt.
       cache_size: S, positions available per row.
 
+    A drafter with `uses_prompt_hidden = True` (EAGLE, `specjax.heads`)
+    is also passed `prompt_hidden=` [B, P, E], the target's last hidden
+    states over the prompts, from the target's own prefill.
+
     Returns:
       The drafter's state (a pytree).
     """

@@ -64,10 +64,13 @@ class EagleLayer(nn.Module):
 
   @nn.compact
   def __call__(self, features: jax.Array, embeddings: jax.Array,
-               cache: cache_lib.KVCache
+               cache: cache_lib.KVCache, cache_is_empty: bool = False
                ) -> tuple[jax.Array, cache_lib.KVCache]:
     """features, embeddings [B, T, E] at `cache.lengths` -> predicted next
-    features [B, T, E], and the one-layer cache with the chunk written."""
+    features [B, T, E], and the one-layer cache with the chunk written.
+    `cache_is_empty` (static) promises every length is 0: attention then
+    skips the cache (as the target's prefill does, which also keeps XLA
+    from constant-folding attention over a zero cache)."""
     e = self.config.hidden_size
     x = nn.Dense(e, dtype=self.param_dtype, param_dtype=self.param_dtype,
                  name="fc")(jnp.concatenate([features, embeddings], -1))
@@ -77,8 +80,12 @@ class EagleLayer(nn.Module):
     cache_mask, chunk_mask = attention_masks(
         offsets, positions, causal_mask(num_tokens), cache.size,
         self.config.sliding_window)
-    x, k, v = Block(self.config, self.param_dtype, name="layer")(
-        x, cache.k[0], cache.v[0], positions, cache_mask, chunk_mask)
+    layer = Block(self.config, self.param_dtype, name="layer")
+    if cache_is_empty:
+      x, k, v = layer(x, None, None, positions, None, chunk_mask)
+    else:
+      x, k, v = layer(x, cache.k[0], cache.v[0], positions, cache_mask,
+                      chunk_mask)
     return x, cache.replace(
         k=cache_lib.write_rows(cache.k[0], k, offsets)[None],
         v=cache_lib.write_rows(cache.v[0], v, offsets)[None],
@@ -128,11 +135,12 @@ class Eagle:
     return jnp.take(self.target.params["embed"], tokens, axis=0)
 
   def step(self, features: jax.Array, tokens: jax.Array,
-           cache: cache_lib.KVCache) -> tuple[jax.Array, Any]:
+           cache: cache_lib.KVCache, cache_is_empty: bool = False
+           ) -> tuple[jax.Array, Any]:
     """Pairs (features [B, T, E], tokens [B, T]) -> predicted next
     features [B, T, E], cache."""
     return self.module.apply({"params": self.params}, features,
-                             self.embed(tokens), cache)
+                             self.embed(tokens), cache, cache_is_empty)
 
   def init(self, prompts, prompt_lengths, first_token, cache_size,
            prompt_hidden=None):
@@ -149,7 +157,8 @@ class Eagle:
     following = jnp.where(jnp.arange(width)[None] == (prompt_lengths - 1)[:,
                                                                         None],
                           first_token[:, None], following)
-    predicted, cache = self.step(prompt_hidden, following, cache)
+    predicted, cache = self.step(prompt_hidden, following, cache,
+                                 cache_is_empty=True)
     feature = jnp.take_along_axis(
         predicted, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     return EagleState(cache=cache.rollback(prompt_lengths), feature=feature)

@@ -167,7 +167,7 @@ class _Eagle:
     embeddings = jnp.take(target.params["embed"], tokens[:, 1:], axis=0)
     predicted, _ = self.module.apply(
         {"params": params}, inputs, embeddings.astype(inputs.dtype),
-        layer_cache(self.module.config, *tokens[:, 1:].shape))
+        layer_cache(self.module.config, *tokens[:, 1:].shape), True)
     truth = hidden[:, 1:]
     regression = jnp.mean(optax.huber_loss(predicted, truth, delta=1.0))
     teacher = jax.lax.stop_gradient(target.logits(truth))
@@ -264,8 +264,8 @@ def fit(target: Any, train: Split, val: Split, config: TrainConfig,
 
   Returns:
     The heads' params and the history: the held-out scores at step 0,
-    then one dict per step that evaluated or checkpointed (train loss and
-    accuracy, and `val_*` when evaluated).
+    then one dict per step (train loss and accuracy, and `val_*` when
+    evaluated).
   """
   target = _trainable(target)
   what = recipe(target, config)
@@ -316,8 +316,8 @@ def fit(target: Any, train: Split, val: Split, config: TrainConfig,
       record.update(val_loss=scores["loss"], val_accuracy=scores["accuracy"])
     if progress is not None:
       progress(done, record)
+    history.append(record)
     if "val_loss" in record or done % config.save_every == 0 or done == last:
-      history.append(record)
       manager.save(done, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state),
           meta=ocp.args.JsonSave(dict(meta, history=history))))
@@ -387,7 +387,7 @@ def save_plot(history: list[dict[str, Any]], path: str | os.PathLike
   fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
   trained = [r for r in history if "loss" in r]
   left.plot([r["step"] for r in trained], [r["loss"] for r in trained],
-            label="train")
+            label="train (weighted sum over heads)", alpha=0.6)
   evals = [r for r in history if "val_loss" in r]
   if evals:
     left.plot([r["step"] for r in evals],
