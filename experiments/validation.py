@@ -105,11 +105,14 @@ def validate_config(config: Any) -> None:
         "config.target cannot be 'same' (only the draft can).")
   check(config.dtype in DTYPES,
         f"config.dtype must be one of {DTYPES}, got {config.dtype!r}.")
-  for name in (config.drafter,) + tuple(config.get("drafters", ())):
-    try:
-      drafter_kind(name)
-    except ConfigError as e:
-      check(False, f"config.drafter(s): {e}")
+  for field, names in (("drafter", (config.drafter,)),
+                       ("drafters", tuple(config.get("drafters", ())))):
+    for name in names:
+      try:
+        drafter_kind(name)
+      except ConfigError:
+        check(False, f"config.{field} must name drafters in {DRAFTERS} "
+              f"(or early_exit@E, E >= 1), got {name!r}.")
   for kind in sorted({"medusa", "eagle"} & set(
       (config.drafter,) + tuple(config.get("drafters", ())))):
     check(bool(config.get(f"{kind}_path")),

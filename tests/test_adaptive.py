@@ -65,9 +65,17 @@ def _phases(pair, prompts):
                  bad_to=shortest + 30)
 
 
-@pytest.mark.parametrize("kind", ["model", "lookup", "fallback", "cascade"])
-@pytest.mark.parametrize("policy", ["auto", "heuristic"])
-def test_greedy_equals_autoregressive(pair, baseline, kind, policy):
+# The default suite runs each policy with one drafter; the other pairs run
+# with the slow tests.
+@pytest.mark.parametrize("policy, kind", [
+    ("auto", "model"), ("heuristic", "lookup"),
+    pytest.param("auto", "lookup", marks=pytest.mark.slow),
+    pytest.param("heuristic", "model", marks=pytest.mark.slow),
+    pytest.param("auto", "fallback", marks=pytest.mark.slow),
+    pytest.param("heuristic", "fallback", marks=pytest.mark.slow),
+    pytest.param("auto", "cascade", marks=pytest.mark.slow),
+    pytest.param("heuristic", "cascade", marks=pytest.mark.slow)])
+def test_greedy_equals_autoregressive(pair, baseline, policy, kind):
   target, draft = pair
   lookup = drafters.PromptLookup(target.vocab_size)
   drafter = {

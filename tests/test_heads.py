@@ -80,6 +80,7 @@ def test_greedy_equals_autoregressive(target, kind, gamma, num_heads):
   assert np.all(proposed[depth:] == 0)  # no Medusa head past the K-th
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", train.KINDS)
 def test_training_lowers_the_loss_and_raises_accuracy(target, splits, kind,
                                                       tmp_path):
@@ -116,6 +117,7 @@ def test_eagle_drafts_from_the_pairs_it_was_trained_on(target, splits):
       target.logits(predicted[0, length - 1])))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", train.KINDS)
 def test_resumed_training_equals_uninterrupted(target, splits, kind,
                                                tmp_path):
@@ -130,6 +132,7 @@ def test_resumed_training_equals_uninterrupted(target, splits, kind,
   jax.tree.map(np.testing.assert_array_equal, resumed, whole)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", train.KINDS)
 def test_restored_heads_propose_as_in_memory(target, splits, kind,
                                              tmp_path):

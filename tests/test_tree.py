@@ -32,10 +32,17 @@ def _drafter(kind, pair):
           "self": drafters.DraftModel(target)}[kind]
 
 
-@pytest.mark.parametrize("gamma, num_nodes", [(1, 1), (4, 4), (4, 16),
-                                              (3, 16), (8, 64)],
-                         ids=["1-node", "chain-4", "16-nodes-depth-4",
-                              "16-nodes-depth-3", "64-nodes"])
+# The default suite keeps one tree per drafter; the other shapes run with
+# the slow tests.
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("gamma, num_nodes", [
+    pytest.param(1, 1, id="1-node", marks=_SLOW),
+    pytest.param(4, 4, id="chain-4", marks=_SLOW),
+    pytest.param(4, 16, id="16-nodes-depth-4"),
+    pytest.param(3, 16, id="16-nodes-depth-3", marks=_SLOW),
+    pytest.param(8, 64, id="64-nodes", marks=_SLOW)])
 @pytest.mark.parametrize("kind", ["lookup", "model", "self"])
 def test_greedy_equals_autoregressive(pair, baseline, kind, gamma,
                                       num_nodes):
