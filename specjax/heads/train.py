@@ -209,14 +209,18 @@ def _trainable(target: Any) -> Any:
   return target
 
 
+# Compiled once per recipe (static, hashable) and shapes, not per call.
+_eval_step = jax.jit(lambda what, p, t, x, h: what.metrics(p, t, x, h, None)[1],
+                     static_argnums=0)
+
+
 def evaluate(what: _Medusa | _Eagle, params: Any, target: Any,
              data: Split, batch: int) -> dict[str, list[float]]:
   """Per-head KL and top-1 accuracy over a held-out split (means over
   batches of `batch` sequences; no noise)."""
-  run = jax.jit(lambda p, t, x, h: what.metrics(p, t, x, h, None)[1])
   totals = []
   for start in range(0, len(data.hidden), batch):
-    totals.append(run(params, target,
+    totals.append(_eval_step(what, params, target,
                       jnp.asarray(data.tokens[start:start + batch]),
                       jnp.asarray(data.hidden[start:start + batch],
                                   jnp.float32)))
