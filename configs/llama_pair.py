@@ -83,7 +83,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       arg, pair="qwen", gamma=0, gammas="", batch=1, batches="", prompts="",
       n=8, tokens=64, temperature=0.0, dtype="auto", matmul="auto",
       drafter="", drafters="", policies="", max_gamma=8, nodes=0,
-      nodes_sweep="", exit=0, medusa="", eagle="")
+      nodes_sweep="", exit=0, medusa="", eagle="", mesh="")
   if arg["pair"] not in PAIRS:
     raise ValueError(f"Unknown pair {arg['pair']!r} in the config argument "
                      f"'pair='; known pairs: {sorted(PAIRS)}.")
@@ -200,6 +200,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # <specjax cache>/xla_cache (real models take minutes to compile), ''
   # disables it.
   config.jax_cache_dir = "auto"
+  # Device mesh `DATAxMODEL` (`specjax.sharding`), e.g. `1x2` splits the
+  # target's heads, MLP and vocabulary over 2 devices and `2x1` the batch;
+  # '' runs on one device. Its size must be the number of devices (every
+  # process's, in a multi-process run: experiments.run --num_processes).
+  config.mesh = arg["mesh"]
+  # With a mesh, split the draft like the target (True) or copy it whole
+  # to every device (False: drafting then needs no communication).
+  config.draft_split = False
   # Write PNG plots.
   config.plots = True
   # Show tqdm progress bars.

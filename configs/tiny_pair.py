@@ -9,7 +9,9 @@ COMMAND: python -m experiments.run --config=configs/tiny_pair.py \
   --config.output_dir=/tmp/specjax/tiny
 
 Arguments: `gamma=3`, `gammas=2/3` (sweep), `batch=2`, `batches=1/2`,
-`draft=same`, `n=4`, `tokens=16`.
+`draft=same`, `n=4`, `tokens=16`, `mesh=2x1` (`specjax.sharding`; with
+`XLA_FLAGS=--xla_force_host_platform_device_count=2`, or two processes:
+`specjax.sharding.distributed`).
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ from configs import llama_pair  # pylint: disable=g-import-not-at-top
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The tiny smoke config; see the module docstring for `arg`."""
   arg = configs.parse_arg(arg, gamma=3, gammas="", batch=2, batches="",
-                          draft="tiny", n=4, tokens=16)
+                          draft="tiny", n=4, tokens=16, mesh="")
   config = llama_pair.get_config(
       f"pair=tiny,gamma={arg['gamma']},gammas={arg['gammas']},"
       f"batch={arg['batch']},batches={arg['batches']},n={arg['n']},"
-      f"tokens={arg['tokens']},dtype=float32")
+      f"tokens={arg['tokens']},dtype=float32,mesh={arg['mesh']}")
   # Fields below override llama_pair's; each is documented there.
   config.draft = arg["draft"]  # `tiny` (random) or `same` (the target).
   config.prompt_set = "code"  # built in: no wheel download

@@ -42,6 +42,7 @@ from experiments import prompts as prompts_lib
 from experiments import report
 from experiments.validation import ConfigError
 from experiments.validation import drafter_kind
+from experiments.validation import parse_mesh
 from experiments.validation import TREE_DRAFTERS
 from experiments.validation import validate_config
 from specjax import decode
@@ -50,9 +51,12 @@ from specjax import hardware
 from specjax import heads
 from specjax import metrics
 from specjax import registry
+from specjax import sharding
 from specjax import testing
 from specjax.heads import train as heads_train
 from specjax.hardware import median_ms
+from specjax.sharding import distributed
+from specjax.sharding import memory
 from specjax.tuning import matmul as tuning
 
 __all__ = [
@@ -104,6 +108,7 @@ def load_pair(config: Any) -> Pair:
   start = time.perf_counter()
   dtype = resolve_dtype(config.dtype)
   rows = tune_rows(config)
+  mesh = make_mesh(config)
   if config.target == "tiny":
     tokenizer = prompts_lib.ByteTokenizer()
     target, draft = testing.tiny_pair(config.seed, tokenizer.vocab_size,
@@ -116,15 +121,18 @@ def load_pair(config: Any) -> Pair:
     load = functools.partial(registry.load_pretrained, dtype=dtype,
                              cache_dir=config.cache_dir or None,
                              progress=config.progress, matmul=config.matmul,
-                             tune_rows=rows)
+                             tune_rows=rows, mesh=mesh)
     logging.info("Loading target %s (%s)", config.target, dtype)
     target, tokenizer = load(config.target)
     draft = None
     if config.draft != "same":
       logging.info("Loading draft %s (%s)", config.draft, dtype)
-      draft, _ = load(config.draft)
+      draft, _ = load(config.draft, split=config.draft_split)
   if config.draft == "same":
     draft = target
+  elif mesh is not None:  # the tiny pair; loaders placed the others
+    target = sharding.shard(target, mesh)
+    draft = sharding.shard(draft, mesh, split=config.draft_split)
   if draft.vocab_size != target.vocab_size:
     raise ConfigError(
         f"config.draft {config.draft!r} has a vocabulary of "
@@ -132,6 +140,40 @@ def load_pair(config: Any) -> Pair:
         f"{target.vocab_size}; speculative decoding needs a shared "
         "tokenizer.")
   return Pair(target, draft, tokenizer, time.perf_counter() - start)
+
+
+def make_mesh(config: Any) -> jax.sharding.Mesh | None:
+  """The mesh `config.mesh` names over every process's devices, or None.
+
+  Raises:
+    ConfigError: its size is not the number of devices.
+  """
+  if not config.get("mesh"):
+    return None
+  data, model = parse_mesh(config.mesh)
+  if data * model != jax.device_count():
+    raise ConfigError(
+        f"config.mesh={config.mesh!r} needs {data * model} devices; this "
+        f"run has {jax.device_count()} ({jax.process_count()} process(es)).")
+  return sharding.make_mesh(data=data, model=model)
+
+
+def memory_plan(config: Any, pair: Pair, cache_size: int,
+                widest: int) -> dict[str, Any]:
+  """The weights and caches of the largest batch, per device, checked
+  against device memory before anything compiles (results.json
+  `memory`).
+
+  Raises:
+    MemoryError: naming the sizes, when a device cannot hold them.
+  """
+  batch = max(tuple(config.batch_sizes) or (config.batch_size,))
+  plan = memory.plan({"target": pair.target, "draft": pair.draft},
+                     batch=batch, cache_size=cache_size, chunk=widest + 1)
+  plan.check()
+  return {"table": plan.table(), "per_device_bytes": plan.per_device,
+          "limit_bytes": plan.limit, "devices": plan.devices,
+          "mesh": config.get("mesh", "")}
 
 
 def make_drafter(name: str, config: Any, pair: Pair) -> Any:
@@ -552,6 +594,7 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
   cache_size = decode.default_cache_size(
       max(len(p) for p in encoded), config.max_new_tokens,
       reserve=widest + 1 + extra)
+  memory_info = memory_plan(config, pair, cache_size, widest)
   eos = None if config.ignore_eos else list(pair.tokenizer.eos_ids)
   run_kwargs = dict(max_new_tokens=config.max_new_tokens,
                     temperature=config.temperature, top_k=config.top_k,
@@ -642,6 +685,7 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
       "runs": runs,
       "baselines": baselines,
       "cost": costs,
+      "memory": memory_info,
       "config": config.to_dict(),
       "device": device_info(),
       "machine": hardware.machine(),
@@ -665,6 +709,8 @@ def run_and_save(config: Any, pair: Pair | None = None) -> dict[str, Any]:
     The results, with `plots` (file names written) and `results_path`.
   """
   results = run_experiment(config, pair)
+  if not distributed.is_main():
+    return results  # one process writes (they all computed the same)
   # The figures first: a plotting error must not lose a long run.
   results["results_path"] = str(report.write_results(results,
                                                      config.output_dir))

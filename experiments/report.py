@@ -151,6 +151,10 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
                       _f(c["draft_cost_ratio"], ".3f"), verify])
   lines.append(table(["B", "draft ms", "target ms", "c",
                       "target verify (γ+1, or nodes+1, tokens)"], cost_rows))
+  if results.get("memory"):
+    lines += ["", "memory plan (weights, caches and logits of the largest "
+              "batch, per device; checked before compiling):",
+              results["memory"]["table"]]
   lines += _roofline_lines(results)
   lines += _matmul_lines(results)
   lines += ["", "baseline vs speculative (tokens/s over all prompts):"]

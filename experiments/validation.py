@@ -75,6 +75,14 @@ def _model_errors(field: str, name: Any) -> list[str]:
   return []
 
 
+def parse_mesh(text: str) -> tuple[int, int] | None:
+  """'2x4' -> (2, 4) (data, model); None when malformed."""
+  parts = str(text).split("x")
+  if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+    return None
+  return int(parts[0]), int(parts[1])
+
+
 def validate_config(config: Any) -> None:
   """Checks every field an experiment reads, before anything is loaded.
 
@@ -192,6 +200,13 @@ def validate_config(config: Any) -> None:
                "save_text"):
     check(isinstance(config[name], bool),
           f"config.{name} must be a boolean, got {config[name]!r}.")
+  mesh = config.get("mesh", "")
+  check(mesh == "" or parse_mesh(mesh) is not None,
+        f"config.mesh must be '' (one device) or DATAxMODEL with positive "
+        f"integers, e.g. '1x2', got {mesh!r}.")
+  check(isinstance(config.get("draft_split", False), bool),
+        f"config.draft_split must be a boolean, got "
+        f"{config.get('draft_split')!r}.")
   check(isinstance(config.output_dir, str) and bool(config.output_dir),
         f"config.output_dir must be a non-empty path, got "
         f"{config.output_dir!r}.")

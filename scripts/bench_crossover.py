@@ -217,6 +217,16 @@ def _plot(results, path: str) -> None:
   fig.savefig(path, dpi=120)
 
 
+def _write(results: list[dict], gammas: list[int]) -> None:
+  os.makedirs(_OUTPUT.value, exist_ok=True)
+  out = {"machine": hardware.machine(), "jax": jax.__version__,
+         "weights": _WEIGHTS.value, "drafter": _DRAFTER.value,
+         "tokens": _TOKENS.value, "gammas": gammas,
+         "max_gamma": _MAX_GAMMA.value, "results": results}
+  with open(os.path.join(_OUTPUT.value, "crossover.json"), "w") as f:
+    json.dump(out, f, indent=1)
+
+
 def main(argv):
   del argv
   gammas = _values(_GAMMAS.value)
@@ -234,13 +244,7 @@ def main(argv):
       results.append(_run_batch(target, draft, drafter, prompts, alpha,
                                 gammas, seen))
       print(_table(results[-1:]), flush=True)
-  os.makedirs(_OUTPUT.value, exist_ok=True)
-  out = {"machine": hardware.machine(), "jax": jax.__version__,
-         "weights": _WEIGHTS.value, "drafter": _DRAFTER.value,
-         "tokens": _TOKENS.value, "gammas": gammas,
-         "max_gamma": _MAX_GAMMA.value, "results": results}
-  with open(os.path.join(_OUTPUT.value, "crossover.json"), "w") as f:
-    json.dump(out, f, indent=1)
+      _write(results, gammas)  # after each (B, α): a long sweep keeps it
   _plot(results, os.path.join(_OUTPUT.value, "crossover.png"))
   print(_table(results))
   print(f"wrote {_OUTPUT.value}/crossover.json, crossover.png")

@@ -14,6 +14,11 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+
+from specjax.shapes import DATA
+from specjax.shapes import MODEL
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -45,6 +50,32 @@ class KVCache:
   @property
   def batch(self) -> int:
     return self.k.shape[1]
+
+  def partition_spec(self, mesh: jax.sharding.Mesh) -> "KVCache":
+    """How this cache splits over `mesh`: rows on `DATA`, key/value heads
+    on `MODEL` (each device then attends with its own heads, as the
+    sharded q/k/v projections produce them). An axis that does not divide
+    its dimension is not used for it (e.g. K = 2 heads on a 4-way model
+    axis stay whole on every device).
+
+    Returns:
+      A `KVCache` of `PartitionSpec`s (k, v over [L, B, S, K, D]).
+    """
+    data = DATA if self.batch % mesh.shape[DATA] == 0 else None
+    model = MODEL if self.k.shape[3] % mesh.shape[MODEL] == 0 else None
+    kv = PartitionSpec(None, data, None, model, None)
+    return KVCache(k=kv, v=kv, lengths=PartitionSpec(data))
+
+  def shard(self, mesh: jax.sharding.Mesh | None) -> "KVCache":
+    """This cache laid out as `partition_spec` says (inside jit, a
+    sharding constraint; outside, a transfer); unchanged when `mesh` is
+    None."""
+    if mesh is None:
+      return self
+    specs = self.partition_spec(mesh)
+    return jax.lax.with_sharding_constraint(
+        self, jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                           is_leaf=lambda x: isinstance(x, PartitionSpec)))
 
   def rollback(self, lengths: jax.Array) -> "KVCache":
     """Keeps the first `lengths[b]` positions of each row valid."""

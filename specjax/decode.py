@@ -55,6 +55,7 @@ from specjax.drafters import extra_positions
 from specjax.drafters import Drafter
 from specjax.models import LanguageModel
 from specjax.models import model_output
+from specjax.sharding.batch import Placement
 from specjax.speculate import SpecState
 from specjax.speculate import SpecStats
 from specjax.speculate import StepParams
@@ -303,7 +304,8 @@ def generate(model: LanguageModel, prompts: Sequence[Sequence[int]], *,
              key: jax.Array | int | None = None,
              cache_size: int | None = None,
              pad_id: int = 0,
-             tokens_cap: int | None = None) -> GenerateOutput:
+             tokens_cap: int | None = None,
+             mesh: jax.sharding.Mesh | None = None) -> GenerateOutput:
   """Batched autoregressive decoding, compiled as one call.
 
   Args:
@@ -319,6 +321,10 @@ def generate(model: LanguageModel, prompts: Sequence[Sequence[int]], *,
     pad_id: written after each row's end.
     tokens_cap: N_cap, the static output width (>= N); default
       `max_new_tokens_cap(N)`.
+    mesh: run over this `specjax.sharding.make_mesh` mesh (the model is
+      placed on it if it is not yet; default: the mesh the model was
+      placed on by `specjax.sharding.shard`, or one device). B need not
+      divide the data axis (`specjax.sharding.batch`).
 
   Returns:
     `GenerateOutput` with tokens [B, N] and lengths [B].
@@ -328,14 +334,17 @@ def generate(model: LanguageModel, prompts: Sequence[Sequence[int]], *,
   tokens, lengths, cache_size = prepare_prompts(
       prompts, model.vocab_size, max_new_tokens=max_new_tokens,
       cache_size=cache_size, reserve=1, tokens_cap=cap)
+  where, (model,) = Placement.resolve(mesh, len(tokens), model)
+  where.check_memory({"model": model}, cache_size=cache_size, chunk=1)
+  tokens, lengths, budget = where.inputs(tokens, lengths, max_new_tokens)
   out, counts = compilation.call(
       _generate, "generate",
       f"B={tokens.shape[0]}, P={tokens.shape[1]}, S={cache_size}, "
-      f"N<={cap}", model, jnp.asarray(tokens), jnp.asarray(lengths), params,
-      buffers.eos_array(eos_id), _key(key), jnp.int32(max_new_tokens),
+      f"N<={cap}", model, tokens, lengths, params,
+      buffers.eos_array(eos_id), _key(key), budget,
       tokens_cap=cap, cache_size=cache_size, pad_id=pad_id)
-  return GenerateOutput(tokens=np.asarray(out)[:, :max_new_tokens],
-                        lengths=np.asarray(counts))
+  out, counts = where.rows((out, counts))
+  return GenerateOutput(tokens=out[:, :max_new_tokens], lengths=counts)
 
 
 def init_spec_state(target: LanguageModel, drafter: Drafter,
@@ -436,7 +445,8 @@ def speculative_generate(
     pad_id: int = 0, draft_stop_threshold: float = 0.0,
     synthetic_acceptance: float | None = None,
     tokens_cap: int | None = None, max_gamma: int = 8,
-    num_nodes: int | None = None) -> SpecOutput:
+    num_nodes: int | None = None,
+    mesh: jax.sharding.Mesh | None = None) -> SpecOutput:
   """Speculative decoding, compiled as one call.
 
   The output is distributed exactly as `generate(target, ...)` with the same
@@ -473,10 +483,16 @@ def speculative_generate(
       drafter (`DraftModel`, `PromptLookup`) propose a token tree of at
       most T nodes at depth at most γ, verified in one target pass of T + 1
       tokens (`specjax.tree`); the cache must hold T + 1 positions past N.
+    mesh: as in `generate`; a draft `Model` not yet placed is replicated
+      on it (`specjax.sharding.shard(draft, mesh, split=False)`; place it
+      split yourself to split it), and a `Drafter` must hold models placed
+      on the same mesh.
 
   Returns:
     `SpecOutput` with tokens [B, N], lengths [B] and statistics.
   """
+  where, (target, draft) = Placement.resolve(mesh, len(prompts), target,
+                                             draft)
   drafter = draft if hasattr(draft, "propose") else DraftModel(draft)
   if drafter.vocab_size != target.vocab_size:
     raise ValueError(
@@ -500,20 +516,24 @@ def speculative_generate(
       reserve_note=f" (gamma + 1, and {extra} for the drafter's inner "
       "levels: a Cascade's inner gamma + 1)" if extra else (
           " (num_nodes + 1)" if num_nodes else ""))
+  where.check_memory({"target": target, "draft": draft},
+                     cache_size=cache_size, chunk=(num_nodes or gamma) + 1)
+  tokens, lengths, budget = where.inputs(tokens, lengths, max_new_tokens)
   out, counts, stats, policy_state = compilation.call(
       _speculative_generate, "speculative_generate",
       f"B={tokens.shape[0]}, P={tokens.shape[1]}, S={cache_size}, "
       f"N<={cap}, gamma={gamma}{_policy_name(policy, ' ')}"
       f"{f', num_nodes={num_nodes}' if num_nodes else ''}", target, drafter,
-      jnp.asarray(tokens), jnp.asarray(lengths), params, _key(key),
-      jnp.int32(max_new_tokens), policy, gamma=int(gamma), tokens_cap=cap,
-      cache_size=cache_size, pad_id=pad_id,
+      tokens, lengths, params, _key(key), budget, policy, gamma=int(gamma),
+      tokens_cap=cap, cache_size=cache_size, pad_id=pad_id,
       synthetic=synthetic, num_nodes=num_nodes)
-  return SpecOutput(tokens=np.asarray(out)[:, :max_new_tokens],
-                    lengths=np.asarray(counts),
-                    stats=jax.tree.map(np.asarray, stats), gamma=int(gamma),
+  out, counts, policy_state = where.rows((out, counts, policy_state))
+  stats = stats.replace(**where.rows(
+      {f: getattr(stats, f) for f in ("accepted", "proposed", "scored")}))
+  return SpecOutput(tokens=out[:, :max_new_tokens], lengths=counts,
+                    stats=where.totals(stats), gamma=int(gamma),
                     synthetic=synthetic, policy=_policy_name(policy),
-                    policy_state=jax.tree.map(np.asarray, policy_state))
+                    policy_state=policy_state)
 
 
 def _check_tree(num_nodes: int | None, gamma: int,

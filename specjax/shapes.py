@@ -19,7 +19,13 @@ glossary and list the letters they use):
 - Y end-of-sequence ids;
 - X rows of one matrix product (B·T flattened), I its input features, O its
   output features.
+
+Device meshes (`specjax.sharding`) have two named axes: `DATA` splits the
+batch B, `MODEL` splits heads, MLP columns and the vocabulary.
 """
+
+DATA = "data"
+MODEL = "model"
 
 LETTERS = {
     "B": "batch rows",

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 import re
-from typing import Any
+from typing import Any, Callable
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -234,7 +235,9 @@ def _sliding_window(config: Mapping[str, Any], arch: str,
 
 def params_from_tensors(config: ModelConfig,
                         tensors: Mapping[str, np.ndarray],
-                        dtype: Any = jnp.float32) -> dict[str, Any]:
+                        dtype: Any = jnp.float32,
+                        place: Callable[[str, np.ndarray], jax.Array]
+                        | None = None) -> dict[str, Any]:
   """Builds the specjax params pytree from Hugging Face-named tensors.
 
   Every shape is checked before any tensor is converted, so a mismatched
@@ -249,6 +252,9 @@ def params_from_tensors(config: ModelConfig,
       anything with a `shape` that `np.asarray` materialises, which happens
       once per tensor, after all shapes have been checked.
     dtype: dtype of the returned parameters.
+    place: `place(path, host_array)` puts one parameter on its devices
+      (`specjax.sharding.placer`: each device receives only its shard);
+      default the default device.
 
   Returns:
     The params pytree laid out as `param_shapes(config)`.
@@ -310,7 +316,8 @@ def params_from_tensors(config: ModelConfig,
       array = array.T  # [out, in] -> [in, out]
     # Always a fresh host copy: jax may alias host memory on CPU, and the
     # input can be a memory-mapped file that is later rewritten.
-    array = jnp.asarray(np.array(array, dtype=np_dtype, order="C"))
+    array = np.array(array, dtype=np_dtype, order="C")
+    array = jnp.asarray(array) if place is None else place(path, array)
     head, _, leaf = path.rpartition("/")
     (params.setdefault(head, {}) if head else params)[leaf] = array
   check_params(config, params)

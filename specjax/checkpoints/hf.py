@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from specjax import sharding
 from specjax.checkpoints import convert
 from specjax.models import Model
 
@@ -50,16 +51,21 @@ _HUB_ID_RE = re.compile(r"[\w.-]+(/[\w.-]+)?")
 
 
 def load_hf(path: str | os.PathLike[str],
-            dtype: Any = jnp.float32) -> Model:
+            dtype: Any = jnp.float32, *, mesh: Any = None,
+            split: bool = True) -> Model:
   """Loads a Hugging Face Llama-family checkpoint as a specjax `Model`.
 
   Args:
     path: a local checkpoint directory, or a Hugging Face Hub id such as
       `HuggingFaceTB/SmolLM2-135M` (downloaded with `huggingface_hub`).
     dtype: dtype of the returned parameters (tensors are cast).
+    mesh: a `jax.sharding.Mesh` to place each tensor on as it is read
+      (`specjax.sharding.placer`; `split=False` replicates), or None for
+      the default device.
+    split: with `mesh`, split the model (else replicate it).
 
   Returns:
-    The model, parameters on the default device.
+    The model, parameters on the default device or on `mesh`.
 
   Raises:
     FileNotFoundError: the directory, its config.json, or its safetensors
@@ -82,8 +88,10 @@ def load_hf(path: str | os.PathLike[str],
       raise ValueError(f"{config_path!r} is not valid JSON: {e}") from e
   config = convert.config_from_hf(hf_config)
   tensors = SafetensorsDir(directory)
-  params = convert.params_from_tensors(config, tensors, dtype)
-  return Model(config=config, params=params)
+  place = None if mesh is None else sharding.placer(config, mesh,
+                                                     split=split)
+  params = convert.params_from_tensors(config, tensors, dtype, place)
+  return Model(config=config, params=params, mesh=mesh)
 
 
 def resolve(path: str) -> str:

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from specjax import sharding
 from specjax.checkpoints.hf import DTYPES
 from specjax.checkpoints.hf import read_header
 from specjax.models import check_params
@@ -84,15 +85,19 @@ def save(model: Model, path: str | os.PathLike[str]) -> None:
     raise
 
 
-def load(path: str | os.PathLike[str], dtype: Any = None) -> Model:
+def load(path: str | os.PathLike[str], dtype: Any = None, *,
+         mesh: Any = None, split: bool = True) -> Model:
   """Reads a model written by `save`.
 
   Args:
     path: the checkpoint file.
     dtype: cast the params to this dtype; None keeps the stored dtypes.
+    mesh: a `jax.sharding.Mesh` to place each tensor on as it is read
+      (`specjax.sharding.placer`; `split=False` replicates), or None.
+    split: with `mesh`, split the model (else replicate it).
 
   Returns:
-    The model, params on the default device.
+    The model, params on the default device or on `mesh`.
 
   Raises:
     FileNotFoundError: `path` does not exist.
@@ -127,8 +132,14 @@ def load(path: str | os.PathLike[str], dtype: Any = None) -> Model:
     x = jax.device_put(host)  # no copy on CPU: the buffer is aligned
     return x if dtype in (None, x.dtype) else x.astype(dtype)
 
-  params = jax.tree.map(to_device, hosts)
-  return Model(config=config, params=params)
+  if mesh is None:
+    params = jax.tree.map(to_device, hosts)
+  else:
+    place = sharding.placer(config, mesh, split=split)
+    flat = flatten(hosts)
+    cast = lambda x: x if dtype in (None, x.dtype) else x.astype(dtype)
+    params = unflatten(config, lambda path, _: place(path, cast(flat[path])))
+  return Model(config=config, params=params, mesh=mesh)
 
 
 def is_checkpoint(path: str | os.PathLike[str]) -> bool:

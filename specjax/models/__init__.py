@@ -23,6 +23,7 @@ from specjax import cache as cache_lib
 from specjax.models.config import ARCHITECTURES
 from specjax.models.config import check_params
 from specjax.models.config import flatten
+from specjax.models.config import matrix_paths
 from specjax.models.config import unflatten
 from specjax.models.config import ModelConfig
 from specjax.models.config import param_shapes
@@ -41,7 +42,8 @@ __all__ = [
     "ARCHITECTURES", "Decoder", "LanguageModel", "LayerSubset", "MatmulPlan",
     "Model", "ModelConfig",
     "ModelOutput", "RopeScaling", "Transformer", "TransformerOutput",
-    "check_params", "init_random", "model_output", "param_shapes",
+    "check_params", "init_random", "matrix_paths", "model_output",
+    "param_shapes",
     "supports_compaction",
 ]
 
@@ -55,12 +57,17 @@ class Model(Decoder):
     params: pytree laid out as `param_shapes(config)`, with the projection
       matrices transposed to [out, in] when `plan.layout` is "out_in".
     plan: how matrix products are computed (static; see `with_plan`).
+    mesh: the device mesh its parameters are placed on
+      (`specjax.sharding.shard`), or None for one device. Static: its
+      caches are laid out on it (`KVCache.shard`), and decoders read it.
   """
 
   config: ModelConfig = flax.struct.field(pytree_node=False)
   params: Any
   plan: MatmulPlan = flax.struct.field(pytree_node=False,
                                        default=MatmulPlan())
+  mesh: jax.sharding.Mesh | None = flax.struct.field(pytree_node=False,
+                                                     default=None)
 
   @property
   def vocab_size(self) -> int:
@@ -98,7 +105,7 @@ class Model(Decoder):
     params = self.params
     if plan.transposed != self.plan.transposed:
       flat = flatten(params)
-      for path in _matrix_paths(self.config):
+      for path in matrix_paths(self.config):
         flat[path] = (_transpose_donated if donate else _transpose)(
             flat[path])
       params = unflatten(self.config, lambda path, _: flat[path])
@@ -108,7 +115,8 @@ class Model(Decoder):
     c = self.config
     return cache_lib.KVCache.zeros(
         num_layers=c.num_layers, batch=batch, size=size,
-        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype)
+        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        dtype=self.dtype).shard(self.mesh)
 
   def forward(self, tokens: jax.Array | None, cache: cache_lib.KVCache,
               **kwargs) -> TransformerOutput:
@@ -120,17 +128,6 @@ class Model(Decoder):
     """hidden [..., E] -> logits [..., V] float32."""
     return self.module.apply({"params": self.params}, hidden,
                              method=Transformer.logits)
-
-
-# Projections whose storage layout a `MatmulPlan` chooses; `embed` is always
-# [V, E] (gathered by token, and the tied head's [out, in]).
-_MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
-
-
-def _matrix_paths(config: ModelConfig) -> list[str]:
-  paths = [f"layers_{i}/{m}" for i in range(config.num_layers)
-           for m in _MATRICES]
-  return paths + ([] if config.tie_embeddings else ["lm_head"])
 
 
 _transpose = jax.jit(jnp.transpose)

@@ -172,6 +172,19 @@ def check_params(config: ModelConfig, params: Any) -> None:
                      + "; ".join(problems))
 
 
+# Projections whose storage layout a `MatmulPlan` chooses; `embed` is always
+# [V, E] (gathered by token, and the tied head's [out, in]).
+_MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def matrix_paths(config: ModelConfig) -> list[str]:
+  """`flatten` paths of the projections a `MatmulPlan` may store [out, in]
+  (`Model.with_plan` transposes them)."""
+  paths = [f"layers_{i}/{m}" for i in range(config.num_layers)
+           for m in _MATRICES]
+  return paths + ([] if config.tie_embeddings else ["lm_head"])
+
+
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
   """{'a': {'b': x}, 'l': [y]} -> {'a/b': x, 'l/0': y}.
 

@@ -112,7 +112,8 @@ class LayerSubset(Decoder):
     c = self.config
     return cache_lib.KVCache.zeros(
         num_layers=self.cache_layers, batch=batch, size=size,
-        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=self.dtype)
+        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        dtype=self.dtype).shard(self.model.mesh)
 
   def forward(self, tokens: jax.Array, cache: cache_lib.KVCache,
               **kwargs: Any) -> TransformerOutput:

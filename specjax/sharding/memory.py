@@ -1,0 +1,219 @@
+"""Memory planned before compiling: weights and KV caches, bytes per device.
+
+Shape letters (`specjax.shapes`): B batch rows (padded to the data axis), S
+cache size, L layers, K key/value heads, D head dim.
+
+A long compile that ends in an XLA out-of-memory error wastes minutes; the
+bytes that dominate decoding are known from shapes alone. `plan` counts,
+for each model, its parameters and its cache [2, L, B, S, K, D] as the
+mesh splits them (`rules.param_specs`, `KVCache.partition_spec`), per
+device; `MemoryPlan.check` raises before anything compiles when they exceed
+the device's memory. Activations are not counted: at decode they are
+[B, T, E]-sized, small next to weights and cache, except the float32 logits
+[B, T, V], which the plan adds per model as `logits` for the widest pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec
+
+from specjax import cache as cache_lib
+from specjax.models import Model
+from specjax.models.config import flatten
+from specjax.models.config import matrix_paths
+from specjax.models.config import param_shapes
+from specjax.sharding import place
+from specjax.sharding import rules
+from specjax.shapes import DATA
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """One buffer of the plan.
+
+  Attributes:
+    model: which model ("target", "draft").
+    kind: "weights", "cache" or "logits".
+    total: bytes of the whole array(s).
+    per_device: bytes the most loaded device holds.
+  """
+
+  model: str
+  kind: str
+  total: int
+  per_device: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  """Bytes per device of every model's weights, cache and logits.
+
+  Attributes:
+    entries: one per (model, kind).
+    devices: devices in the mesh (1 without one).
+    limit: bytes one device has (`device_memory`), or None if unknown.
+    batch: B the plan is for (padded to the data axis).
+    cache_size: S.
+  """
+
+  entries: tuple[Entry, ...]
+  devices: int
+  limit: int | None
+  batch: int
+  cache_size: int
+
+  @property
+  def per_device(self) -> int:
+    return sum(e.per_device for e in self.entries)
+
+  def bytes(self, model: str, kind: str) -> int:
+    """Per-device bytes of one entry."""
+    return sum(e.per_device for e in self.entries
+               if (e.model, e.kind) == (model, kind))
+
+  def table(self) -> str:
+    """The plan as a fixed-width table."""
+    rows = [(e.model, e.kind, _size(e.total), _size(e.per_device))
+            for e in self.entries]
+    rows.append(("sum", "", _size(sum(e.total for e in self.entries)),
+                 _size(self.per_device)))
+    lines = [f"{'model':8} {'buffer':8} {'total':>11} {'per device':>11}"]
+    lines += [f"{a:8} {b:8} {c:>11} {d:>11}" for a, b, c, d in rows]
+    limit = "unknown" if self.limit is None else _size(self.limit)
+    lines.append(f"device memory {limit}; B={self.batch}, "
+                 f"S={self.cache_size}, {self.devices} device(s)")
+    return "\n".join(lines)
+
+  def check(self) -> "MemoryPlan":
+    """Raises `MemoryError` naming the sizes when a device cannot hold the
+    plan; returns the plan otherwise."""
+    if self.limit is not None and self.per_device > self.limit:
+      parts = ", ".join(f"{e.model} {e.kind} {_size(e.per_device)}"
+                        for e in self.entries)
+      raise MemoryError(
+          f"Weights and caches need {_size(self.per_device)} per device "
+          f"({parts}; batch {self.batch}, cache size {self.cache_size}, "
+          f"{self.devices} device(s)) but a device has {_size(self.limit)}. "
+          "Lower the batch or the cache size, or split over more devices "
+          "(specjax.sharding.make_mesh).")
+    return self
+
+
+def plan(models: dict[str, Any], *, batch: int, cache_size: int,
+         chunk: int = 1, mesh: Mesh | None = None,
+         limit: int | None | str = "device") -> MemoryPlan:
+  """The memory one decoding call needs, from shapes only.
+
+  Args:
+    models: name -> `Model`, in order: a placed model counts its own
+      shards; one not placed counts what decoding with `mesh=` makes of
+      it (the first split, the others replicated; `batch.Placement`).
+      Other `LanguageModel`s are skipped.
+    batch: B (padded to the data axis here).
+    cache_size: S.
+    chunk: T of the widest pass (γ + 1, or the tree's nodes + 1), for the
+      logits.
+    mesh: the mesh (default: the models' own, `place.mesh_of`).
+    limit: bytes per device; "device" reads it (`device_memory`); None
+      skips the check.
+
+  Returns:
+    The `MemoryPlan`.
+  """
+  found = [m for m in models.values() if isinstance(m, Model)]
+  mesh = mesh if mesh is not None else place.mesh_of(*found)
+  batch = place.padded_batch(batch, mesh)
+  entries = []
+  for i, (name, model) in enumerate(models.items()):
+    if not isinstance(model, Model):
+      continue
+    entries.append(_weights(name, model, mesh, split=i == 0))
+    entries.append(_cache(name, model, batch, cache_size, mesh))
+    logits = batch * chunk * model.config.vocab_size * 4
+    data = 1 if mesh is None else mesh.shape[DATA]
+    entries.append(Entry(name, "logits", logits, logits // data))
+  if limit == "device":
+    limit = device_memory()
+  return MemoryPlan(entries=tuple(entries),
+                    devices=1 if mesh is None else mesh.size, limit=limit,
+                    batch=batch, cache_size=cache_size)
+
+
+def device_memory(device: jax.Device | None = None) -> int | None:
+  """Bytes one device can hold: the accelerator's limit, or on CPU the
+  host's physical memory shared by its local CPU devices."""
+  device = device or jax.local_devices()[0]
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  if stats and "bytes_limit" in stats:
+    return int(stats["bytes_limit"])
+  if device.platform == "cpu":
+    try:
+      total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+      return None
+    return total // len(jax.local_devices(backend="cpu"))
+  return None
+
+
+def _weights(name: str, model: Model, mesh: Mesh | None,
+             split: bool) -> Entry:
+  """A placed model's own shards, or else the shards `shard(model, mesh,
+  split=split)` would make."""
+  item = jnp.dtype(model.dtype).itemsize
+  shapes = flatten(param_shapes(model.config))
+  total = sum(int(np.prod(s)) for s in shapes.values()) * item
+  if mesh is None:
+    return Entry(name, "weights", total, total)
+  if model.mesh is not None:
+    per = sum(rules.per_device_bytes(x)
+              for x in jax.tree.leaves(model.params))
+    return Entry(name, "weights", total, per)
+  specs = flatten(rules.param_specs(model.config, mesh, plan=model.plan,
+                                    split=split))
+  transposed = set(matrix_paths(model.config)) if model.plan.transposed else ()
+  per = sum(_shard_bytes(shape[::-1] if path in transposed else shape,
+                         specs[path], mesh, item)
+            for path, shape in shapes.items())
+  return Entry(name, "weights", total, per)
+
+
+def _cache(name: str, model: Model, batch: int, size: int,
+           mesh: Mesh | None) -> Entry:
+  c = model.config
+  shape = jax.eval_shape(lambda: cache_lib.KVCache.zeros(
+      num_layers=c.num_layers, batch=batch, size=size,
+      num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=model.dtype))
+  leaves = jax.tree.leaves(shape)
+  total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves)
+  if mesh is None:
+    return Entry(name, "cache", total, total)
+  specs = jax.tree.leaves(shape.partition_spec(mesh),
+                          is_leaf=lambda x: isinstance(x, PartitionSpec))
+  per = sum(_shard_bytes(x.shape, s, mesh, x.dtype.itemsize)
+            for x, s in zip(leaves, specs))
+  return Entry(name, "cache", total, per)
+
+
+def _size(n: int) -> str:
+  """Bytes in the largest binary unit that keeps the number >= 1."""
+  for unit, scale in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+    if n >= 1 << scale:
+      return f"{n / (1 << scale):.2f} {unit}"
+  return f"{n} B"
+
+
+def _shard_bytes(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh,
+                 itemsize: int) -> int:
+  dims = list(shape)
+  for i, axis in enumerate(tuple(spec)[:len(dims)]):
+    if axis is not None:
+      dims[i] = -(-dims[i] // mesh.shape[axis])
+  return int(np.prod(dims)) * itemsize
