@@ -121,12 +121,6 @@ def param_specs(config: config_lib.ModelConfig, mesh: Mesh, *,
   return config_lib.unflatten(config, spec)
 
 
-def named(mesh: Mesh, specs: Any) -> Any:
-  """A pytree of `PartitionSpec`s -> the same of `NamedSharding`s."""
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                      is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-
 def replicated_large(params: Any, min_bytes: int = 1 << 20) -> list[str]:
   """Paths of parameters of at least `min_bytes` that every device holds
   whole although the mesh has a model axis of size > 1."""
