@@ -391,7 +391,7 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
   # (`GammaPolicy.warm`), as a server running many requests would.
   policy = gamma if isinstance(gamma, int) else decode.resolve_gamma(
       gamma, max_gamma=width, target=pair.target, drafter=drafter,
-      batch=batch_size)[1]
+      batch=batch_size, cache_size=run_kwargs["cache_size"])[1]
   calls, rows = [], []
   for i, batch in enumerate(batches):
     call = timed_call(

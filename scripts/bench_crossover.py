@@ -125,8 +125,14 @@ def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
   batch = len(prompts)
   widths = sorted({1, *(g + 1 for g in gammas),
                    *adaptive.verify_widths(_MAX_GAMMA.value)})
-  target_costs = cost.measure(target, batch=batch, chunks=widths)
-  draft_costs = (cost.measure(draft, batch=batch, chunks=(1,))
+  # Every policy runs with the same cache, and the costs are measured at
+  # it: a forward's cost grows with S.
+  cache_size = decode.default_cache_size(
+      max(map(len, prompts)), _TOKENS.value, reserve=widths[-1])
+  target_costs = cost.measure(target, batch=batch, chunks=widths,
+                              cache_size=cache_size)
+  draft_costs = (cost.measure(draft, batch=batch, chunks=(1,),
+                              cache_size=cache_size)
                  if _DRAFTER.value == "model" else None)
   policies = {"ar": None, **{f"γ={g}": g for g in gammas},
               "heuristic": adaptive.Heuristic(_MAX_GAMMA.value),
@@ -135,7 +141,7 @@ def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
                   target_ms=[target_costs.at(w) for w in
                              adaptive.verify_widths(_MAX_GAMMA.value)],
                   draft_ms=draft_costs.at(1) if draft_costs else 0.0)}
-  kwargs = dict(max_new_tokens=_TOKENS.value, key=0)
+  kwargs = dict(max_new_tokens=_TOKENS.value, key=0, cache_size=cache_size)
   rows = {}
   for name, gamma in policies.items():
     if gamma is None:
@@ -171,6 +177,7 @@ def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
                    if k not in ("auto", "heuristic"))
   return {"batch": batch, "alpha": alpha, "policies": rows,
           "auto_over_best": rows["auto"]["tokens_per_s"] / best_other,
+          "cache_size": cache_size,
           "target_ms": {str(w): target_costs.at(w) for w in widths},
           "draft_ms": draft_costs.at(1) if draft_costs else 0.0}
 

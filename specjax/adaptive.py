@@ -36,8 +36,10 @@ Two policies:
 
       Σ_b E[τ_b](K) / (K · t_draft + t_target(width(K + 1))),
 
-  with E[τ](K) = 1 + Σ_{i≤K} Π_{j≤i} a_j (`tuning.cost.expected_tokens`),
-  and gives it to every active row. K = 0 is an autoregressive step. Once
+  with E[τ](K) = 1 + Σ_{i≤min(K, r_b - 1)} Π_{j≤i} a_j
+  (`tuning.cost.expected_tokens`, capped where a row has only r_b tokens
+  left to emit: drafts past its end are paid for and thrown away), and
+  gives it to every active row. K = 0 is an autoregressive step. Once
   drafted, it verifies the K' leading drafts of each row that maximise
   the same prediction without the (spent) drafting cost and with each
   row's actual proposal length (`trim`); a drafter that costs nothing
@@ -119,16 +121,19 @@ class GammaPolicy:
   def init(self, batch: int) -> PolicyState:
     raise NotImplementedError
 
-  def budget(self, state: PolicyState, active: jax.Array) -> jax.Array:
+  def budget(self, state: PolicyState, active: jax.Array,
+             remaining: jax.Array | None = None) -> jax.Array:
     """[B] int32 draft budget in [0, G] for the next step (0 where
-    inactive)."""
+    inactive); `remaining` [B] is the tokens each row may still emit, or
+    None for no limit."""
     raise NotImplementedError
 
   def trim(self, state: PolicyState, num_drafted: jax.Array,
-           active: jax.Array) -> jax.Array:
+           active: jax.Array, remaining: jax.Array | None = None
+           ) -> jax.Array:
     """[B] int32 how many of the `num_drafted` [B] drafts to verify, once
     drafted (default: all)."""
-    del state, active
+    del state, active, remaining
     return num_drafted
 
   def warm(self, state: PolicyState) -> "GammaPolicy":
@@ -143,6 +148,12 @@ class GammaPolicy:
     """Learns from one step: `budget` [B] as chosen, the proposal, and
     `num_accepted` [B] for rows where `active` [B]."""
     raise NotImplementedError
+
+
+def _usable(remaining: jax.Array | None) -> jax.Array | None:
+  """[B] drafts that can still count: a row with r tokens left emits at
+  most r - 1 drafts and one target token."""
+  return None if remaining is None else jnp.maximum(remaining - 1, 0)
 
 
 def _reached(proposal: Proposal, num_accepted: jax.Array,
@@ -176,7 +187,8 @@ class Heuristic(GammaPolicy):
     return PolicyState(budget=jnp.full((batch,), start, jnp.int32),
                        verified=none, accepted=none, idle=jnp.int32(0))
 
-  def budget(self, state, active):
+  def budget(self, state, active, remaining=None):
+    del remaining
     return jnp.where(active, state.budget, 0)
 
   def update(self, state, budget, proposal, num_accepted, active):
@@ -251,10 +263,11 @@ class Auto(GammaPolicy):
 
   @classmethod
   def measure(cls, target: Any, drafter: Any, *, batch: int,
-              max_gamma: int, cache_dir: str | None = None,
-              **kwargs) -> "Auto":
+              max_gamma: int, cache_size: int = 512,
+              cache_dir: str | None = None, **kwargs) -> "Auto":
     """`create` with costs measured on this machine (`tuning.cost.measure`,
-    cached on disk per machine, model, B and widths).
+    cached on disk per machine, model, B, S and widths), at the cache size
+    S the generation runs with (a forward's cost grows with S).
 
     A drafter's per-token cost is one forward of its `cost_model` (the
     draft model; none for prompt lookup). For a `Fallback` that is its
@@ -264,11 +277,12 @@ class Auto(GammaPolicy):
     from specjax.tuning import cost  # the cost module imports decode
     widths = verify_widths(max_gamma)
     target_costs = cost.measure(target, batch=batch, chunks=widths,
-                                cache_dir=cache_dir)
+                                cache_size=cache_size, cache_dir=cache_dir)
     model = cost_model(drafter)
     draft_ms = 0.0
     if model is not None:
       draft_ms = cost.measure(model, batch=batch, chunks=(1,),
+                              cache_size=cache_size,
                               cache_dir=cache_dir).at(1)
     return cls.create(max_gamma=max_gamma,
                       target_ms=[target_costs.at(w) for w in widths],
@@ -311,8 +325,8 @@ class Auto(GammaPolicy):
     Args:
       acceptance: [B, G] conditional acceptance estimates.
       active: [B] rows that count.
-      available: [B] drafts each row already has (a row verifies at most
-        that many), or None for as many as K.
+      available: [B] drafts that can count per row (those it already has,
+        or those before its end), or None for as many as K.
       drafting: whether the K drafts are still to be paid for (before
         drafting) or already spent (choosing how many drafted tokens to
         verify).
@@ -333,16 +347,20 @@ class Auto(GammaPolicy):
   def _probe(self, state: PolicyState, k: jax.Array) -> jax.Array:
     return jnp.where((k == 0) & (state.idle >= self.probe_every), 1, k)
 
-  def budget(self, state, active):
+  def budget(self, state, active, remaining=None):
     # A drafter that costs nothing drafts all it can; `trim` then picks
     # how much of it to verify.
-    k = jnp.argmax(self.predicted_rate(self.acceptance(state), active))
+    k = jnp.argmax(self.predicted_rate(self.acceptance(state), active,
+                                       available=_usable(remaining)))
     k = jnp.where(self.draft_ms > 0, self._probe(state, k), self.max_gamma)
     return jnp.where(active, k, 0).astype(jnp.int32)
 
-  def trim(self, state, num_drafted, active):
+  def trim(self, state, num_drafted, active, remaining=None):
     """The drafts are paid for: verify the K' <= G leading ones of each row
     that maximise the predicted tokens per ms of the verification alone."""
+    usable = _usable(remaining)
+    if usable is not None:
+      num_drafted = jnp.minimum(num_drafted, usable)
     k = jnp.argmax(self.predicted_rate(self.acceptance(state), active,
                                        available=num_drafted,
                                        drafting=False))

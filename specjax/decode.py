@@ -63,8 +63,9 @@ from specjax.speculate import StepParams
 __all__ = [
     "GenerateOutput", "SpecOutput", "SpecStats", "StepParams",
     "default_cache_size", "generate",
-    "init_spec_state", "max_new_tokens_cap", "prepare_prompts",
-    "prompt_bucket", "resolve_gamma", "speculative_generate", "warmup",
+    "gamma_bound", "init_spec_state", "max_new_tokens_cap",
+    "prepare_prompts", "prompt_bucket", "resolve_gamma",
+    "speculative_generate", "warmup",
 ]
 
 _MIN_BUCKET = 16
@@ -410,29 +411,40 @@ def _speculative_generate(target, drafter, prompts, lengths, params, key,
   return tokens, state.num_generated, state.stats, state.policy_state
 
 
+def gamma_bound(gamma: int | str | adaptive.GammaPolicy, *,
+                max_gamma: int) -> int:
+  """G, the most drafts a step may verify, for a `gamma` argument of
+  `speculative_generate` (validated)."""
+  if isinstance(gamma, adaptive.GammaPolicy):
+    return gamma.max_gamma
+  if isinstance(gamma, str):
+    if gamma in ("auto", "heuristic"):
+      return max_gamma
+  elif not isinstance(gamma, bool) and int(gamma) == gamma and gamma >= 1:
+    return int(gamma)
+  raise ValueError(f"gamma must be an integer >= 1, 'auto' or "
+                   f"'heuristic', got {gamma!r}.")
+
+
 def resolve_gamma(gamma: int | str | adaptive.GammaPolicy, *,
                   max_gamma: int, target: LanguageModel, drafter: Drafter,
-                  batch: int) -> tuple[int, adaptive.GammaPolicy | None]:
+                  batch: int, cache_size: int = 512
+                  ) -> tuple[int, adaptive.GammaPolicy | None]:
   """G and the policy for a `gamma` argument of `speculative_generate`.
 
   An int is a fixed γ (no policy); "heuristic" is `adaptive.Heuristic`
-  and "auto" `adaptive.Auto` with costs measured on this machine (cached
-  on disk), both with γ_max = `max_gamma`; a `GammaPolicy` is used as is.
+  and "auto" `adaptive.Auto` with costs measured on this machine at B =
+  `batch` and S = `cache_size` (cached on disk), both with γ_max =
+  `max_gamma`; a `GammaPolicy` is used as is.
   """
-  if isinstance(gamma, adaptive.GammaPolicy):
-    return gamma.max_gamma, gamma
-  if isinstance(gamma, str):
-    if gamma == "heuristic":
-      return max_gamma, adaptive.Heuristic(max_gamma)
-    if gamma == "auto":
-      return max_gamma, adaptive.Auto.measure(
-          target, drafter, batch=batch, max_gamma=max_gamma)
-    raise ValueError(f"gamma must be an integer >= 1, 'auto' or "
-                     f"'heuristic', got {gamma!r}.")
-  if isinstance(gamma, bool) or int(gamma) != gamma or gamma < 1:
-    raise ValueError(f"gamma must be an integer >= 1, 'auto' or "
-                     f"'heuristic', got {gamma!r}.")
-  return int(gamma), None
+  bound = gamma_bound(gamma, max_gamma=max_gamma)
+  if gamma == "heuristic":
+    return bound, adaptive.Heuristic(max_gamma)
+  if gamma == "auto":
+    return bound, adaptive.Auto.measure(target, drafter, batch=batch,
+                                        max_gamma=max_gamma,
+                                        cache_size=cache_size)
+  return bound, gamma if isinstance(gamma, adaptive.GammaPolicy) else None
 
 
 def speculative_generate(
@@ -499,9 +511,8 @@ def speculative_generate(
         f"Draft and target vocabularies differ: draft has "
         f"{drafter.vocab_size} tokens, target has {target.vocab_size}. "
         "Speculative decoding needs one shared tokenizer.")
-  gamma, policy = resolve_gamma(gamma, max_gamma=max_gamma, target=target,
-                                drafter=drafter, batch=len(prompts))
-  _check_tree(num_nodes, gamma, policy, drafter)
+  bound = gamma_bound(gamma, max_gamma=max_gamma)
+  _check_tree(num_nodes, bound, gamma, drafter)
   params = StepParams.create(
       temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
       draft_stop_threshold=draft_stop_threshold,
@@ -511,13 +522,16 @@ def speculative_generate(
   cap = _tokens_cap(max_new_tokens, tokens_cap)
   tokens, lengths, cache_size = prepare_prompts(
       prompts, target.vocab_size, max_new_tokens=max_new_tokens,
-      cache_size=cache_size, reserve=(num_nodes or gamma) + 1 + extra,
+      cache_size=cache_size, reserve=(num_nodes or bound) + 1 + extra,
       tokens_cap=cap,
       reserve_note=f" (gamma + 1, and {extra} for the drafter's inner "
       "levels: a Cascade's inner gamma + 1)" if extra else (
           " (num_nodes + 1)" if num_nodes else ""))
   where.check_memory({"target": target, "draft": draft},
-                     cache_size=cache_size, chunk=(num_nodes or gamma) + 1)
+                     cache_size=cache_size, chunk=(num_nodes or bound) + 1)
+  gamma, policy = resolve_gamma(gamma, max_gamma=max_gamma, target=target,
+                                drafter=drafter, batch=len(prompts),
+                                cache_size=cache_size)
   tokens, lengths, budget = where.inputs(tokens, lengths, max_new_tokens)
   out, counts, stats, policy_state = compilation.call(
       _speculative_generate, "speculative_generate",
@@ -537,17 +551,21 @@ def speculative_generate(
 
 
 def _check_tree(num_nodes: int | None, gamma: int,
-                policy: adaptive.GammaPolicy | None, drafter: Drafter
-                ) -> None:
+                requested: int | str | adaptive.GammaPolicy,
+                drafter: Drafter) -> None:
+  """Errors for `num_nodes` with G = `gamma` and the `gamma` argument as
+  `requested` (an int, or an adaptive policy or its name)."""
   if num_nodes is None:
     return
   if isinstance(num_nodes, bool) or int(num_nodes) != num_nodes or (
       num_nodes < gamma):
     raise ValueError(f"num_nodes must be an integer >= gamma={gamma} (one "
                      f"node per depth at least), got {num_nodes!r}.")
-  if policy is not None:
+  if isinstance(requested, (str, adaptive.GammaPolicy)):
+    name = (requested if isinstance(requested, str)
+            else _policy_name(requested))
     raise ValueError("num_nodes (token trees) takes a fixed integer gamma, "
-                     f"not an adaptive policy ({_policy_name(policy)}).")
+                     f"not an adaptive policy ({name}).")
   if not getattr(drafter, "supports_trees", False):
     raise ValueError(f"{type(drafter).__name__} drafts chains only; token "
                      "trees (num_nodes) need a tree drafter: DraftModel or "

@@ -241,7 +241,8 @@ def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
         params.sampling, verify_key, synthetic_rate=synthetic_rate)
     scored = num_nodes or gamma
   else:
-    budget = policy.budget(state.policy_state, active)  # [B]
+    remaining = max_new_tokens - state.num_generated  # [B]
+    budget = policy.budget(state.policy_state, active, remaining)  # [B]
 
     def draft(s):
       proposal, s = propose(s, limit=budget)
@@ -252,7 +253,8 @@ def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
                                          state.drafter_state)
     proposal = proposal.replace(num_drafted=capped(
         proposal.num_drafted,
-        policy.trim(state.policy_state, proposal.num_drafted, active)))
+        policy.trim(state.policy_state, proposal.num_drafted, active,
+                    remaining)))
     verification, target_cache, scored = verify_within(
         policy.widths, target, state.target_cache, state.last_token,
         proposal, params.sampling, verify_key, synthetic_rate=synthetic_rate)

@@ -42,6 +42,10 @@ class Verification:
     probs: [B, G+1, V] float32 the same after sampling processing (p).
     hidden: [B, G+1, E] the target's last hidden states at those positions,
       or None for a model that does not expose them.
+    path: [B, G] int32 for a token tree, the accepted nodes' chunk indices
+      (node + 1) by depth, the unaccepted tail 0 (`tree.path_slots`), so a
+      tree drafter can keep the path it drafted (`DraftModel.commit`);
+      None for a chain.
   """
 
   num_accepted: jax.Array
@@ -50,6 +54,7 @@ class Verification:
   logits: jax.Array
   probs: jax.Array
   hidden: jax.Array | None = None
+  path: jax.Array | None = None
 
   @property
   def num_emitted(self) -> jax.Array:
@@ -158,7 +163,8 @@ def verify_tree(target: Any, cache: Any, last_token: jax.Array,
       num_accepted=result.num_accepted, next_token=result.next_token,
       emitted=emitted_tokens(path_tokens, result.num_accepted,
                              result.next_token),
-      logits=take(out.logits), probs=take(p), hidden=take(out.hidden))
+      logits=take(out.logits), probs=take(p), hidden=take(out.hidden),
+      path=slots)
   return verification, cache.rollback(start + 1 + result.num_accepted)
 
 

@@ -5,6 +5,8 @@ on the same target, the cost model's own `predict_tokens_per_s`, and
 transformers' schedule written out by hand.
 """
 
+import json
+
 import flax.struct
 import jax.numpy as jnp
 import numpy as np
@@ -180,6 +182,28 @@ def test_auto_trims_to_what_rows_have():
       policy.trim(state, jnp.array([4, 0]), active), [4, 4])
 
 
+def test_auto_drafts_nothing_past_a_rows_end():
+  # Full acceptance and cheap passes make G drafts pay, but a row with r
+  # tokens left can use only r - 1 of them: the budget and the trim stop
+  # there, and a row's last token is a plain step.
+  policy = adaptive.Auto.create(max_gamma=4, target_ms=[1.0, 1.01, 1.02,
+                                                        1.03], draft_ms=0.01,
+                                prior=1.0)
+  state = policy.init(2)
+  active = jnp.array([True, True])
+  np.testing.assert_array_equal(policy.budget(state, active), [4, 4])
+  for left, usable in ((9, 4), (3, 2), (2, 1), (1, 0)):
+    remaining = jnp.array([left, left])
+    np.testing.assert_array_equal(
+        policy.budget(state, active, remaining), [usable] * 2)
+    np.testing.assert_array_equal(
+        policy.trim(state, jnp.array([4, 4]), active, remaining),
+        [usable] * 2)
+  # Rows with different ends: the batch takes the longest useful budget.
+  np.testing.assert_array_equal(
+      policy.budget(state, active, jnp.array([2, 3])), [2, 2])
+
+
 def test_auto_estimates_follow_observed_acceptance():
   # Decayed counts (weight 1 - rate = 0.5 on the past): position 1 starts
   # from the prior as one observation; deeper positions add the estimate
@@ -264,3 +288,18 @@ def test_errors_name_the_problem(pair):
     adaptive.Auto.create(**COSTS, prior=1.5)
   with pytest.raises(ValueError, match="rate"):
     adaptive.Auto.create(**COSTS, rate=0.0)
+
+
+def test_auto_measures_costs_at_the_calls_cache_size(pair, tmp_path,
+                                                      monkeypatch):
+  """A forward's cost grows with S (attention reads every slot), so
+  `gamma="auto"` measures the target's widths and the draft's step at the
+  S the call runs with, not at a fixed size."""
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  target, draft = pair
+  decode.speculative_generate(target, draft, PROMPTS[:2], gamma="auto",
+                              max_gamma=2, max_new_tokens=4, cache_size=96)
+  keys = list(json.loads((tmp_path / "tuning" / "cost.json").read_text()))
+  assert len(keys) == 2, keys  # the target's widths, the draft's step
+  assert all("|B=2|S=96|" in k for k in keys), keys
+  assert sorted(k.rsplit("|T=", 1)[1] for k in keys) == ["1", "1,2,3"], keys

@@ -163,12 +163,14 @@ def _check_track_in_sync(track, state, prompts, lengths, draft, b):
   return len(committed) - cached
 
 
-def _run_steps(target, drafter, prompts, gamma, max_new, on_step):
-  """Runs speculate_step to the end, calling on_step(state, prompts,
-  lengths) after each; returns the final state and the padded prompts."""
+def _run_steps(target, drafter, prompts, gamma, max_new, on_step,
+               num_nodes=None):
+  """Runs speculate_step to the end (chains, or trees of `num_nodes`),
+  calling on_step(state, prompts, lengths) after each; returns the final
+  state and the padded prompts."""
   tokens, lengths, size = decode.prepare_prompts(
       prompts, target.vocab_size, max_new_tokens=max_new, cache_size=None,
-      reserve=gamma + 1 + drafters.extra_positions(drafter))
+      reserve=(num_nodes or gamma) + 1 + drafters.extra_positions(drafter))
   params = speculate.StepParams.create()
   state = decode.init_spec_state(
       target, drafter, jnp.asarray(tokens), jnp.asarray(lengths), params,
@@ -176,7 +178,7 @@ def _run_steps(target, drafter, prompts, gamma, max_new, on_step):
       cache_size=size)
   step = jax.jit(lambda s: speculate.speculate_step(
       s, target=target, drafter=drafter, params=params, gamma=gamma,
-      max_new_tokens=max_new))
+      max_new_tokens=max_new, num_nodes=num_nodes))
   while not bool(np.all(state.done)):
     state = step(state)
     on_step(state, tokens, lengths)

@@ -17,6 +17,9 @@ from specjax import sampling
 from specjax import tree
 from specjax.drafters.base import Proposal
 from specjax.verify import verify
+from tests.test_drafter_protocol import _check_track_in_sync
+from tests.test_drafter_protocol import _perturbed_draft
+from tests.test_drafter_protocol import _run_steps
 
 # Row 0 repeats itself (lookup finds several matches), row 1 is one token,
 # row 2 counts up (no repeated n-gram).
@@ -141,6 +144,31 @@ def test_a_later_branch_commits_and_the_cache_matches_a_prefill(pair):
   a, _ = target(nxt, cache)
   b, _ = target(nxt, fresh)
   np.testing.assert_allclose(a.logits, b.logits, atol=1e-4)
+
+
+def test_tree_draft_keeps_the_accepted_path_cached(pair):
+  # After each tree step the draft model's cache must hold the committed
+  # text but its pending tokens, with the keys of a fresh prefill of it; the
+  # accepted path's nodes are moved from their tree slots into place, not
+  # fed again, so at most two tokens are pending (the next token, and the
+  # path's deepest node, which the draft never scored) however many nodes
+  # were accepted.
+  target = pair[0]
+  draft = _perturbed_draft(target)
+  pending, accepted = set(), set()
+
+  def check(state, prompts, lengths):
+    for b in range(len(PROMPTS)):
+      if not bool(state.done[b]):
+        pending.add(_check_track_in_sync(state.drafter_state, state, prompts,
+                                         lengths, draft, b))
+    accepted.update(np.asarray(
+        state.stats.accepted[:, int(state.stats.steps) - 1]).tolist())
+
+  _run_steps(target, drafters.DraftModel(draft), PROMPTS, 3, MAX_NEW, check,
+             num_nodes=9)
+  assert max(accepted) >= 2, accepted  # paths of several nodes were kept
+  assert pending <= {1, 2}, pending
 
 
 def test_ancestor_mask_and_depths():

@@ -120,8 +120,10 @@ class DraftModel:
     deterministically (q=None), which keeps verification exact
     (`specjax.tree`). One draft pass per depth scores the frontier, its
     nodes reading the committed cache and their own ancestors, which sit in
-    the cache past the committed text (`cache_mask`); the cache is rolled
-    back to the committed text afterwards.
+    the cache past the committed text (node j at slot `base + j`,
+    `cache_mask`); the cache is rolled back to the committed text
+    afterwards, and `commit` moves the accepted path's slots into place
+    (`track.keep_path`) instead of feeding it again.
     """
     width = num_nodes // gamma
     logits, state, passes = track.catch_up(self.model, state,
@@ -174,6 +176,14 @@ class DraftModel:
     return proposal, state.replace(cache=cache.rollback(base))
 
   def commit(self, state, proposal, verification, active):
-    del proposal
-    return track.rewind(state, verification.emitted,
-                        verification.num_emitted, active)
+    base = state.length
+    state = track.rewind(state, verification.emitted,
+                         verification.num_emitted, active)
+    if verification.path is None or proposal.tree_depth < 2:
+      return state
+    # `_tree` fed every node above the deepest level: the accepted path's
+    # first min(accepted, γ - 1) nodes are in the cache past `base`.
+    return track.keep_path(
+        state, base, jnp.maximum(verification.path - 1, 0),
+        jnp.minimum(verification.num_accepted, proposal.tree_depth - 1),
+        active)

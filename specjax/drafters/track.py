@@ -15,7 +15,11 @@ the target commits, whichever drafter proposed:
   `Fallback`) catches up any number of tokens with static shapes;
 - `rewind` makes `context[:base] + emitted` the committed text and keeps
   the cached positions that still match it: drafted tokens the target
-  accepted stay cached, everything else is dropped.
+  accepted stay cached, everything else is dropped;
+- `keep_path`, after a token tree, moves the accepted path's keys and
+  values from the slots the tree drafter left them in to consecutive
+  slots after the old committed text (`KVCache.compact`, only those slots
+  written), so they need not be fed again.
 
 At least the last committed token is always left uncached, so `catch_up`
 has a token to feed and returns the logits after it.
@@ -137,3 +141,26 @@ def rewind(track: Track, emitted: jax.Array, num_emitted: jax.Array,
       cache=track.cache.rollback(jnp.where(
           active, kept, jnp.minimum(cached, base - 1))),
       context=context, length=length)
+
+
+def keep_path(track: Track, base: jax.Array, nodes: jax.Array,
+              count: jax.Array, active: jax.Array) -> Track:
+  """Caches the first `count` [B] nodes of an accepted tree path.
+
+  Call after `rewind` has appended the path to the committed text.
+
+  Args:
+    track: rewound; its cache holds at most the `base` tokens committed
+      before the step.
+    base: [B] int32 committed tokens before the step; the tree drafter
+      left node j's keys and values at slot `base + j`, at the position of
+      its depth (`base - 1 + depth`), which is where the path puts it.
+    nodes: [B, G] int32 node indices of the accepted path by depth
+      (anything >= 0 past `count`).
+    count: [B] int32 leading path nodes whose keys the drafter computed, at
+      most the accepted count (the last committed token stays uncached).
+    active: [B] rows the step committed.
+  """
+  cache = track.cache.compact(base[:, None] + nodes, base)
+  return track.replace(cache=cache.rollback(
+      jnp.where(active, base + count, track.cache.lengths)))

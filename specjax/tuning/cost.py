@@ -147,15 +147,21 @@ def _check_entry(entry: Any) -> None:
 
 
 def measure(model: Any, *, batch: int, chunks: Sequence[int],
-            cache_size: int = 512, prompt_tokens: int = 128,
+            cache_size: int = 512, prompt_tokens: int | None = None,
             repeats: int = 5, cache_dir: str | os.PathLike | None = None,
             refresh: bool = False) -> ForwardCosts:
   """Forward times of `model` at B = `batch` for each T in `chunks`.
 
   Measured once per machine, model, plan, B, S and chunks, then read from
   `$SPECJAX_CACHE/tuning/cost.json` (deleting it re-measures; `refresh`
-  forces it). Each forward runs after a prefill of `prompt_tokens`, so
-  attention reads a cache of realistic length.
+  forces it). Each forward runs after a prefill of `prompt_tokens`
+  (default S / 2), so attention reads a cache of realistic length.
+
+  Attention reads all S slots of the static cache whatever the rows'
+  lengths, so a forward's cost grows with S (on machine C, B = 8 at the
+  1.5B shapes: 335 ms at S = 128, 455 ms at S = 512); measure at the S the
+  generation will use, or the verify pass's cost relative to a one-token
+  step comes out wrong.
   """
   chunks = tuple(sorted(set(int(t) for t in chunks)))
   path = store.path_for("cost", cache_dir)
@@ -164,6 +170,11 @@ def measure(model: Any, *, batch: int, chunks: Sequence[int],
   if key in entries and not refresh:
     return ForwardCosts(batch, {int(t): float(v) for t, v in
                                 entries[key]["forward_ms"].items()}, "cache")
+  if prompt_tokens is None:
+    prompt_tokens = cache_size // 2
+  if not 1 <= prompt_tokens <= cache_size - chunks[-1]:
+    raise ValueError(f"prompt_tokens={prompt_tokens} and a {chunks[-1]}-"
+                     f"token forward do not fit a cache of {cache_size}.")
   prompts = [[(7 * i + b) % (model.vocab_size - 1) + 1
               for i in range(prompt_tokens)] for b in range(batch)]
   steps = {t: forward_step(model, prompts, cache_size, t) for t in chunks}
