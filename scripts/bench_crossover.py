@@ -2,7 +2,9 @@ r"""Batch crossover: decoding tokens/s against B for every γ policy.
 
 For each batch size B, runs autoregressive decoding, speculative decoding at
 each fixed γ, transformers' heuristic schedule and `gamma="auto"`
-(`specjax.adaptive`) on the same prompts, and reports the decoding-phase
+(`specjax.adaptive`) on the same prompts (`auto` cold, from its prior, and
+`auto warm`, started from the estimates the cold run ended with, as a
+server carries them from request to request), and reports the decoding-phase
 tokens/s of each (the first token's prompt pass timed apart and
 subtracted, as in `experiments.bench`), the ratio of `auto` to the best of
 the others, and the cost model's prediction beside each measurement.
@@ -143,14 +145,20 @@ def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
                   draft_ms=draft_costs.at(1) if draft_costs else 0.0)}
   kwargs = dict(max_new_tokens=_TOKENS.value, key=0, cache_size=cache_size)
   rows = {}
-  for name, gamma in policies.items():
+  for name in [*policies, "auto warm"]:
+    if name == "auto warm":
+      # As a server would: the estimates the cold run ended with start the
+      # next request (`Auto.warm`); the same program, nothing compiles.
+      gamma = policies["auto"].warm(rows["auto"]["policy_state"])
+    else:
+      gamma = policies[name]
     if gamma is None:
       fn = functools.partial(decode.generate, target, prompts, **kwargs)
     else:
       fn = functools.partial(decode.speculative_generate, target, drafter,
                              prompts, gamma=gamma,
                              synthetic_acceptance=alpha, **kwargs)
-    call = bench.timed_call(fn, (name, batch, alpha), seen, 1)
+    call = bench.timed_call(fn, (name.split()[0], batch, alpha), seen, 1)
     measured = call.decode_tokens / call.decode_s
     if gamma is None:
       predicted = cost.predict_tokens_per_s(target_costs, 0, [])
@@ -169,14 +177,19 @@ def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
       row = {"tau": float(call.output.lengths.sum() - batch)
                     / max(int(stats.steps), 1) / batch,
              "autoregressive_steps": float(np.mean(scored[scored >= 0] == 0)),
-             "mean_drafts": float(np.mean(scored[scored >= 0]))}
+             "mean_drafts": float(np.mean(scored[scored >= 0])),
+             "policy_state": call.output.policy_state}
     rows[name] = {"tokens_per_s": measured, "predicted_tokens_per_s":
                   predicted, "predicted_over_measured": predicted / measured,
                   **row}
+  for row in rows.values():
+    row.pop("policy_state", None)
   best_other = max(v["tokens_per_s"] for k, v in rows.items()
-                   if k not in ("auto", "heuristic"))
+                   if k not in ("auto", "auto warm", "heuristic"))
   return {"batch": batch, "alpha": alpha, "policies": rows,
           "auto_over_best": rows["auto"]["tokens_per_s"] / best_other,
+          "auto_warm_over_best": (rows["auto warm"]["tokens_per_s"]
+                                  / best_other),
           "cache_size": cache_size,
           "target_ms": {str(w): target_costs.at(w) for w in widths},
           "draft_ms": draft_costs.at(1) if draft_costs else 0.0}
@@ -184,13 +197,14 @@ def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
 
 def _table(results) -> str:
   names = list(results[0]["policies"])
-  head = ["α", "B"] + names + ["auto/best"]
+  head = ["α", "B"] + names + ["auto/best", "auto warm/best"]
   lines = [" | ".join(head), " | ".join("---" for _ in head)]
   for r in results:
     alpha = "real" if r["alpha"] is None else f"{r['alpha']:.2f}"
     cells = [f"{r['policies'][n]['tokens_per_s']:.2f}" for n in names]
     lines.append(" | ".join([alpha, str(r["batch"])] + cells
-                            + [f"{r['auto_over_best']:.2f}x"]))
+                            + [f"{r['auto_over_best']:.2f}x",
+                               f"{r['auto_warm_over_best']:.2f}x"]))
   lines += ["", "predicted / measured tokens/s:"]
   lines += [" | ".join(["α", "B"] + names)]
   for r in results:

@@ -81,6 +81,29 @@ class KVCache:
     """Keeps the first `lengths[b]` positions of each row valid."""
     return self.replace(lengths=lengths.astype(jnp.int32))
 
+  def write(self, keys: jax.Array, values: jax.Array, offsets: jax.Array,
+            first: int = 0) -> "KVCache":
+    """A chunk's keys and values written at each row's offset.
+
+    Args:
+      keys: [l, B, T, K, D] for layers `first` .. `first + l - 1`.
+      values: [l, B, T, K, D].
+      offsets: [B] int32 slot of each row's first chunk token.
+      first: static, the first layer written.
+
+    Returns:
+      The cache with those T slots per row and layer written (nothing else
+      copied) and `lengths = offsets + T`.
+    """
+    stop = first + keys.shape[0]
+    rows = jax.vmap(write_rows, in_axes=(0, 0, None))
+    k, v = rows(self.k[first:stop], keys, offsets), rows(
+        self.v[first:stop], values, offsets)
+    if (first, stop) != (0, self.k.shape[0]):
+      k, v = self.k.at[first:stop].set(k), self.v.at[first:stop].set(v)
+    return self.replace(k=k, v=v,
+                        lengths=(offsets + keys.shape[2]).astype(jnp.int32))
+
   def compact(self, src_slots: jax.Array, lengths: jax.Array) -> "KVCache":
     """Moves chosen slots to consecutive positions after `lengths`.
 

@@ -39,7 +39,9 @@ def _drafters(models):
   }
 
 
-@pytest.mark.parametrize("gamma", [1, 3, 6])
+# γ = 6 runs with the slow tests (the default suite keeps 1 and 3).
+@pytest.mark.parametrize("gamma", [
+    1, 3, pytest.param(6, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", ["fallback", "cascade", "cascade2"])
 def test_greedy_equals_autoregressive(models, kind, gamma):
   drafter = _drafters(models)[kind]

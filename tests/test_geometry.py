@@ -117,6 +117,30 @@ def test_default_geometry_passed_explicitly_is_the_default(model):
   np.testing.assert_array_equal(explicit.hidden, default.hidden)
 
 
+def test_unwritten_pass_returns_what_a_written_pass_writes(model):
+  # write_cache=False (for callers inside lax.switch) leaves the cache
+  # untouched and hands back the chunk's keys and values; writing them with
+  # KVCache.write gives the written pass's cache exactly.
+  prefix = jnp.asarray(np.stack([_seq(PREFIX, 0), _seq(PREFIX, 1)]))
+  chunk = jnp.asarray(np.stack([_seq(4, 2), _seq(4, 3)]))
+  cache = _prefilled(model, prefix).rollback(jnp.array([5, 3]))
+  written, written_cache = model(chunk, cache)
+  out, unwritten = model(chunk, cache, write_cache=False)
+  np.testing.assert_array_equal(out.logits, written.logits)
+  np.testing.assert_array_equal(unwritten.k, cache.k)
+  np.testing.assert_array_equal(unwritten.lengths, cache.lengths + 4)
+  assert written.keys is None and out.keys.shape == (
+      model.config.num_layers, 2, 4, model.config.num_kv_heads,
+      model.config.head_dim)
+  again = cache.write(out.keys, out.values, cache.lengths)
+  np.testing.assert_array_equal(again.k, written_cache.k)
+  np.testing.assert_array_equal(again.v, written_cache.v)
+  np.testing.assert_array_equal(again.lengths, written_cache.lengths)
+  subset = models.LayerSubset.create(model, exit_layer=1)
+  with pytest.raises(ValueError, match="write_cache=False"):
+    subset(chunk, subset.init_cache(2, 16), write_cache=False)
+
+
 def test_causal_forward_matches_the_numpy_reference(model):
   tokens = _seq(9, 4)
   out, _ = model(jnp.asarray(tokens)[None], model.init_cache(1, 16))

@@ -69,6 +69,10 @@ class Model(Decoder):
   mesh: jax.sharding.Mesh | None = flax.struct.field(pytree_node=False,
                                                      default=None)
 
+  # `__call__(..., write_cache=False)` returns the chunk's keys and values
+  # instead of writing them (`ModelOutput.keys`).
+  defers_cache_writes = True
+
   @property
   def vocab_size(self) -> int:
     return self.config.vocab_size

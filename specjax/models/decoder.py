@@ -35,8 +35,8 @@ class Decoder:
     out = self.forward(tokens, cache, positions=positions, mask=mask,
                        **kwargs)
     return ModelOutput(logits=self.logits(out.hidden), hidden=out.hidden,
-                       residual=out.residual,
-                       layer_hidden=out.layer_hidden), out.cache
+                       residual=out.residual, layer_hidden=out.layer_hidden,
+                       keys=out.keys, values=out.values), out.cache
 
   def prefill(self, tokens: jax.Array, lengths: jax.Array,
               cache: cache_lib.KVCache, chunk: int | None = PREFILL_CHUNK,

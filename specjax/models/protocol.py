@@ -22,12 +22,17 @@ class ModelOutput:
       for a model that does not expose it.
     residual: [B, T, E] the residual stream before the final norm, or None.
     layer_hidden: [B, T, E] outputs of the layers a caller asked for.
+    keys: [L, B, T, K, D] the chunk's keys when the model was asked not to
+      write its cache (`write_cache=False`, a `Model`), else None.
+    values: [L, B, T, K, D] the same for values.
   """
 
   logits: jax.Array
   hidden: jax.Array | None = None
   residual: jax.Array | None = None
   layer_hidden: tuple[jax.Array, ...] = ()
+  keys: jax.Array | None = None
+  values: jax.Array | None = None
 
 
 def model_output(result: jax.Array | ModelOutput) -> ModelOutput:

@@ -123,6 +123,9 @@ class LayerSubset(Decoder):
     for key in ("layers", "residual"):
       if kwargs.get(key) is not None:
         raise ValueError(f"LayerSubset chooses its own layers; got {key}=.")
+    if not kwargs.get("write_cache", True):
+      raise ValueError("LayerSubset writes its cache range by range; "
+                       "write_cache=False is for a whole Model.")
     start = cache.lengths
     out = None
     for first, stop in self.ranges:

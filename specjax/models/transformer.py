@@ -126,14 +126,20 @@ class TransformerOutput:
       input of the LM head).
     residual: [B, T, E] the same before the final norm (the input of the
       next layer, to continue a layer range).
-    cache: the cache with the chunk written, `lengths` advanced by T.
+    cache: the cache with the chunk written, `lengths` advanced by T (with
+      `write_cache=False`, nothing written: only `lengths` advanced).
     layer_hidden: one [B, T, E] residual stream per requested layer.
+    keys: [l, B, T, K, D] the chunk's keys for the l layers run, when the
+      pass did not write them (`write_cache=False`), else None.
+    values: [l, B, T, K, D] the same for values.
   """
 
   hidden: jax.Array
   residual: jax.Array
   cache: cache_lib.KVCache
   layer_hidden: tuple[jax.Array, ...] = ()
+  keys: jax.Array | None = None
+  values: jax.Array | None = None
 
 
 class Block(nn.Module):
@@ -250,7 +256,8 @@ class Transformer(nn.Module):
                residual: jax.Array | None = None,
                hidden_layers: tuple[int, ...] = (),
                cache_is_empty: bool = False,
-               cache_mask: jax.Array | None = None) -> "TransformerOutput":
+               cache_mask: jax.Array | None = None,
+               write_cache: bool = True) -> "TransformerOutput":
     """Runs a chunk of tokens per row at the rows' cache offsets.
 
     Args:
@@ -274,6 +281,11 @@ class Transformer(nn.Module):
         drafter that keeps earlier tree levels in the cache shows each node
         only its own ancestors. The sliding window still assumes slot s
         holds position s.
+      write_cache: static; False leaves the cache unwritten and returns the
+        chunk's keys and values instead (`TransformerOutput.keys`), for a
+        caller that writes them itself (`KVCache.write`): inside a
+        `lax.switch` branch, an in-place write forces XLA to copy the
+        whole cache first, every step.
 
     Returns:
       A `TransformerOutput`; the cache in it has the chunk written and
@@ -315,19 +327,17 @@ class Transformer(nn.Module):
       raise ValueError(f"hidden_layers {sorted(missing)} are not run by "
                        f"layers={layers}.")
     hidden = rms_norm(x, self.final_norm, c.rms_norm_eps)
-    # [l, B, T, K, D] chunks scattered into [L, B, S, K, D] at each row's
-    # offset, for the l layers run.
-    write = jax.vmap(cache_lib.write_rows, in_axes=(0, 0, None))
-    k_new = write(cache.k[first:stop], jnp.stack(ks), offsets)
-    v_new = write(cache.v[first:stop], jnp.stack(vs), offsets)
-    if (first, stop) != (0, c.num_layers):
-      k_new = cache.k.at[first:stop].set(k_new)
-      v_new = cache.v.at[first:stop].set(v_new)
-    new_cache = cache.replace(k=k_new, v=v_new,
-                              lengths=offsets + num_tokens)
+    keys, values = jnp.stack(ks), jnp.stack(vs)  # [l, B, T, K, D]
+    layer_hidden = tuple(chosen[i] for i in hidden_layers)
+    if not write_cache:
+      return TransformerOutput(
+          hidden=hidden, residual=x,
+          cache=cache.rollback(offsets + num_tokens),
+          layer_hidden=layer_hidden, keys=keys, values=values)
     return TransformerOutput(
-        hidden=hidden, residual=x, cache=new_cache,
-        layer_hidden=tuple(chosen[i] for i in hidden_layers))
+        hidden=hidden, residual=x,
+        cache=cache.write(keys, values, offsets, first),
+        layer_hidden=layer_hidden)
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """[..., E] -> [..., V] float32."""
