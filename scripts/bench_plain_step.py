@@ -1,0 +1,93 @@
+r"""What a plain step costs inside the speculative loop, against `generate`.
+
+`gamma="auto"` can only be as fast as autoregressive decoding where it
+stops drafting if its plain steps (a one-token target pass inside the
+compiled speculative loop: `lax.cond` around drafting, `lax.switch` over
+verification widths, the rejection sampler, statistics) cost what a step
+of `generate` costs. This times both on the same prompts: `generate`, and
+`speculative_generate` under an `Auto` policy whose prior is 0 (it drafts
+nothing but a one-token probe every `probe_every` steps), with synthetic
+acceptance. Decoding-phase time: a one-token call's time (prompt pass and
+first token) is subtracted, medians over `--repeats`.
+
+COMMAND (random weights at the real pair's shapes):
+  PYTHONPATH=. python scripts/bench_plain_step.py --batch=8 --tokens=32 \
+    --prompt_tokens=64
+"""
+
+from __future__ import annotations
+
+import time
+
+from absl import app
+from absl import flags
+import jax
+import numpy as np
+
+from specjax import adaptive
+from specjax import decode
+from specjax import drafters
+from specjax import hardware
+from specjax import models
+from specjax.tuning import matmul as tuning
+import bench_crossover  # the real pair's shapes, next to this script
+
+_BATCH = flags.DEFINE_integer("batch", 8, "Rows B.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per shape.")
+# --tokens (new tokens per row) and --prompt_tokens come with
+# bench_crossover's flags.
+_TOKENS = bench_crossover._TOKENS  # pylint: disable=protected-access
+_PROMPT_TOKENS = bench_crossover._PROMPT_TOKENS  # pylint: disable=protected-access
+
+
+def _decode_s(fn, tokens: int, repeats: int) -> float:
+  """Median seconds of fn(tokens) minus the median of fn(1)."""
+  def median(n):
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(n).tokens)
+      times.append(time.perf_counter() - start)
+    return float(np.median(times))
+  for n in (tokens, 1):  # compile both shapes first
+    jax.block_until_ready(fn(n).tokens)
+  return median(tokens) - median(1)
+
+
+def main(argv):
+  del argv
+  shapes = bench_crossover.SHAPES
+  target = tuning.apply(models.init_random(
+      shapes["qwen2.5-coder-1.5b-instruct"], jax.random.key(0)), "auto")[0]
+  draft = tuning.apply(models.init_random(
+      shapes["qwen2.5-coder-0.5b-instruct"], jax.random.key(1)), "auto")[0]
+  batch = _BATCH.value
+  prompts = np.random.default_rng(batch).integers(
+      1, 1000, (batch, _PROMPT_TOKENS.value)).tolist()
+  size = decode.default_cache_size(_PROMPT_TOKENS.value, _TOKENS.value,
+                                   reserve=5)
+  # Costs do not matter at prior 0: no draft ever predicts a gain.
+  plain = adaptive.Auto.create(max_gamma=4, target_ms=[1.0, 1.2, 1.4, 1.8],
+                               draft_ms=0.3, prior=0.0)
+  runs = {
+      "generate": lambda n: decode.generate(target, prompts,
+                                            max_new_tokens=n,
+                                            cache_size=size),
+      "speculative, plain steps": lambda n: decode.speculative_generate(
+          target, drafters.DraftModel(draft), prompts, gamma=plain,
+          max_new_tokens=n, cache_size=size, synthetic_acceptance=0.05,
+          key=0),
+  }
+  steps = _TOKENS.value - 1
+  print(f"B={batch}, S={size}, {steps} decoding steps; {hardware.machine()}")
+  base = None
+  for name, fn in runs.items():
+    seconds = _decode_s(fn, _TOKENS.value, _REPEATS.value)
+    base = base or seconds
+    print(f"{name}: {seconds / steps * 1e3:.1f} ms/step, "
+          f"{batch * steps / seconds:.2f} tokens/s, "
+          f"{base / seconds:.3f}x generate", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
