@@ -125,11 +125,8 @@ class KVCache:
     """
     # [L, B, S, K, D] gathered at [B, T] per row -> [L, B, T, K, D].
     take = jax.vmap(jax.vmap(lambda buf, idx: buf[idx]), in_axes=(0, None))
-    write = jax.vmap(write_rows, in_axes=(0, 0, None))
-    return self.replace(
-        k=write(self.k, take(self.k, src_slots), lengths),
-        v=write(self.v, take(self.v, src_slots), lengths),
-        lengths=(lengths + src_slots.shape[1]).astype(jnp.int32))
+    return self.write(take(self.k, src_slots), take(self.v, src_slots),
+                      lengths)
 
 
 def write_rows(buffer: jax.Array, chunk: jax.Array,
