@@ -16,6 +16,13 @@ COMMAND (random weights at the pair's shapes, synthetic acceptance):
   python scripts/bench_crossover.py --weights=random \
     --batches=1/2/4/8/16/32 --alphas=0.05/0.5/0.8/0.95 \
     --output_dir=/tmp/bench/crossover_random
+One process holding every B's compiled programs at the 1.5B shapes can run
+out of memory on a small machine: run one B per process, then `--merge`
+their results into one table and plot:
+  for b in 1 2 4 8 16 32; do python scripts/bench_crossover.py \
+    --weights=random --batches=$b --output_dir=/tmp/bench/cross_b$b; done
+  python scripts/bench_crossover.py --output_dir=/tmp/bench/cross_all \
+    --merge=/tmp/bench/cross_b1,/tmp/bench/cross_b2,...
 
 With random weights, acceptance is synthetic (`synthetic_acceptance`: each
 draft accepted with probability α, not distribution-preserving); figures
@@ -68,6 +75,9 @@ _TOKENS = flags.DEFINE_integer("tokens", 32, "New tokens per row.")
 _PROMPT_TOKENS = flags.DEFINE_integer(
     "prompt_tokens", 128, "Prompt length with random weights.")
 _OUTPUT = flags.DEFINE_string("output_dir", "/tmp/specjax/crossover", "")
+_MERGE = flags.DEFINE_list(
+    "merge", [], "Output dirs of earlier runs (e.g. one per B) whose "
+    "results to join into one table and plot in --output_dir; runs nothing.")
 
 # The real pair's shapes, for random weights where no checkpoint is at hand
 # (Qwen2.5-Coder-1.5B/0.5B-Instruct, from their config.json).
@@ -238,18 +248,45 @@ def _plot(results, path: str) -> None:
   fig.savefig(path, dpi=120)
 
 
-def _write(results: list[dict], gammas: list[int]) -> None:
+def _write(results: list[dict], gammas: list[int], **fields) -> None:
   os.makedirs(_OUTPUT.value, exist_ok=True)
   out = {"machine": hardware.machine(), "jax": jax.__version__,
          "weights": _WEIGHTS.value, "drafter": _DRAFTER.value,
          "tokens": _TOKENS.value, "gammas": gammas,
-         "max_gamma": _MAX_GAMMA.value, "results": results}
+         "max_gamma": _MAX_GAMMA.value, **fields, "results": results}
   with open(os.path.join(_OUTPUT.value, "crossover.json"), "w") as f:
     json.dump(out, f, indent=1)
 
 
+def _merge(dirs: list[str]) -> None:
+  """Joins the crossover.json of several runs (same settings, e.g. one B
+  per process) into one, sorted by α then B, with its table and plot."""
+  runs = []
+  for path in dirs:
+    with open(os.path.join(path, "crossover.json")) as f:
+      runs.append(json.load(f))
+  settings = ("machine", "weights", "drafter", "tokens", "gammas",
+              "max_gamma")
+  for run, path in zip(runs[1:], dirs[1:]):
+    differ = [k for k in settings if run.get(k) != runs[0].get(k)]
+    if differ:
+      raise app.UsageError(f"{path} was run with other {differ} than "
+                           f"{dirs[0]}; only like runs can be merged.")
+  results = sorted((r for run in runs for r in run["results"]),
+                   key=lambda r: (r["alpha"] or 0, r["batch"]))
+  first = runs[0]
+  _write(results, first["gammas"], **{k: first[k] for k in settings
+                                      if k != "gammas"}, merged=dirs)
+  _plot(results, os.path.join(_OUTPUT.value, "crossover.png"))
+  print(_table(results))
+  print(f"wrote {_OUTPUT.value}/crossover.json, crossover.png")
+
+
 def main(argv):
   del argv
+  if _MERGE.value:
+    _merge(_MERGE.value)
+    return
   gammas = _values(_GAMMAS.value)
   alphas = _values(_ALPHAS.value, float) or [None]
   if _WEIGHTS.value == "real" and alphas != [None]:

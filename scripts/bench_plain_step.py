@@ -7,7 +7,8 @@ verification widths, the rejection sampler, statistics) cost what a step
 of `generate` costs. This times both on the same prompts: `generate`, and
 `speculative_generate` under an `Auto` policy whose prior is 0 (it drafts
 nothing but a one-token probe every `probe_every` steps), with synthetic
-acceptance. Decoding-phase time: a one-token call's time (prompt pass and
+acceptance; and, with `--fixed_gammas`, fixed-γ speculative decoding at
+synthetic acceptance `--alpha` (what a drafting step costs). Decoding-phase time: a one-token call's time (prompt pass and
 first token) is subtracted, medians over `--repeats`.
 
 COMMAND (random weights at the real pair's shapes):
@@ -34,6 +35,9 @@ import bench_crossover  # the real pair's shapes, next to this script
 
 _BATCH = flags.DEFINE_integer("batch", 8, "Rows B.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per shape.")
+_FIXED = flags.DEFINE_list("fixed_gammas", [], "Fixed γ runs to add (e.g. 4).")
+_ALPHA = flags.DEFINE_float("alpha", 0.8,
+                            "Synthetic acceptance of the fixed-γ runs.")
 # --tokens (new tokens per row) and --prompt_tokens come with
 # bench_crossover's flags.
 _TOKENS = bench_crossover._TOKENS  # pylint: disable=protected-access
@@ -78,6 +82,12 @@ def main(argv):
           max_new_tokens=n, cache_size=size, synthetic_acceptance=0.05,
           key=0),
   }
+  for gamma in map(int, _FIXED.value):
+    runs[f"speculative, gamma={gamma}, alpha={_ALPHA.value}"] = (
+        lambda n, g=gamma: decode.speculative_generate(
+            target, drafters.DraftModel(draft), prompts, gamma=g,
+            max_new_tokens=n, cache_size=size,
+            synthetic_acceptance=_ALPHA.value, key=0))
   steps = _TOKENS.value - 1
   print(f"B={batch}, S={size}, {steps} decoding steps; {hardware.machine()}")
   base = None

@@ -46,7 +46,16 @@ Two policies:
   (prompt lookup) always drafts γ_max and is only trimmed, so a row
   without a match costs a plain step. After `probe_every` steps without
   drafting it tries one token, so the estimates follow a text that
-  becomes predictable again. `Auto.warm` starts a next generation from
+  becomes predictable again. A probe is not free: beyond a plain step it
+  pays a draft token, a two-token target pass and the draft model's
+  catch-up on every token it skipped, ⌈wait / (G+1)⌉ passes of G+1 tokens
+  (priced at the draft's one-token cost times the target's width ratio).
+  So the wait is stretched to at least that predicted price in plain
+  steps times `probe_every`, which keeps the probes' share of the time at
+  about 1/`probe_every` whatever the batch size; each probe after which
+  the policy still does not draft doubles the wait, up to `probe_max`
+  steps, and the first step it drafts of its own accord resets it
+  (exponential backoff). `Auto.warm` starts a next generation from
   the estimates an earlier one ended with (`SpecOutput.policy_state`),
   so short generations do not each pay for relearning from the prior.
 """
@@ -97,12 +106,14 @@ class PolicyState:
       position was verified, per row (`Auto`).
     accepted: [B, G] float32 the same count of acceptances (`Auto`).
     idle: [] int32 consecutive steps without drafting (`Auto`).
+    wait: [] int32 steps without drafting before the next probe (`Auto`).
   """
 
   budget: jax.Array
   verified: jax.Array
   accepted: jax.Array
   idle: jax.Array
+  wait: jax.Array
 
 
 class GammaPolicy:
@@ -185,7 +196,8 @@ class Heuristic(GammaPolicy):
     start = self.initial or self.max_gamma
     none = jnp.zeros((batch, 0), jnp.float32)
     return PolicyState(budget=jnp.full((batch,), start, jnp.int32),
-                       verified=none, accepted=none, idle=jnp.int32(0))
+                       verified=none, accepted=none, idle=jnp.int32(0),
+                       wait=jnp.int32(0))
 
   def budget(self, state, active, remaining=None):
     del remaining
@@ -215,7 +227,8 @@ class Auto(GammaPolicy):
     rate: [] float32 the weight of the newest observation: earlier counts
       decay by 1 - rate.
     probe_every: [] int32 draft one token after this many steps without
-      drafting.
+      drafting (the first wait).
+    probe_max: [] int32 the longest wait the backoff reaches.
     max_gamma: G, static.
   """
 
@@ -225,12 +238,13 @@ class Auto(GammaPolicy):
   start_accepted: jax.Array
   rate: jax.Array
   probe_every: jax.Array
+  probe_max: jax.Array
   max_gamma: int = flax.struct.field(pytree_node=False)
 
   @classmethod
   def create(cls, *, max_gamma: int, target_ms: Sequence[float],
              draft_ms: float = 0.0, prior: float = 0.7, rate: float = 0.2,
-             probe_every: int = 16) -> "Auto":
+             probe_every: int = 16, probe_max: int = 128) -> "Auto":
     """Validates host values.
 
     Args:
@@ -241,6 +255,8 @@ class Auto(GammaPolicy):
         pseudo-observation; deeper positions inherit it until observed).
       rate: moving-average weight of a new observation, in (0, 1].
       probe_every: steps without drafting before a one-token probe, >= 1.
+      probe_max: the longest wait between probes that find drafting still
+        not worth it (each doubles the wait), >= probe_every.
     """
     widths = verify_widths(max_gamma)
     costs = np.asarray(target_ms, np.float32).reshape(-1)
@@ -255,11 +271,15 @@ class Auto(GammaPolicy):
       raise ValueError(f"rate must be in (0, 1], got {rate}.")
     if int(probe_every) < 1:
       raise ValueError(f"probe_every must be >= 1, got {probe_every}.")
+    if int(probe_max) < int(probe_every):
+      raise ValueError(f"probe_max must be >= probe_every={probe_every}, "
+                       f"got {probe_max}.")
     first = jax.nn.one_hot(0, max_gamma, dtype=jnp.float32)
     return cls(target_ms=jnp.asarray(costs), draft_ms=jnp.float32(draft_ms),
                start_verified=first, start_accepted=first * prior,
                rate=jnp.float32(rate),
-               probe_every=jnp.int32(probe_every), max_gamma=int(max_gamma))
+               probe_every=jnp.int32(probe_every),
+               probe_max=jnp.int32(probe_max), max_gamma=int(max_gamma))
 
   @classmethod
   def measure(cls, target: Any, drafter: Any, *, batch: int,
@@ -294,7 +314,7 @@ class Auto(GammaPolicy):
         budget=jnp.zeros((batch,), jnp.int32),
         verified=jnp.broadcast_to(self.start_verified, shape),
         accepted=jnp.broadcast_to(self.start_accepted, shape),
-        idle=jnp.int32(0))
+        idle=jnp.int32(0), wait=self.probe_every)
 
   def warm(self, state: PolicyState) -> "Auto":
     """This policy, with every row of the next generation starting from
@@ -344,8 +364,21 @@ class Auto(GammaPolicy):
       step_ms = step_ms + k * self.draft_ms
     return tokens / step_ms
 
+  def probe_ms(self, idle: jax.Array) -> jax.Array:
+    """[] predicted ms a one-token probe after `idle` plain steps costs
+    beyond a plain step (see the module docstring)."""
+    catch_up = (jnp.ceil(idle / (self.max_gamma + 1)) * self.draft_ms
+                * self.target_ms[-1] / self.target_ms[0])
+    return self.draft_ms + catch_up + self.target_ms[1] - self.target_ms[0]
+
+  def _due(self, state: PolicyState) -> jax.Array:
+    """[] bool: enough plain steps for a probe."""
+    plain = self.target_ms[0]
+    return state.idle * plain >= state.wait * jnp.maximum(
+        plain, self.probe_ms(state.wait))
+
   def _probe(self, state: PolicyState, k: jax.Array) -> jax.Array:
-    return jnp.where((k == 0) & (state.idle >= self.probe_every), 1, k)
+    return jnp.where((k == 0) & self._due(state), 1, k)
 
   def budget(self, state, active, remaining=None):
     # A drafter that costs nothing drafts all it can; `trim` then picks
@@ -372,7 +405,12 @@ class Auto(GammaPolicy):
     keep = 1.0 - self.rate
     decay = lambda count, new: jnp.where(judged, keep * count + new, count)
     drafted = jnp.any(active & (proposal.num_drafted > 0))
+    # A step drafted once a probe was due was a probe: the next waits twice
+    # as long (it resets once a step drafts of its own accord).
+    probed = drafted & self._due(state)
+    wait = jnp.where(probed, jnp.minimum(2 * state.wait, self.probe_max),
+                     jnp.where(drafted, self.probe_every, state.wait))
     return state.replace(
         verified=decay(state.verified, 1.0),
         accepted=decay(state.accepted, accepted.astype(jnp.float32)),
-        idle=jnp.where(drafted, 0, state.idle + 1))
+        idle=jnp.where(drafted, 0, state.idle + 1), wait=wait)

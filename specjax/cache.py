@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec
 
 from specjax.shapes import DATA
 from specjax.shapes import MODEL
+from specjax.shapes import mesh_axis
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -61,8 +62,8 @@ class KVCache:
     Returns:
       A `KVCache` of `PartitionSpec`s (k, v over [L, B, S, K, D]).
     """
-    data = DATA if self.batch % mesh.shape[DATA] == 0 else None
-    model = MODEL if self.k.shape[3] % mesh.shape[MODEL] == 0 else None
+    data = mesh_axis(DATA, self.batch, mesh)
+    model = mesh_axis(MODEL, self.k.shape[3], mesh)
     kv = PartitionSpec(None, data, None, model, None)
     return KVCache(k=kv, v=kv, lengths=PartitionSpec(data))
 

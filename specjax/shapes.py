@@ -27,6 +27,12 @@ batch B, `MODEL` splits heads, MLP columns and the vocabulary.
 DATA = "data"
 MODEL = "model"
 
+
+def mesh_axis(name: str | None, size: int, mesh) -> str | None:
+  """`name` if that mesh axis divides a dimension of `size`, else None (the
+  dimension stays whole): the one divisibility rule of every sharding."""
+  return name if name and size % mesh.shape[name] == 0 else None
+
 LETTERS = {
     "B": "batch rows",
     "T": "tokens in one forward",

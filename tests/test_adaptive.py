@@ -244,6 +244,46 @@ def test_warm_policy_starts_from_pooled_estimates():
   assert heuristic.warm(heuristic.init(2)) is heuristic
 
 
+def test_failed_probes_back_off_until_drafting_pays_again():
+  # Nothing accepted: plain steps, a probe after 2 idle steps, then 4, then
+  # 8, capped at 8; once a probe is accepted the policy drafts of its own
+  # accord and the wait returns to 2.
+  policy = adaptive.Auto.create(**COSTS, prior=0.0, probe_every=2,
+                                probe_max=8)
+  active = jnp.array([True])
+  state = policy.init(1)
+  probes = []
+  for step in range(40):
+    budget = policy.budget(state, active)
+    if step == 34:
+      assert int(budget[0]) == 1, "a probe is due at step 34"
+    proposal = Proposal(tokens=jnp.zeros((1, GAMMA), jnp.int32),
+                        num_drafted=budget, num_forwards=budget[0])
+    accepted = budget if step >= 34 else jnp.zeros_like(budget)
+    state = policy.update(state, budget, proposal, accepted, active)
+    if int(budget[0]) and step <= 34:
+      probes.append(step)
+  assert probes == [2, 7, 16, 25, 34], probes
+  assert int(state.wait) == 2 and int(state.idle) == 0
+  # A probe predicted to cost 4.5 plain steps (a 1.0 draft token, one
+  # catch-up pass priced 1.0 x 3.0 / 1.0, and 0.5 for the wider target
+  # pass) waits 4.5 times as long: the first comes after 9 plain steps.
+  dear = adaptive.Auto.create(max_gamma=GAMMA, target_ms=[1.0, 1.5, 2.0, 3.0],
+                              draft_ms=1.0, prior=0.0, probe_every=2)
+  np.testing.assert_allclose(dear.probe_ms(jnp.int32(2)), 4.5)
+  state, first = dear.init(1), None
+  for step in range(12):
+    budget = dear.budget(state, active)
+    first = step if first is None and int(budget[0]) else first
+    proposal = Proposal(tokens=jnp.zeros((1, GAMMA), jnp.int32),
+                        num_drafted=budget, num_forwards=budget[0])
+    state = dear.update(state, budget, proposal, jnp.zeros_like(budget),
+                        active)
+  assert first == 9, first
+  with pytest.raises(ValueError, match="probe_max"):
+    adaptive.Auto.create(**COSTS, probe_every=8, probe_max=4)
+
+
 def test_low_acceptance_drops_to_autoregressive_steps(pair):
   # Synthetic acceptance 0.05 on the tiny pair: once its estimates have
   # fallen, `auto` stops drafting but for one probe every 16 steps (and,

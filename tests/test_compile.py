@@ -1,13 +1,19 @@
 """Traced settings never recompile the generation."""
 
 import os
+import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from specjax import adaptive
 from specjax import compilation
 from specjax import decode
+from specjax import drafters
 from specjax import testing
 
 PROMPTS = [[1, 2, 3], [4, 5]]
@@ -75,6 +81,50 @@ def test_warmup_compiles_what_a_later_call_uses():
   before = compilation.num_compiled()
   decode.generate(target, [list(range(1, 38))], max_new_tokens=90)
   assert compilation.num_compiled() == before
+
+
+def _loop_copies(hlo: str, config, batch: int, size: int) -> int:
+  """Copies, outside the entry computation (in loop bodies and branches),
+  of an array shaped like `config`'s cache k or v [L, B, S, K, D]."""
+  shape = re.escape(f"f32[{config.num_layers},{batch},{size},"
+                    f"{config.num_kv_heads},{config.head_dim}]")
+  count, entry = 0, False
+  for line in hlo.splitlines():
+    if line and not line.startswith(" "):
+      entry = line.startswith("ENTRY")
+    elif not entry and re.search(shape + r"\{[^}]*\} copy\(", line):
+      count += 1
+  return count
+
+
+@pytest.mark.parametrize("policy", [None, "auto"])
+def test_decoding_loops_update_caches_in_place(policy):
+  # Every forward reads the old cache, then writes the chunk's keys and
+  # values into it. Unless the write is ordered after the last read, XLA
+  # keeps the old values by copying the whole cache, on every step and in
+  # every drafting loop. No compiled loop may copy either model's cache.
+  target, draft = testing.tiny_pair(seed=4)
+  batch, size, gamma = 3, 64, 4
+  prompts = jnp.ones((batch, 8), jnp.int32)
+  lengths = jnp.full((batch,), 8, jnp.int32)
+  params = decode.StepParams.create(
+      temperature=0.0, top_k=0, top_p=1.0, eos_id=None,
+      draft_stop_threshold=0.0, synthetic_acceptance=None)
+  if policy is None:
+    hlo = decode._generate.lower(
+        target, prompts, lengths, params.sampling, jnp.array([-1]),
+        jax.random.key(0), jnp.int32(16), tokens_cap=16, cache_size=size,
+        pad_id=0).compile().as_text()
+    assert _loop_copies(hlo, testing.TINY_TARGET, batch, size) == 0
+  policy = None if policy is None else adaptive.Auto.create(
+      max_gamma=gamma, target_ms=[1.0, 1.1, 1.2, 1.5], draft_ms=0.2)
+  hlo = decode._speculative_generate.lower(
+      target, drafters.DraftModel(draft), prompts, lengths, params,
+      jax.random.key(0), jnp.int32(16), policy, gamma=gamma, tokens_cap=16,
+      cache_size=size, pad_id=0, synthetic=False,
+      num_nodes=None).compile().as_text()
+  assert _loop_copies(hlo, testing.TINY_TARGET, batch, size) == 0
+  assert _loop_copies(hlo, testing.TINY_DRAFT, batch, size) == 0
 
 
 _SECOND_PROCESS = """

@@ -202,12 +202,13 @@ def test_heads_match_exact_distribution(pair, kind):
 
 
 def _alternating(max_gamma):
-  """`auto` with a prohibitive verify cost and a probe after every plain
-  step: plain steps and one-draft steps alternate within a generation."""
+  """`auto` that expects nothing accepted, with a dear verify pass and a
+  probe after every plain step (a probe costing under a plain step):
+  plain steps and drafting steps alternate within a generation."""
   widths = adaptive.verify_widths(max_gamma)
   return adaptive.Auto.create(max_gamma=max_gamma,
-                              target_ms=[1.0] + [100.0] * (len(widths) - 1),
-                              probe_every=1)
+                              target_ms=[1.0] + [1.9] * (len(widths) - 1),
+                              prior=0.0, probe_every=1, probe_max=1)
 
 
 @pytest.mark.parametrize("policy, drafter, settings", [

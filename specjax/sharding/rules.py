@@ -39,6 +39,7 @@ from specjax.models import config as config_lib
 from specjax.models.config import matrix_paths
 from specjax.models.matmul import MatmulPlan
 from specjax.shapes import MODEL
+from specjax.shapes import mesh_axis
 
 # (path regex, logical axes of the canonical [in, out] shape); first match.
 RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
@@ -103,8 +104,7 @@ def param_spec(path: str, shape: tuple[int, ...], mesh: Mesh, *,
   to_mesh = mesh_axes(head, split)
   spec = []
   for axis, size in zip(axes, shape):
-    name = to_mesh.get(axis)
-    spec.append(name if name and size % mesh.shape[name] == 0 else None)
+    spec.append(mesh_axis(to_mesh.get(axis), size, mesh))
   return PartitionSpec(*spec)
 
 
