@@ -46,6 +46,7 @@ def test_autoregressive_settings_do_not_recompile():
   assert decode._generate._cache_size() == compiled
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_prompt_lengths_and_max_new_tokens_compile_few_programs():
   # Documented bound (specjax/decode.py): one program per power-of-two
   # prompt bucket for N <= 64, here 16, 32, 64, 128, 256, 512, 1024.
@@ -65,6 +66,7 @@ def test_prompt_lengths_and_max_new_tokens_compile_few_programs():
   assert decode._speculative_generate._cache_size() - spec_before <= 7
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_warmup_compiles_what_a_later_call_uses():
   target, draft = testing.tiny_pair(seed=6)
   compiled = decode.warmup(target, draft, batch=1, prompt_len=40,

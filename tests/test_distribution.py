@@ -319,6 +319,7 @@ def _tree_drafter(pair, name):
                       replace=name == "sampled-with-replacement")
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_the_test_rejects_a_tree_verifier_without_residuals(pair,
                                                             monkeypatch):
   # A verifier that tries each child against the unchanged p (accepting
@@ -361,6 +362,7 @@ class _UniformQ:
     return proposal.replace(q=jnp.full_like(proposal.q, 1 / VOCAB)), state
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_the_test_rejects_a_cascade_with_a_wrong_q(pair):
   settings = (1.0, 0, 1.0)
   joint = _exact_joint(pair[0], settings)

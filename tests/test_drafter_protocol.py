@@ -189,6 +189,7 @@ def _run_steps(target, drafter, prompts, gamma, max_new, on_step,
   return state
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_draft_cache_stays_in_sync_with_the_committed_text():
   # Step by step, the draft's cache must hold the committed text but its
   # pending tokens, with keys equal to a fresh prefill of it; the case

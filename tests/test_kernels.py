@@ -80,6 +80,7 @@ def test_project_equals_product_for_every_plan(name):
     np.testing.assert_allclose(got, x.astype(np.float64) @ w, atol=1e-4)
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_with_plan_round_trips_and_keeps_greedy_output():
   target, draft = testing.tiny_pair(seed=3)
   prompts = [[5, 6, 7], [8, 9]]

@@ -28,6 +28,7 @@ def test_greedy_equals_autoregressive(pair, baseline, gamma):
   assert out.stats.proposed_by_position.shape == (gamma,)
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_greedy_equality_other_sizes_and_seeds():
   # A different seed, and a draft with more layers than heads of the target.
   target = models.init_random(

@@ -63,6 +63,7 @@ def test_greedy_equals_autoregressive(pair, baseline, kind, gamma,
       assert out.stats.steps <= -(-(MAX_NEW - 1) // (gamma + 1)) + 1
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_model_tree_children_are_the_top_tokens_after_their_path(pair):
   # Independent check of the draft's tree attention: every node's token is
   # among the `width` most likely tokens of a fresh forward over the
@@ -106,6 +107,7 @@ def test_eos_inside_an_accepted_path(pair, baseline):
   assert expected.lengths[2] < MAX_NEW
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_a_later_branch_commits_and_the_cache_matches_a_prefill(pair):
   # Greedy tokens g0 (committed, not cached), g1, g2, g3. Tree: root ->
   # [wrong, g1]; wrong -> [g2]; g1 -> [g2]; (g1, g2) -> [wrong]. The walk
@@ -146,6 +148,7 @@ def test_a_later_branch_commits_and_the_cache_matches_a_prefill(pair):
   np.testing.assert_allclose(a.logits, b.logits, atol=1e-4)
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_tree_draft_keeps_the_accepted_path_cached(pair):
   # After each tree step the draft model's cache must hold the committed
   # text but its pending tokens, with the keys of a fresh prefill of it; the
