@@ -8,8 +8,9 @@ of `generate` costs. This times both on the same prompts: `generate`, and
 `speculative_generate` under an `Auto` policy whose prior is 0 (it drafts
 nothing but a one-token probe every `probe_every` steps), with synthetic
 acceptance; and, with `--fixed_gammas`, fixed-γ speculative decoding at
-synthetic acceptance `--alpha` (what a drafting step costs). Decoding-phase time: a one-token call's time (prompt pass and
-first token) is subtracted, medians over `--repeats`.
+synthetic acceptance `--alpha` (what a drafting step costs).
+Decoding-phase time: a one-token call's time (prompt pass and first token)
+is subtracted, medians over `--repeats`.
 
 COMMAND (random weights at the real pair's shapes):
   PYTHONPATH=. python scripts/bench_plain_step.py --batch=8 --tokens=32 \

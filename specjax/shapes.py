@@ -33,6 +33,7 @@ def mesh_axis(name: str | None, size: int, mesh) -> str | None:
   dimension stays whole): the one divisibility rule of every sharding."""
   return name if name and size % mesh.shape[name] == 0 else None
 
+
 LETTERS = {
     "B": "batch rows",
     "T": "tokens in one forward",

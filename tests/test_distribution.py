@@ -204,7 +204,8 @@ def test_heads_match_exact_distribution(pair, kind):
 def _alternating(max_gamma):
   """`auto` that expects nothing accepted, with a dear verify pass and a
   probe after every plain step (a probe costing under a plain step):
-  plain steps and drafting steps alternate within a generation."""
+  plain steps and drafting steps alternate within a generation (a run of
+  drafting steps once the estimate passes 0.9)."""
   widths = adaptive.verify_widths(max_gamma)
   return adaptive.Auto.create(max_gamma=max_gamma,
                               target_ms=[1.0] + [1.9] * (len(widths) - 1),
