@@ -8,6 +8,8 @@ server carries them from request to request), and reports the decoding-phase
 tokens/s of each (the first token's prompt pass timed apart and
 subtracted, as in `experiments.bench`), the ratio of `auto` to the best of
 the others, and the cost model's prediction beside each measurement.
+Each figure is the median of `--repeats` rounds that run every policy in
+turn, so a drift in the machine's speed reaches all policies alike.
 
 COMMAND (the real pair, HumanEval chat prompts, the draft model drafting):
   python scripts/bench_crossover.py --weights=real --batches=1/2/4 \
@@ -72,6 +74,8 @@ _MAX_GAMMA = flags.DEFINE_integer("max_gamma", 4, "γ_max of the policies.")
 _ALPHAS = flags.DEFINE_string(
     "alphas", "", "Synthetic acceptance rates (random weights only).")
 _TOKENS = flags.DEFINE_integer("tokens", 32, "New tokens per row.")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 3, "Timed rounds over all policies; each reports its median.")
 _PROMPT_TOKENS = flags.DEFINE_integer(
     "prompt_tokens", 128, "Prompt length with random weights.")
 _OUTPUT = flags.DEFINE_string("output_dir", "/tmp/specjax/crossover", "")
@@ -125,12 +129,18 @@ def _conditional_acceptance(stats, gamma: int) -> list[float]:
 
 
 def _steps_ms(stats, target_costs, draft_costs) -> float:
-  """Predicted ms of the speculative steps a generation took."""
+  """Predicted ms of the speculative steps a generation took: each step's
+  target pass at its width, and its draft passes, the first of a drafting
+  step at the two-token cost."""
   scored = np.asarray(stats.scored)
   per_step = scored.max(axis=0)  # [M] the batch's width - 1, -1 unused
   target_ms = sum(target_costs.at(int(k) + 1) for k in per_step if k >= 0)
+  if not draft_costs:
+    return target_ms
   forwards = int(np.sum(stats.draft_forwards))
-  return target_ms + (forwards * draft_costs.at(1) if draft_costs else 0.0)
+  first_passes = int(np.sum(per_step > 0))
+  return target_ms + forwards * draft_costs.at(1) + first_passes * (
+      draft_costs.drafting_ms(1) - draft_costs.at(1))
 
 
 def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
@@ -143,7 +153,7 @@ def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
       max(map(len, prompts)), _TOKENS.value, reserve=widths[-1])
   target_costs = cost.measure(target, batch=batch, chunks=widths,
                               cache_size=cache_size)
-  draft_costs = (cost.measure(draft, batch=batch, chunks=(1,),
+  draft_costs = (cost.measure(draft, batch=batch, chunks=(1, 2),
                               cache_size=cache_size)
                  if _DRAFTER.value == "model" else None)
   policies = {"ar": None, **{f"γ={g}": g for g in gammas},
@@ -152,24 +162,41 @@ def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
                   max_gamma=_MAX_GAMMA.value,
                   target_ms=[target_costs.at(w) for w in
                              adaptive.verify_widths(_MAX_GAMMA.value)],
-                  draft_ms=draft_costs.at(1) if draft_costs else 0.0)}
+                  **(adaptive.Auto.draft_costs(draft_costs)
+                     if draft_costs else {}))}
   kwargs = dict(max_new_tokens=_TOKENS.value, key=0, cache_size=cache_size)
+  # Rounds interleave the policies, so a drift of the machine's speed
+  # during the run reaches them all alike; each policy's tokens/s is the
+  # median over the rounds.
+  calls, runs = {}, {}
+  for _ in range(_REPEATS.value):
+    for name in [*policies, "auto warm"]:
+      if name not in calls:
+        if name == "auto warm":
+          # As a server would: the estimates the cold run ended with start
+          # the next request (`Auto.warm`); the same program, nothing
+          # compiles.
+          gamma = policies["auto"].warm(
+              runs["auto"][0][1].output.policy_state)
+        else:
+          gamma = policies[name]
+        calls[name] = gamma, (
+            functools.partial(decode.generate, target, prompts, **kwargs)
+            if gamma is None else functools.partial(
+                decode.speculative_generate, target, drafter, prompts,
+                gamma=gamma, synthetic_acceptance=alpha, **kwargs))
+      gamma, fn = calls[name]
+      call = bench.timed_call(fn, (name.split()[0], batch, alpha), seen, 1)
+      if not call.decode_s:
+        raise app.UsageError(f"{name}: decoding took no longer than the "
+                             "prompt pass alone; raise --tokens.")
+      runs.setdefault(name, []).append(
+          (call.decode_tokens / call.decode_s, call))
   rows = {}
-  for name in [*policies, "auto warm"]:
-    if name == "auto warm":
-      # As a server would: the estimates the cold run ended with start the
-      # next request (`Auto.warm`); the same program, nothing compiles.
-      gamma = policies["auto"].warm(rows["auto"]["policy_state"])
-    else:
-      gamma = policies[name]
-    if gamma is None:
-      fn = functools.partial(decode.generate, target, prompts, **kwargs)
-    else:
-      fn = functools.partial(decode.speculative_generate, target, drafter,
-                             prompts, gamma=gamma,
-                             synthetic_acceptance=alpha, **kwargs)
-    call = bench.timed_call(fn, (name.split()[0], batch, alpha), seen, 1)
-    measured = call.decode_tokens / call.decode_s
+  for name, (gamma, _) in calls.items():
+    rates = [rate for rate, _ in runs[name]]
+    measured = float(np.median(rates))
+    call = runs[name][0][1]  # the outputs are the same every round
     if gamma is None:
       predicted = cost.predict_tokens_per_s(target_costs, 0, [])
       row = {}
@@ -188,12 +215,10 @@ def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
                     / max(int(stats.steps), 1) / batch,
              "autoregressive_steps": float(np.mean(scored[scored >= 0] == 0)),
              "mean_drafts": float(np.mean(scored[scored >= 0])),
-             "policy_state": call.output.policy_state}
-    rows[name] = {"tokens_per_s": measured, "predicted_tokens_per_s":
-                  predicted, "predicted_over_measured": predicted / measured,
-                  **row}
-  for row in rows.values():
-    row.pop("policy_state", None)
+}
+    rows[name] = {"tokens_per_s": measured, "tokens_per_s_rounds": rates,
+                  "predicted_tokens_per_s": predicted,
+                  "predicted_over_measured": predicted / measured, **row}
   best_other = max(v["tokens_per_s"] for k, v in rows.items()
                    if k not in ("auto", "auto warm", "heuristic"))
   return {"batch": batch, "alpha": alpha, "policies": rows,
@@ -202,7 +227,8 @@ def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
                                   / best_other),
           "cache_size": cache_size,
           "target_ms": {str(w): target_costs.at(w) for w in widths},
-          "draft_ms": draft_costs.at(1) if draft_costs else 0.0}
+          "draft_ms": ({str(t): draft_costs.at(t) for t in (1, 2)}
+                       if draft_costs else {})}
 
 
 def _table(results) -> str:
@@ -252,7 +278,8 @@ def _write(results: list[dict], gammas: list[int], **fields) -> None:
   os.makedirs(_OUTPUT.value, exist_ok=True)
   out = {"machine": hardware.machine(), "jax": jax.__version__,
          "weights": _WEIGHTS.value, "drafter": _DRAFTER.value,
-         "tokens": _TOKENS.value, "gammas": gammas,
+         "tokens": _TOKENS.value, "repeats": _REPEATS.value,
+         "gammas": gammas,
          "max_gamma": _MAX_GAMMA.value, **fields, "results": results}
   with open(os.path.join(_OUTPUT.value, "crossover.json"), "w") as f:
     json.dump(out, f, indent=1)
@@ -265,7 +292,7 @@ def _merge(dirs: list[str]) -> None:
   for path in dirs:
     with open(os.path.join(path, "crossover.json")) as f:
       runs.append(json.load(f))
-  settings = ("machine", "weights", "drafter", "tokens", "gammas",
+  settings = ("machine", "weights", "drafter", "tokens", "repeats", "gammas",
               "max_gamma")
   for run, path in zip(runs[1:], dirs[1:]):
     differ = [k for k in settings if run.get(k) != runs[0].get(k)]

@@ -8,7 +8,10 @@ of `generate` costs. This times both on the same prompts: `generate`, and
 `speculative_generate` under an `Auto` policy whose prior is 0 (it drafts
 nothing but a one-token probe every `probe_every` steps), with synthetic
 acceptance; and, with `--fixed_gammas`, fixed-γ speculative decoding at
-synthetic acceptance `--alpha` (what a drafting step costs).
+synthetic acceptance `--alpha` (what a drafting step costs); with
+`--policy_path` also each such γ run through the adaptive policies' step
+(`Heuristic` at γ_max = γ: the same drafts and width every step when
+`--alpha=1`, so the difference is the cost of the policy's machinery).
 Decoding-phase time: a one-token call's time (prompt pass and first token)
 is subtracted, medians over `--repeats`.
 
@@ -39,6 +42,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per shape.")
 _FIXED = flags.DEFINE_list("fixed_gammas", [], "Fixed γ runs to add (e.g. 4).")
 _ALPHA = flags.DEFINE_float("alpha", 0.8,
                             "Synthetic acceptance of the fixed-γ runs.")
+_POLICY_PATH = flags.DEFINE_bool(
+    "policy_path", False, "Also run each fixed γ as Heuristic(γ).")
 # --tokens (new tokens per row) and --prompt_tokens come with
 # bench_crossover's flags.
 _TOKENS = bench_crossover._TOKENS  # pylint: disable=protected-access
@@ -84,11 +89,15 @@ def main(argv):
           key=0),
   }
   for gamma in map(int, _FIXED.value):
-    runs[f"speculative, gamma={gamma}, alpha={_ALPHA.value}"] = (
-        lambda n, g=gamma: decode.speculative_generate(
-            target, drafters.DraftModel(draft), prompts, gamma=g,
-            max_new_tokens=n, cache_size=size,
-            synthetic_acceptance=_ALPHA.value, key=0))
+    policies = {"gamma": gamma}
+    if _POLICY_PATH.value:
+      policies["heuristic, gamma_max"] = adaptive.Heuristic(gamma)
+    for label, policy in policies.items():
+      runs[f"speculative, {label}={gamma}, alpha={_ALPHA.value}"] = (
+          lambda n, p=policy: decode.speculative_generate(
+              target, drafters.DraftModel(draft), prompts, gamma=p,
+              max_new_tokens=n, cache_size=size,
+              synthetic_acceptance=_ALPHA.value, key=0))
   steps = _TOKENS.value - 1
   print(f"B={batch}, S={size}, {steps} decoding steps; {hardware.machine()}")
   base = None

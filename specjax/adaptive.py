@@ -34,22 +34,25 @@ Two policies:
   the one budget K that maximises the predicted tokens per second of the
   batch,
 
-      Σ_b E[τ_b](K) / (K · t_draft + t_target(width(K + 1))),
+      Σ_b E[τ_b](K) / (d(K) + t_target(width(K + 1))),
 
   with E[τ](K) = 1 + Σ_{i≤min(K, r_b - 1)} Π_{j≤i} a_j
   (`tuning.cost.expected_tokens`, capped where a row has only r_b tokens
   left to emit: drafts past its end are paid for and thrown away), and
-  gives it to every active row. K = 0 is an autoregressive step. Once
-  drafted, it verifies the K' leading drafts of each row that maximise
-  the same prediction without the (spent) drafting cost and with each
-  row's actual proposal length (`trim`); a drafter that costs nothing
-  (prompt lookup) always drafts γ_max and is only trimmed, so a row
-  without a match costs a plain step. After `probe_every` steps without
+  gives it to every active row; d(K) is the drafter's cost of K tokens, a
+  first pass (the draft model's two-token catch-up) and K - 1 one-token
+  forwards (`tuning.cost.ForwardCosts.drafting_ms`). K = 0 is an
+  autoregressive step. Once drafted, it verifies the K' leading drafts of
+  each row that maximise the same prediction without the (spent) drafting
+  cost and with each row's actual proposal length (`trim`); a drafter
+  that costs nothing (prompt lookup) always drafts γ_max and is only
+  trimmed, so a row without a match costs a plain step. After `probe_every` steps without
   drafting it tries one token, so the estimates follow a text that
   becomes predictable again. A probe is not free: beyond a plain step it
-  pays a draft token, a two-token target pass and the draft model's
-  catch-up on every token it skipped, ⌈wait / (G+1)⌉ passes of G+1 tokens
-  (priced at the draft's one-token cost times the target's width ratio).
+  pays a draft token (the first pass), a two-token target pass and the
+  draft model's catch-up on every token it skipped, ⌈wait / (G+1)⌉ passes
+  of G+1 tokens (priced at the draft's one-token cost times the target's
+  width ratio).
   So the wait is stretched to at least that predicted price in plain
   steps times `probe_every`, which keeps the probes' share of the time at
   about 1/`probe_every` whatever the batch size; each probe after which
@@ -218,8 +221,10 @@ class Auto(GammaPolicy):
   Attributes:
     target_ms: [W] float32 ms of a target pass of each width in `widths`,
       at this batch size.
-    draft_ms: [] float32 ms of one draft token (0 for a drafter that runs
-      no model).
+    draft_ms: [] float32 ms of each draft token after the first (0 for a
+      drafter that runs no model).
+    first_draft_ms: [] float32 ms of the first draft token of a step: the
+      draft model's two-token catch-up pass.
     start_verified: [G] float32 the decayed counts every row starts
       from: one pseudo-observation of position 1 at `prior` (`create`), or
       what an earlier generation learned (`warm`).
@@ -234,6 +239,7 @@ class Auto(GammaPolicy):
 
   target_ms: jax.Array
   draft_ms: jax.Array
+  first_draft_ms: jax.Array
   start_verified: jax.Array
   start_accepted: jax.Array
   rate: jax.Array
@@ -243,14 +249,17 @@ class Auto(GammaPolicy):
 
   @classmethod
   def create(cls, *, max_gamma: int, target_ms: Sequence[float],
-             draft_ms: float = 0.0, prior: float = 0.7, rate: float = 0.2,
-             probe_every: int = 16, probe_max: int = 128) -> "Auto":
+             draft_ms: float = 0.0, first_draft_ms: float | None = None,
+             prior: float = 0.7, rate: float = 0.2, probe_every: int = 16,
+             probe_max: int = 128) -> "Auto":
     """Validates host values.
 
     Args:
       max_gamma: G.
       target_ms: ms of a target pass of each width in `verify_widths(G)`.
-      draft_ms: ms per drafted token.
+      draft_ms: ms per drafted token after a step's first.
+      first_draft_ms: ms of a step's first draft token (default
+        `draft_ms`).
       prior: initial acceptance estimate in [0, 1], of position 1 (one
         pseudo-observation; deeper positions inherit it until observed).
       rate: moving-average weight of a new observation, in (0, 1].
@@ -263,8 +272,10 @@ class Auto(GammaPolicy):
     if costs.shape != (len(widths),) or not np.all(costs > 0):
       raise ValueError(f"target_ms needs one positive time per width "
                        f"{widths}, got {np.asarray(target_ms).tolist()}.")
-    if not draft_ms >= 0:
-      raise ValueError(f"draft_ms must be >= 0, got {draft_ms}.")
+    first_draft_ms = draft_ms if first_draft_ms is None else first_draft_ms
+    if not (draft_ms >= 0 and first_draft_ms >= 0):
+      raise ValueError(f"draft_ms and first_draft_ms must be >= 0, got "
+                       f"{draft_ms} and {first_draft_ms}.")
     if not 0.0 <= prior <= 1.0:
       raise ValueError(f"prior must be in [0, 1], got {prior}.")
     if not 0.0 < rate <= 1.0:
@@ -276,6 +287,7 @@ class Auto(GammaPolicy):
                        f"got {probe_max}.")
     first = jax.nn.one_hot(0, max_gamma, dtype=jnp.float32)
     return cls(target_ms=jnp.asarray(costs), draft_ms=jnp.float32(draft_ms),
+               first_draft_ms=jnp.float32(first_draft_ms),
                start_verified=first, start_accepted=first * prior,
                rate=jnp.float32(rate),
                probe_every=jnp.int32(probe_every),
@@ -290,23 +302,30 @@ class Auto(GammaPolicy):
     S the generation runs with (a forward's cost grows with S).
 
     A drafter's per-token cost is one forward of its `cost_model` (the
-    draft model; none for prompt lookup). For a `Fallback` that is its
-    second drafter's model, an upper bound; for a `Cascade`, its middle
-    model's forward, which ignores the inner drafter's work.
+    draft model; none for prompt lookup), and a two-token forward for a
+    step's first token (`ForwardCosts.drafting_ms`). For a `Fallback` that
+    is its second drafter's model, an upper bound; for a `Cascade`, its
+    middle model's forward, which ignores the inner drafter's work.
     """
     from specjax.tuning import cost  # the cost module imports decode
     widths = verify_widths(max_gamma)
     target_costs = cost.measure(target, batch=batch, chunks=widths,
                                 cache_size=cache_size, cache_dir=cache_dir)
     model = cost_model(drafter)
-    draft_ms = 0.0
+    draft = {}
     if model is not None:
-      draft_ms = cost.measure(model, batch=batch, chunks=(1,),
-                              cache_size=cache_size,
-                              cache_dir=cache_dir).at(1)
+      draft = cls.draft_costs(cost.measure(
+          model, batch=batch, chunks=(1, 2), cache_size=cache_size,
+          cache_dir=cache_dir))
     return cls.create(max_gamma=max_gamma,
                       target_ms=[target_costs.at(w) for w in widths],
-                      draft_ms=draft_ms, **kwargs)
+                      **draft, **kwargs)
+
+  @staticmethod
+  def draft_costs(costs: Any) -> dict[str, float]:
+    """`create`'s draft_ms and first_draft_ms from a draft model's
+    `tuning.cost.ForwardCosts`."""
+    return {"draft_ms": costs.at(1), "first_draft_ms": costs.drafting_ms(1)}
 
   def init(self, batch):
     shape = (batch, self.max_gamma)
@@ -361,7 +380,8 @@ class Auto(GammaPolicy):
     k = jnp.arange(self.max_gamma + 1)
     step_ms = self.target_ms[width_index(self.widths, k + 1)]
     if drafting:
-      step_ms = step_ms + k * self.draft_ms
+      step_ms = step_ms + jnp.where(
+          k > 0, self.first_draft_ms + (k - 1) * self.draft_ms, 0.0)
     return tokens / step_ms
 
   def probe_ms(self, idle: jax.Array) -> jax.Array:
@@ -369,7 +389,8 @@ class Auto(GammaPolicy):
     beyond a plain step (see the module docstring)."""
     catch_up = (jnp.ceil(idle / (self.max_gamma + 1)) * self.draft_ms
                 * self.target_ms[-1] / self.target_ms[0])
-    return self.draft_ms + catch_up + self.target_ms[1] - self.target_ms[0]
+    return (self.first_draft_ms + catch_up + self.target_ms[1]
+            - self.target_ms[0])
 
   def _due(self, state: PolicyState) -> jax.Array:
     """[] bool: enough plain steps for a probe."""

@@ -143,8 +143,12 @@ def test_auto_budget_maximises_the_cost_models_prediction():
   target_ms = [100.0, 104.0, 107.0, 118.0, 160.0]
   for acceptance, draft_ms in [(0.9, 5.0), (0.6, 5.0), (0.2, 0.0),
                                (0.97, 0.0), (0.75, 30.0)]:
+    # A step's first draft token is a dearer two-token catch-up pass.
+    draft = cost.ForwardCosts(batch=2, forward_ms={1: draft_ms,
+                                                   2: 1.6 * draft_ms})
     policy = adaptive.Auto.create(max_gamma=8, target_ms=target_ms,
-                                  draft_ms=draft_ms, prior=acceptance)
+                                  prior=acceptance,
+                                  **adaptive.Auto.draft_costs(draft))
     state = policy.init(2)
     active = jnp.array([True, True])
     budget = int(policy.budget(state, active)[0])
@@ -154,7 +158,6 @@ def test_auto_budget_maximises_the_cost_models_prediction():
       # Free drafts: draft all, then verify the best prefix of them.
       assert budget == 8
       chosen = int(policy.trim(state, jnp.array([8, 8]), active)[0])
-    draft = cost.ForwardCosts(batch=2, forward_ms={1: draft_ms})
 
     def predicted(g):
       padded = cost.ForwardCosts(batch=2, forward_ms={

@@ -33,6 +33,17 @@ def test_prediction_reduces_to_leviathan():
                                                               c))
 
 
+def test_drafting_pays_a_two_token_first_pass():
+  # γ drafts: the two-token catch-up pass, then γ - 1 one-token forwards.
+  draft = cost.ForwardCosts(1, {1: 10.0, 2: 14.0})
+  assert [draft.drafting_ms(g) for g in range(4)] == [0.0, 14.0, 24.0, 34.0]
+  # Measured at T = 1 only, the first pass is priced as one forward.
+  assert cost.ForwardCosts(1, {1: 10.0}).drafting_ms(3) == 30.0
+  target = cost.ForwardCosts(1, {1: 100.0, 4: 130.0})
+  tps = cost.predict_tokens_per_s(target, 3, [1.0] * 3, draft)
+  assert tps == pytest.approx(4 / ((130.0 + 34.0) / 1e3))
+
+
 def test_prediction_uses_measured_verify_cost_and_free_drafting():
   target = cost.ForwardCosts(2, {1: 100.0, 3: 120.0, 5: 160.0})
   assert target.at(4) == pytest.approx(140.0)  # linear between 3 and 5

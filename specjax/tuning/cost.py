@@ -11,16 +11,21 @@ costs more than a forward, by an amount that depends on the machine and
 the batch (BENCHMARKS.md), and acceptance falls with the draft position.
 `predict_tokens_per_s` therefore uses
 
-    tokens/s = B · E[τ](γ) / (γ · t_draft(B, 1) + t_target(B, γ+1)),
+    tokens/s = B · E[τ](γ) / (d(γ) + t_target(B, γ+1)),
+    d(γ) = t_draft(B, 2) + (γ-1) · t_draft(B, 1),
     E[τ](γ) = 1 + Σ_{i=1..γ} Π_{j≤i} a_j,
 
 with t measured per model, batch size and chunk length T (`measure`,
 cached on disk per machine and shapes), and a_j the probability that
 draft position j is accepted given that every earlier one was (the
-per-position acceptance specjax reports). γ = 0 is a plain autoregressive
-step: B tokens per t_target(B, 1). A drafter without a model (prompt
-lookup) has t_draft = 0. With a constant a_j = α and t_target(B, γ+1) =
-t_target(B, 1) this is Leviathan's formula.
+per-position acceptance specjax reports). A draft model proposes γ
+tokens with one two-token pass (it catches up on the last committed
+token, and on the block's last draft when the whole block was accepted;
+`drafters.track.catch_up`) and γ-1 one-token forwards (`drafting_ms`).
+γ = 0 is a plain autoregressive step: B tokens per t_target(B, 1). A
+drafter without a model (prompt lookup) has d = 0. With a constant a_j =
+α, t_target(B, γ+1) = t_target(B, 1) and t_draft(B, 2) = t_draft(B, 1)
+this is Leviathan's formula.
 """
 
 from __future__ import annotations
@@ -129,6 +134,15 @@ class ForwardCosts:
     w = (num_tokens - lo) / (hi - lo)
     return (1 - w) * self.forward_ms[lo] + w * self.forward_ms[hi]
 
+  def drafting_ms(self, num_drafts: int) -> float:
+    """ms a draft model spends proposing `num_drafts` tokens: a two-token
+    catch-up pass, then num_drafts - 1 one-token forwards (0 for none).
+    Costs measured at T = 1 only price the first pass as one forward."""
+    if num_drafts <= 0:
+      return 0.0
+    first = self.at(2) if max(self.forward_ms) >= 2 else self.at(1)
+    return first + (num_drafts - 1) * self.at(1)
+
 
 def _key(model: Any, batch: int, cache_size: int,
          chunks: Sequence[int]) -> str:
@@ -214,12 +228,13 @@ def predict_tokens_per_s(target: ForwardCosts, gamma: int,
       bracketed).
     gamma: γ >= 0; 0 predicts autoregressive decoding.
     acceptance: conditional per-position acceptance a_1..a_γ.
-    draft: the draft model's costs (T = 1), or None for a drafter that runs
-      no model.
+    draft: the draft model's costs (T = 1, and T = 2 for its catch-up
+      pass; see `ForwardCosts.drafting_ms`), or None for a drafter that
+      runs no model.
   """
   if gamma == 0:
     return target.batch / (target.at(1) / 1e3)
   step_ms = target.at(gamma + 1)
   if draft is not None:
-    step_ms += gamma * draft.at(1)
+    step_ms += draft.drafting_ms(gamma)
   return target.batch * expected_tokens(acceptance, gamma) / (step_ms / 1e3)
