@@ -46,21 +46,21 @@ Two policies:
   each row that maximise the same prediction without the (spent) drafting
   cost and with each row's actual proposal length (`trim`); a drafter
   that costs nothing (prompt lookup) always drafts γ_max and is only
-  trimmed, so a row without a match costs a plain step. After `probe_every` steps without
-  drafting it tries one token, so the estimates follow a text that
-  becomes predictable again. A probe is not free: beyond a plain step it
-  pays a draft token (the first pass), a two-token target pass and the
-  draft model's catch-up on every token it skipped, ⌈wait / (G+1)⌉ passes
-  of G+1 tokens (priced at the draft's one-token cost times the target's
-  width ratio).
-  So the wait is stretched to at least that predicted price in plain
-  steps times `probe_every`, which keeps the probes' share of the time at
-  about 1/`probe_every` whatever the batch size; each probe after which
-  the policy still does not draft doubles the wait, up to `probe_max`
-  steps, and the first step it drafts of its own accord resets it
-  (exponential backoff). `Auto.warm` starts a next generation from
-  the estimates an earlier one ended with (`SpecOutput.policy_state`),
-  so short generations do not each pay for relearning from the prior.
+  trimmed, so a row without a match costs a plain step. After
+  `probe_every` steps without drafting it tries one token, so the
+  estimates follow a text that becomes predictable again. A probe is not
+  free: beyond a plain step it pays a draft token (the first pass), a
+  two-token target pass and the draft model's catch-up on every token it
+  skipped, ⌈wait / (G+1)⌉ passes of G+1 tokens (priced at the draft's
+  one-token cost times the target's width ratio). So the wait is
+  stretched to at least that predicted price in plain steps times
+  `probe_every`, which keeps the probes' share of the time at about
+  1/`probe_every` whatever the batch size; each probe after which the
+  policy still does not draft doubles the wait, up to `probe_max` steps,
+  and the first step it drafts of its own accord resets it (exponential
+  backoff). `Auto.warm` starts a next generation from the estimates an
+  earlier one ended with (`SpecOutput.policy_state`), so short
+  generations do not each pay for relearning from the prior.
 """
 
 from __future__ import annotations
