@@ -1,8 +1,10 @@
 """What machine this is, and how to time code on it.
 
 Speed figures and tuning decisions depend on the CPU: they are recorded and
-cached under `machine_key()`, which names the CPU model, the core count and
-the JAX version. Timings are medians of calls interleaved round-robin, so
+cached under `machine_key()`, which names the CPU (`cpu_id`: its model name,
+and its family, model and SIMD extensions, since under a hypervisor one name
+such as "AMD EPYC" covers Zen 1 to Zen 4), the core count and the JAX
+version. Timings are medians of calls interleaved round-robin, so
 load changes on a shared machine spread over every candidate instead of
 biasing whichever ran during a busy spell.
 """
@@ -18,42 +20,61 @@ from typing import Any, Callable, Mapping
 
 import jax
 
-__all__ = ["cpu_model", "machine", "machine_key", "median_ms"]
+__all__ = ["cpu_id", "cpu_model", "machine", "machine_key", "median_ms"]
+
+# SIMD extensions that change which code is fastest, or which code runs.
+_SIMD = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
 
 
 @functools.cache
+def _cpuinfo() -> dict[str, str]:
+  """The first processor's fields in /proc/cpuinfo ({} where there is
+  none)."""
+  fields = {}
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        if not line.strip():
+          break
+        name, _, value = line.partition(":")
+        fields[name.strip()] = value.strip()
+  except OSError:
+    pass
+  return fields
+
+
 def cpu_model() -> str:
   """The CPU's model name (as `lscpu` prints it), or the platform's."""
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
+  return (_cpuinfo().get("model name") or platform.processor()
+          or platform.machine())
+
+
+def _cpu_flags() -> frozenset[str]:
+  return frozenset(_cpuinfo().get("flags", "").split())
+
+
+def _simd() -> list[str]:
+  flags = _cpu_flags()
+  return [f for f in _SIMD if f in flags]
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      for line in f:
-        if line.startswith("flags"):
-          return frozenset(line.split(":", 1)[1].split())
-  except OSError:
-    pass
-  return frozenset()
+def cpu_id() -> str:
+  """The CPU as caches must tell it apart: model name, family, model and
+  SIMD extensions (e.g. "AMD EPYC (family 23 model 1; avx2)")."""
+  info = _cpuinfo()
+  detail = [f"{k.split()[-1]} {info[k]}" for k in ("cpu family", "model")
+            if k in info]
+  detail = "; ".join(filter(None, [" ".join(detail), ",".join(_simd())]))
+  return f"{cpu_model()} ({detail})" if detail else cpu_model()
 
 
 def machine() -> dict[str, Any]:
   """A JSON-ready description to record next to every figure."""
-  flags = _cpu_flags()
-  simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni",
-                      "amx_tile") if f in flags]
   return {
       "cpu_model": cpu_model(),
-      "cpu_simd": simd,
+      "cpu_id": cpu_id(),
+      "cpu_simd": _simd(),
       "cpu_count": os.cpu_count(),
       "jax_version": jax.__version__,
       "backend": jax.default_backend(),
@@ -63,7 +84,7 @@ def machine() -> dict[str, Any]:
 
 def machine_key() -> str:
   """A key for caches of measurements: CPU, cores, backend and JAX."""
-  return (f"{cpu_model()}|cores={os.cpu_count()}|"
+  return (f"{cpu_id()}|cores={os.cpu_count()}|"
           f"{jax.default_backend()}|jax={jax.__version__}")
 
 

@@ -81,3 +81,27 @@ def test_apply_sets_the_plan(cache):
   assert model.plan == result.plan
   assert model.params["layers_0"]["q"].shape == (64, 64)
   assert model.params["layers_0"]["k"].shape == (32, 64)  # [K*D, E]
+
+
+def test_cpus_sharing_a_name_measure_apart(cache, monkeypatch):
+  # Under a hypervisor Zen 1 and Zen 4 both read "AMD EPYC": a plan (or a
+  # -march=native kernel) from one must not be taken for the other.
+  from specjax import hardware  # pylint: disable=g-import-not-at-top
+
+  def on(family, flags):
+    info = {"model name": "AMD EPYC", "cpu family": family, "model": "1",
+            "flags": flags}
+    monkeypatch.setattr(hardware, "_cpuinfo", lambda: info)
+    hardware.cpu_id.cache_clear()
+    return tuning.tune(testing.TINY_TARGET, rows=(1, 3), cache_dir=cache)
+
+  try:
+    assert on("23", "fma avx2").source == "measured"
+    assert on("23", "fma avx2").source == "cache"
+    assert on("25", "fma avx2").source == "measured"
+    assert on("25", "fma avx2 avx512f").source == "measured"
+    assert hardware.cpu_id() == "AMD EPYC (family 25 model 1; avx2,avx512f)"
+  finally:
+    hardware.cpu_id.cache_clear()  # the real CPU's, once monkeypatch undoes
+  keys = json.loads(tuning.cache_file(cache).read_text())
+  assert len(keys) == 3, keys

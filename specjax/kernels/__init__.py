@@ -68,7 +68,7 @@ def _build_key(compiler: str) -> str:
   version = subprocess.run([compiler, "--version"], capture_output=True,
                            text=True, check=False).stdout
   parts = [_SOURCE.read_text(), version, " ".join(_FLAGS), jax.__version__,
-           hardware.cpu_model()]
+           hardware.cpu_id()]
   return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
