@@ -60,7 +60,12 @@ Two policies:
   and the first step it drafts of its own accord resets it (exponential
   backoff). `Auto.warm` starts a next generation from the estimates an
   earlier one ended with (`SpecOutput.policy_state`), so short
-  generations do not each pay for relearning from the prior.
+  generations do not each pay for relearning from the prior. Where even
+  certain acceptance is predicted not to pay (`Auto.may_draft`: a model
+  drafter at a batch size where the wide pass is compute-bound), no step
+  could ever draft, and `speculative_generate` falls back, before
+  compiling, to `generate` itself: no draft prefill, no probes, and none
+  of the speculative loop's per-step work.
 """
 
 from __future__ import annotations
@@ -155,6 +160,11 @@ class GammaPolicy:
     earlier one ended with (default: unchanged)."""
     del state
     return self
+
+  def may_draft(self) -> bool:
+    """Host-side, before compiling: False if no step of a generation would
+    ever draft, whatever the acceptance (default: True)."""
+    return True
 
   def update(self, state: PolicyState, budget: jax.Array,
              proposal: Proposal, num_accepted: jax.Array,
@@ -383,6 +393,16 @@ class Auto(GammaPolicy):
       step_ms = step_ms + jnp.where(
           k > 0, self.first_draft_ms + (k - 1) * self.draft_ms, 0.0)
     return tokens / step_ms
+
+  def may_draft(self) -> bool:
+    """False when even drafts that are always accepted are predicted to
+    emit fewer tokens per ms than a plain step at these costs (a model
+    drafter at a batch size where the target's wide pass is
+    compute-bound). No acceptance estimate or probe can then make a step
+    draft, and `speculative_generate` decodes autoregressively."""
+    certain = jnp.ones((1, self.max_gamma), jnp.float32)
+    rate = self.predicted_rate(certain, jnp.ones((1,), bool))  # [G+1]
+    return bool(jnp.max(rate[1:]) > rate[0])
 
   def probe_ms(self, idle: jax.Array) -> jax.Array:
     """[] predicted ms a one-token probe after `idle` plain steps costs

@@ -475,7 +475,8 @@ def speculative_generate(
       running acceptance estimates and forward costs measured on this
       machine), "heuristic" (transformers' +2/-1 schedule up to
       `max_gamma`), or a `specjax.adaptive.GammaPolicy`. Any policy keeps
-      the output exact; see `specjax.adaptive`.
+      the output exact; see `specjax.adaptive`. A policy that could never
+      draft at these costs (`GammaPolicy.may_draft`) runs `generate`.
     max_new_tokens: N.
     temperature: 0 for greedy; applied to draft and target alike.
     top_k: keep the k most likely tokens (0 disables).
@@ -532,6 +533,19 @@ def speculative_generate(
   gamma, policy = resolve_gamma(gamma, max_gamma=max_gamma, target=target,
                                 drafter=drafter, batch=len(prompts),
                                 cache_size=cache_size)
+  if policy is not None and not policy.may_draft():
+    # No acceptance could make drafting pay at this B on this machine: the
+    # fallback is `generate` itself, with no draft prefill or loop overhead.
+    base = generate(target, prompts, max_new_tokens=max_new_tokens,
+                    temperature=temperature, top_k=top_k, top_p=top_p,
+                    eos_id=eos_id, key=key, cache_size=cache_size,
+                    pad_id=pad_id, tokens_cap=cap)
+    return SpecOutput(
+        tokens=base.tokens, lengths=base.lengths, stats=(
+            SpecStats.autoregressive(base.lengths, gamma, max(cap - 1, 1),
+                                     components(drafter))),
+        gamma=int(gamma), synthetic=synthetic, policy=_policy_name(policy),
+        policy_state=jax.device_get(policy.init(len(prompts))))
   tokens, lengths, budget = where.inputs(tokens, lengths, max_new_tokens)
   out, counts, stats, policy_state = compilation.call(
       _speculative_generate, "speculative_generate",

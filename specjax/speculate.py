@@ -81,6 +81,25 @@ class SpecStats:
                scored=jnp.full((batch, max_steps), -1, jnp.int32))
 
   @classmethod
+  def autoregressive(cls, lengths: np.ndarray, gamma: int, max_steps: int,
+                     components: tuple[str, ...] = ("model",)
+                     ) -> "SpecStats":
+    """The counters (numpy) of a generation of `lengths` [B] tokens per
+    row that took only plain steps, with no draft forward at all (not even
+    its prefill): row b ran the first lengths[b] - 1 steps, each scoring
+    and accepting 0 drafts."""
+    lengths = np.asarray(lengths, np.int32)
+    ran = np.arange(max_steps)[None] < (lengths[:, None] - 1)  # [B, M]
+    per_step = np.where(ran, 0, -1).astype(np.int32)
+    steps = max(int(lengths.max(initial=1)) - 1, 0)
+    none = np.zeros((gamma,), np.int32)
+    return cls(accepted=per_step, scored=per_step.copy(),
+               proposed=np.zeros(lengths.shape, np.int32),
+               accepted_by_position=none, proposed_by_position=none.copy(),
+               steps=np.int32(steps), target_forwards=np.int32(steps + 1),
+               draft_forwards=np.zeros((len(components),), np.int32))
+
+  @classmethod
   def merge(cls, stats: Sequence["SpecStats"]) -> "SpecStats":
     """Several generations' counters as one, rows concatenated (numpy).
 

@@ -115,6 +115,62 @@ def test_auto_switches_between_autoregressive_and_full_drafts(pair,
     assert np.any(accepted[first_plain:] == GAMMA), (scored, accepted)
 
 
+# A wide pass dear enough that even certain acceptance loses: K drafts
+# emit K + 1 tokens for 1 + 1.5 K plain steps' time (t(K+1) + K * 0.5 with
+# t = 2.5, 3.5, 5.5 at K = 1, 2, 4), against 1 token per step.
+HOPELESS = dict(max_gamma=GAMMA, target_ms=[1.0, 2.5, 3.5, 5.5],
+                draft_ms=0.5)
+
+
+def test_may_draft_asks_whether_certain_acceptance_would_pay():
+  assert adaptive.Auto.create(**COSTS).may_draft()
+  assert not adaptive.Auto.create(**HOPELESS).may_draft()
+  # Free drafts (prompt lookup) pay as soon as a pass of K + 1 tokens
+  # costs under K + 1 plain steps (5 tokens for 4.5), not at a tie; the
+  # heuristic drafts whatever the costs.
+  free = dict(HOPELESS, draft_ms=0.0)
+  assert not adaptive.Auto.create(**free).may_draft()  # 5 tokens for 5.5
+  assert adaptive.Auto.create(
+      **dict(free, target_ms=[1.0, 2.5, 3.5, 4.5])).may_draft()
+  assert not adaptive.Auto.create(
+      **dict(free, target_ms=[1.0, 2.0, 3.0, 5.0])).may_draft()
+  assert adaptive.Heuristic(GAMMA).may_draft()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_auto_that_can_never_pay_decodes_autoregressively(pair, temperature):
+  # Where no acceptance could make drafting pay, `speculative_generate`
+  # runs `generate` itself: the same tokens for the same key (sampled
+  # too), no draft forward (not even the draft's prefill), every step a
+  # plain one in the statistics, and no speculative program compiled.
+  from specjax import compilation  # pylint: disable=g-import-not-at-top
+  target, draft = pair
+  kwargs = dict(max_new_tokens=MAX_NEW, temperature=temperature, key=3,
+                eos_id=7)
+  ref = decode.generate(target, PROMPTS, **kwargs)
+  before = compilation.num_compiled()
+  policy = adaptive.Auto.create(**HOPELESS)
+  out = decode.speculative_generate(target, draft, PROMPTS, gamma=policy,
+                                    **kwargs)
+  assert compilation.num_compiled() == before
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_array_equal(out.lengths, ref.lengths)
+  assert out.policy == "auto" and out.gamma == GAMMA
+  stats = out.stats
+  assert int(np.sum(stats.draft_forwards)) == 0
+  assert int(stats.steps) == int(ref.lengths.max()) - 1
+  assert int(stats.target_forwards) == int(stats.steps) + 1
+  for length, scored, accepted in zip(ref.lengths, stats.scored,
+                                      stats.accepted):
+    assert np.all(scored[:length - 1] == 0) and np.all(scored[length - 1:]
+                                                       == -1), scored
+    np.testing.assert_array_equal(accepted, scored)
+  assert int(np.sum(stats.proposed_by_position)) == 0
+  # What the policy carries to a next call is what it started from.
+  warm = policy.warm(out.policy_state)
+  np.testing.assert_allclose(warm.start_accepted, policy.start_accepted)
+
+
 def test_heuristic_follows_transformers_schedule():
   # Budget 2, +2 after a fully accepted budget, -1 (not below 1) after a
   # rejection, capped at G; rows that drafted nothing keep their budget.
