@@ -92,12 +92,12 @@ class SpecStats:
     ran = np.arange(max_steps)[None] < (lengths[:, None] - 1)  # [B, M]
     per_step = np.where(ran, 0, -1).astype(np.int32)
     steps = max(int(lengths.max(initial=1)) - 1, 0)
-    none = np.zeros((gamma,), np.int32)
-    return cls(accepted=per_step, scored=per_step.copy(),
-               proposed=np.zeros(lengths.shape, np.int32),
-               accepted_by_position=none, proposed_by_position=none.copy(),
-               steps=np.int32(steps), target_forwards=np.int32(steps + 1),
-               draft_forwards=np.zeros((len(components),), np.int32))
+    empty = jax.device_get(cls.zeros(len(lengths), gamma, max_steps,
+                                     components))
+    return empty.replace(
+        accepted=per_step, scored=per_step.copy(), steps=np.int32(steps),
+        target_forwards=np.int32(steps + 1),
+        draft_forwards=np.zeros_like(empty.draft_forwards))
 
   @classmethod
   def merge(cls, stats: Sequence["SpecStats"]) -> "SpecStats":
