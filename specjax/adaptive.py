@@ -48,7 +48,11 @@ Two policies:
   that costs nothing (prompt lookup) always drafts γ_max and is only
   trimmed, so a row without a match costs a plain step. After
   `probe_every` steps without drafting it tries one token, so the
-  estimates follow a text that becomes predictable again. A probe is not
+  estimates follow a text that becomes predictable again; a generation
+  that starts from the prior probes at its first step, so that where the
+  prior alone does not pay (a draft model dear next to the target, as on
+  a CPU without wide vector units) the estimates still come to rest on
+  observations instead of never being tested. A probe is not
   free: beyond a plain step it pays a draft token (the first pass), a
   two-token target pass and the draft model's catch-up on every token it
   skipped, ⌈wait / (G+1)⌉ passes of G+1 tokens (priced at the draft's
@@ -242,8 +246,12 @@ class Auto(GammaPolicy):
     rate: [] float32 the weight of the newest observation: earlier counts
       decay by 1 - rate.
     probe_every: [] int32 draft one token after this many steps without
-      drafting (the first wait).
+      drafting.
     probe_max: [] int32 the longest wait the backoff reaches.
+    first_wait: [] int32 the wait before a generation's first probe: 0
+      from the prior (`create`, unless `probe_first=False`), so the first
+      step drafts at least one token; `probe_every` from learned estimates
+      (`warm`).
     max_gamma: G, static.
   """
 
@@ -255,13 +263,14 @@ class Auto(GammaPolicy):
   rate: jax.Array
   probe_every: jax.Array
   probe_max: jax.Array
+  first_wait: jax.Array
   max_gamma: int = flax.struct.field(pytree_node=False)
 
   @classmethod
   def create(cls, *, max_gamma: int, target_ms: Sequence[float],
              draft_ms: float = 0.0, first_draft_ms: float | None = None,
              prior: float = 0.7, rate: float = 0.2, probe_every: int = 16,
-             probe_max: int = 128) -> "Auto":
+             probe_max: int = 128, probe_first: bool = True) -> "Auto":
     """Validates host values.
 
     Args:
@@ -276,6 +285,8 @@ class Auto(GammaPolicy):
       probe_every: steps without drafting before a one-token probe, >= 1.
       probe_max: the longest wait between probes that find drafting still
         not worth it (each doubles the wait), >= probe_every.
+      probe_first: draft at least one token at the first step, whatever
+        the prior predicts, so that the prior is tested at once.
     """
     widths = verify_widths(max_gamma)
     costs = np.asarray(target_ms, np.float32).reshape(-1)
@@ -301,7 +312,9 @@ class Auto(GammaPolicy):
                start_verified=first, start_accepted=first * prior,
                rate=jnp.float32(rate),
                probe_every=jnp.int32(probe_every),
-               probe_max=jnp.int32(probe_max), max_gamma=int(max_gamma))
+               probe_max=jnp.int32(probe_max),
+               first_wait=jnp.int32(0 if probe_first else probe_every),
+               max_gamma=int(max_gamma))
 
   @classmethod
   def measure(cls, target: Any, drafter: Any, *, batch: int,
@@ -343,17 +356,19 @@ class Auto(GammaPolicy):
         budget=jnp.zeros((batch,), jnp.int32),
         verified=jnp.broadcast_to(self.start_verified, shape),
         accepted=jnp.broadcast_to(self.start_accepted, shape),
-        idle=jnp.int32(0), wait=self.probe_every)
+        idle=jnp.int32(0), wait=self.first_wait)
 
   def warm(self, state: PolicyState) -> "Auto":
     """This policy, with every row of the next generation starting from
     the row-averaged counts an earlier one ended with (`state`, e.g.
     `SpecOutput.policy_state`): a server keeps what it learned about its
     drafter on its workload instead of restarting from the prior at each
-    request. Same shapes, so nothing recompiles."""
+    request. The estimates rest on observations, so there is no probe at
+    the first step. Same shapes, so nothing recompiles."""
     pooled = lambda counts: jnp.mean(jnp.asarray(counts, jnp.float32), 0)
     return self.replace(start_verified=pooled(state.verified),
-                        start_accepted=pooled(state.accepted))
+                        start_accepted=pooled(state.accepted),
+                        first_wait=self.probe_every)
 
   def acceptance(self, state: PolicyState) -> jax.Array:
     """[B, G] conditional acceptance estimates: position 1 accepted over
@@ -418,15 +433,21 @@ class Auto(GammaPolicy):
     return state.idle * plain >= state.wait * jnp.maximum(
         plain, self.probe_ms(state.wait))
 
-  def _probe(self, state: PolicyState, k: jax.Array) -> jax.Array:
-    return jnp.where((k == 0) & self._due(state), 1, k)
+  def _probe(self, state: PolicyState, k: jax.Array, active: jax.Array,
+             available: jax.Array | None) -> jax.Array:
+    """[] the budget `k`, or 1 for a due probe where some active row can
+    use a draft (`available` [B] drafts per row, None for any)."""
+    usable = True if available is None else jnp.any(active & (available > 0))
+    return jnp.where((k == 0) & self._due(state) & usable, 1, k)
 
   def budget(self, state, active, remaining=None):
     # A drafter that costs nothing drafts all it can; `trim` then picks
     # how much of it to verify.
+    usable = _usable(remaining)
     k = jnp.argmax(self.predicted_rate(self.acceptance(state), active,
-                                       available=_usable(remaining)))
-    k = jnp.where(self.draft_ms > 0, self._probe(state, k), self.max_gamma)
+                                       available=usable))
+    k = jnp.where(self.draft_ms > 0, self._probe(state, k, active, usable),
+                  self.max_gamma)
     return jnp.where(active, k, 0).astype(jnp.int32)
 
   def trim(self, state, num_drafted, active, remaining=None):
@@ -438,7 +459,7 @@ class Auto(GammaPolicy):
     k = jnp.argmax(self.predicted_rate(self.acceptance(state), active,
                                        available=num_drafted,
                                        drafting=False))
-    k = self._probe(state, k)
+    k = self._probe(state, k, active, num_drafted)
     return jnp.where(active, k, 0).astype(jnp.int32)
 
   def update(self, state, budget, proposal, num_accepted, active):
@@ -447,10 +468,12 @@ class Auto(GammaPolicy):
     decay = lambda count, new: jnp.where(judged, keep * count + new, count)
     drafted = jnp.any(active & (proposal.num_drafted > 0))
     # A step drafted once a probe was due was a probe: the next waits twice
-    # as long (it resets once a step drafts of its own accord).
+    # as long, and at least `probe_every` after the first step's (it
+    # resets once a step drafts of its own accord).
     probed = drafted & self._due(state)
-    wait = jnp.where(probed, jnp.minimum(2 * state.wait, self.probe_max),
-                     jnp.where(drafted, self.probe_every, state.wait))
+    wait = jnp.where(
+        probed, jnp.clip(2 * state.wait, self.probe_every, self.probe_max),
+        jnp.where(drafted, self.probe_every, state.wait))
     return state.replace(
         verified=decay(state.verified, 1.0),
         accepted=decay(state.accepted, accepted.astype(jnp.float32)),

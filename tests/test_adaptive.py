@@ -303,44 +303,65 @@ def test_warm_policy_starts_from_pooled_estimates():
   assert heuristic.warm(heuristic.init(2)) is heuristic
 
 
+def _steps(policy, accept, num_steps):
+  """Drives `policy` for one row; `accept(step, budget)` is how many of the
+  step's drafts are accepted. Returns the budgets and the last state."""
+  active, state, budgets = jnp.array([True]), policy.init(1), []
+  for step in range(num_steps):
+    budget = policy.budget(state, active)
+    proposal = Proposal(tokens=jnp.zeros((1, GAMMA), jnp.int32),
+                        num_drafted=budget, num_forwards=budget[0])
+    state = policy.update(state, budget, proposal,
+                          jnp.minimum(budget, accept(step, budget)), active)
+    budgets.append(int(budget[0]))
+  return budgets, state
+
+
 def test_failed_probes_back_off_until_drafting_pays_again():
   # Nothing accepted: plain steps, a probe after 2 idle steps, then 4, then
   # 8, capped at 8; once a probe is accepted the policy drafts of its own
-  # accord and the wait returns to 2.
+  # accord and the wait returns to 2. (No probe at the first step here:
+  # `test_a_cold_start_tests_its_prior_at_the_first_step`.)
   policy = adaptive.Auto.create(**COSTS, prior=0.0, probe_every=2,
-                                probe_max=8)
-  active = jnp.array([True])
-  state = policy.init(1)
-  probes = []
-  for step in range(40):
-    budget = policy.budget(state, active)
-    if step == 34:
-      assert int(budget[0]) == 1, "a probe is due at step 34"
-    proposal = Proposal(tokens=jnp.zeros((1, GAMMA), jnp.int32),
-                        num_drafted=budget, num_forwards=budget[0])
-    accepted = budget if step >= 34 else jnp.zeros_like(budget)
-    state = policy.update(state, budget, proposal, accepted, active)
-    if int(budget[0]) and step <= 34:
-      probes.append(step)
+                                probe_max=8, probe_first=False)
+  budgets, state = _steps(
+      policy, lambda step, budget: budget * (step >= 34), 40)
+  probes = [step for step, k in enumerate(budgets[:35]) if k]
   assert probes == [2, 7, 16, 25, 34], probes
   assert int(state.wait) == 2 and int(state.idle) == 0
   # A probe predicted to cost 4.5 plain steps (a 1.0 draft token, one
   # catch-up pass priced 1.0 x 3.0 / 1.0, and 0.5 for the wider target
   # pass) waits 4.5 times as long: the first comes after 9 plain steps.
   dear = adaptive.Auto.create(max_gamma=GAMMA, target_ms=[1.0, 1.5, 2.0, 3.0],
-                              draft_ms=1.0, prior=0.0, probe_every=2)
+                              draft_ms=1.0, prior=0.0, probe_every=2,
+                              probe_first=False)
   np.testing.assert_allclose(dear.probe_ms(jnp.int32(2)), 4.5)
-  state, first = dear.init(1), None
-  for step in range(12):
-    budget = dear.budget(state, active)
-    first = step if first is None and int(budget[0]) else first
-    proposal = Proposal(tokens=jnp.zeros((1, GAMMA), jnp.int32),
-                        num_drafted=budget, num_forwards=budget[0])
-    state = dear.update(state, budget, proposal, jnp.zeros_like(budget),
-                        active)
-  assert first == 9, first
+  budgets, _ = _steps(dear, lambda step, budget: 0 * budget, 12)
+  assert budgets.index(1) == 9, budgets
   with pytest.raises(ValueError, match="probe_max"):
     adaptive.Auto.create(**COSTS, probe_every=8, probe_max=4)
+
+
+def test_a_cold_start_tests_its_prior_at_the_first_step():
+  # Costs where the prior (0.7) predicts that no K pays, but K = 3 pays
+  # once position 1 is seen accepted (machine F at B = 1: a draft token
+  # 0.4 of a target pass, the two-token pass 1.5x a one-token one). From
+  # the prior alone the policy never drafted, so it never learned that
+  # drafts are accepted; now its first step drafts one token.
+  costs = dict(max_gamma=GAMMA, target_ms=[230.0, 342.0, 328.0, 387.0],
+               draft_ms=91.0, first_draft_ms=105.0)
+  never = adaptive.Auto.create(**costs, probe_first=False)
+  all_accepted = lambda step, budget: budget
+  assert _steps(never, all_accepted, 12)[0] == [0] * 12
+  budgets, state = _steps(adaptive.Auto.create(**costs), all_accepted, 6)
+  assert budgets[0] == 1 and min(budgets[1:]) >= 3, budgets
+  # Rejected, the first probe leaves plain steps and the usual wait.
+  budgets, state = _steps(adaptive.Auto.create(**costs),
+                          lambda step, budget: 0 * budget, 8)
+  assert budgets == [1] + [0] * 7 and int(state.wait) == 16, budgets
+  # Started warm from learned estimates, the first step is no probe.
+  warm = adaptive.Auto.create(**costs).warm(state)
+  assert _steps(warm, all_accepted, 3)[0] == [0] * 3
 
 
 def test_low_acceptance_drops_to_autoregressive_steps(pair):
