@@ -186,7 +186,9 @@ def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
                 decode.speculative_generate, target, drafter, prompts,
                 gamma=gamma, synthetic_acceptance=alpha, **kwargs))
       gamma, fn = calls[name]
-      call = bench.timed_call(fn, (name.split()[0], batch, alpha), seen, 1)
+      # α is traced (synthetic acceptance compiles nothing new): each
+      # program warms up once per B.
+      call = bench.timed_call(fn, (name.split()[0], batch), seen, 1)
       if not call.decode_s:
         raise app.UsageError(f"{name}: decoding took no longer than the "
                              "prompt pass alone; raise --tokens.")
@@ -221,7 +223,10 @@ def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
                   "predicted_over_measured": predicted / measured, **row}
   best_other = max(v["tokens_per_s"] for k, v in rows.items()
                    if k not in ("auto", "auto warm", "heuristic"))
-  return {"batch": batch, "alpha": alpha, "policies": rows,
+  return {"batch": batch, "alpha": alpha, "tokens": _TOKENS.value,
+          "repeats": _REPEATS.value, "prompt_tokens": (
+              _PROMPT_TOKENS.value if _WEIGHTS.value == "random" else None),
+          "policies": rows,
           "auto_over_best": rows["auto"]["tokens_per_s"] / best_other,
           "auto_warm_over_best": (rows["auto warm"]["tokens_per_s"]
                                   / best_other),
@@ -233,13 +238,13 @@ def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
 
 def _table(results) -> str:
   names = list(results[0]["policies"])
-  head = ["α", "B"] + names + ["auto/best", "auto warm/best"]
+  head = ["α", "B", "N"] + names + ["auto/best", "auto warm/best"]
   lines = [" | ".join(head), " | ".join("---" for _ in head)]
   for r in results:
     alpha = "real" if r["alpha"] is None else f"{r['alpha']:.2f}"
     cells = [f"{r['policies'][n]['tokens_per_s']:.2f}" for n in names]
-    lines.append(" | ".join([alpha, str(r["batch"])] + cells
-                            + [f"{r['auto_over_best']:.2f}x",
+    lines.append(" | ".join([alpha, str(r["batch"]), str(r["tokens"])]
+                            + cells + [f"{r['auto_over_best']:.2f}x",
                                f"{r['auto_warm_over_best']:.2f}x"]))
   lines += ["", "predicted / measured tokens/s:"]
   lines += [" | ".join(["α", "B"] + names)]
@@ -278,7 +283,6 @@ def _write(results: list[dict], gammas: list[int], **fields) -> None:
   os.makedirs(_OUTPUT.value, exist_ok=True)
   out = {"machine": hardware.machine(), "jax": jax.__version__,
          "weights": _WEIGHTS.value, "drafter": _DRAFTER.value,
-         "tokens": _TOKENS.value, "repeats": _REPEATS.value,
          "gammas": gammas,
          "max_gamma": _MAX_GAMMA.value, **fields, "results": results}
   with open(os.path.join(_OUTPUT.value, "crossover.json"), "w") as f:
@@ -286,14 +290,15 @@ def _write(results: list[dict], gammas: list[int], **fields) -> None:
 
 
 def _merge(dirs: list[str]) -> None:
-  """Joins the crossover.json of several runs (same settings, e.g. one B
-  per process) into one, sorted by α then B, with its table and plot."""
+  """Joins the crossover.json of several runs (one B per process, on one
+  machine with the same policies; each result keeps its own tokens per row
+  and repeats, shorter at large B) into one, sorted by α then B, with its
+  table and plot."""
   runs = []
   for path in dirs:
     with open(os.path.join(path, "crossover.json")) as f:
       runs.append(json.load(f))
-  settings = ("machine", "weights", "drafter", "tokens", "repeats", "gammas",
-              "max_gamma")
+  settings = ("machine", "weights", "drafter", "gammas", "max_gamma")
   for run, path in zip(runs[1:], dirs[1:]):
     differ = [k for k in settings if run.get(k) != runs[0].get(k)]
     if differ:
