@@ -38,14 +38,14 @@ from specjax.tuning import matmul as tuning
 import bench_crossover  # the real pair's shapes, next to this script
 
 _BATCH = flags.DEFINE_integer("batch", 8, "Rows B.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per shape.")
 _FIXED = flags.DEFINE_list("fixed_gammas", [], "Fixed γ runs to add (e.g. 4).")
 _ALPHA = flags.DEFINE_float("alpha", 0.8,
                             "Synthetic acceptance of the fixed-γ runs.")
 _POLICY_PATH = flags.DEFINE_bool(
     "policy_path", False, "Also run each fixed γ as Heuristic(γ).")
-# --tokens (new tokens per row) and --prompt_tokens come with
-# bench_crossover's flags.
+# --tokens (new tokens per row), --prompt_tokens and --repeats (timed calls
+# per shape) come with bench_crossover's flags.
+_REPEATS = bench_crossover._REPEATS  # pylint: disable=protected-access
 _TOKENS = bench_crossover._TOKENS  # pylint: disable=protected-access
 _PROMPT_TOKENS = bench_crossover._PROMPT_TOKENS  # pylint: disable=protected-access
 

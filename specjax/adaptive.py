@@ -62,7 +62,15 @@ Two policies:
   1/`probe_every` whatever the batch size; each probe after which the
   policy still does not draft doubles the wait, up to `probe_max` steps,
   and the first step it drafts of its own accord resets it (exponential
-  backoff). `Auto.warm` starts a next generation from the estimates an
+  backoff). A probe is made only where it could pay for itself before the
+  rows end: the time that drafting with certain acceptance would save over
+  the tokens they have left must exceed its price (on a short generation,
+  or at a batch size where drafting barely pays even then, a probe is a
+  sure loss). And the budget grows no faster than its evidence: it is at
+  most twice the deepest draft position verified so far (position 1 counts
+  from the prior), so that one accepted probe, which lifts every deeper
+  estimate with it, is followed by a two-token step and not by a full
+  γ_max block that a low acceptance would waste. `Auto.warm` starts a next generation from the estimates an
   earlier one ended with (`SpecOutput.policy_state`), so short
   generations do not each pay for relearning from the prior. Where even
   certain acceptance is predicted not to pay (`Auto.may_draft`: a model
@@ -433,20 +441,50 @@ class Auto(GammaPolicy):
     return state.idle * plain >= state.wait * jnp.maximum(
         plain, self.probe_ms(state.wait))
 
+  def _pays_back(self, state: PolicyState, active: jax.Array,
+                 remaining: jax.Array | None) -> jax.Array:
+    """[] bool: drafting every step with certain acceptance would save
+    more time over the tokens the active rows have left (`remaining` [B],
+    None for no end) than a probe now costs beyond a plain step. Where it
+    would not, no probe can pay for itself before the generation ends."""
+    if remaining is None:
+      return jnp.bool_(True)
+    certain = jnp.ones_like(state.accepted)
+    rate = self.predicted_rate(certain, active, _usable(remaining))  # [G+1]
+    tokens = jnp.sum(jnp.where(active, remaining, 0)).astype(jnp.float32)
+    saved = tokens * (1.0 / jnp.maximum(rate[0], 1e-9)
+                      - 1.0 / jnp.maximum(jnp.max(rate[1:]), 1e-9))
+    return saved > self.probe_ms(state.idle)
+
   def _probe(self, state: PolicyState, k: jax.Array, active: jax.Array,
-             available: jax.Array | None) -> jax.Array:
+             available: jax.Array | None,
+             remaining: jax.Array | None) -> jax.Array:
     """[] the budget `k`, or 1 for a due probe where some active row can
-    use a draft (`available` [B] drafts per row, None for any)."""
+    use a draft (`available` [B] drafts per row, None for any) and the
+    tokens left (`remaining` [B]) could repay it (`_pays_back`)."""
     usable = True if available is None else jnp.any(active & (available > 0))
-    return jnp.where((k == 0) & self._due(state) & usable, 1, k)
+    due = self._due(state) & usable & self._pays_back(state, active,
+                                                      remaining)
+    return jnp.where((k == 0) & due, 1, k)
+
+  def _explored(self, state: PolicyState, active: jax.Array) -> jax.Array:
+    """[] the largest budget worth trying yet: twice the deepest position
+    verified (or given a prior) in a row of the batch up to it, at least 1.
+    One accepted probe makes every deeper estimate inherit its optimism,
+    so without this cap a single lucky draft buys a full γ_max block."""
+    seen = jnp.cumprod(state.verified > 0, axis=1).sum(1)  # [B]
+    return jnp.maximum(2 * jnp.max(jnp.where(active, seen, 0)), 1)
 
   def budget(self, state, active, remaining=None):
     # A drafter that costs nothing drafts all it can; `trim` then picks
     # how much of it to verify.
     usable = _usable(remaining)
-    k = jnp.argmax(self.predicted_rate(self.acceptance(state), active,
-                                       available=usable))
-    k = jnp.where(self.draft_ms > 0, self._probe(state, k, active, usable),
+    rate = self.predicted_rate(self.acceptance(state), active,
+                               available=usable)  # [G+1]
+    k = jnp.argmax(jnp.where(jnp.arange(self.max_gamma + 1)
+                             <= self._explored(state, active), rate, -1.0))
+    k = jnp.where(self.draft_ms > 0,
+                  self._probe(state, k, active, usable, remaining),
                   self.max_gamma)
     return jnp.where(active, k, 0).astype(jnp.int32)
 
@@ -459,7 +497,7 @@ class Auto(GammaPolicy):
     k = jnp.argmax(self.predicted_rate(self.acceptance(state), active,
                                        available=num_drafted,
                                        drafting=False))
-    k = self._probe(state, k, active, num_drafted)
+    k = self._probe(state, k, active, num_drafted, remaining)
     return jnp.where(active, k, 0).astype(jnp.int32)
 
   def update(self, state, budget, proposal, num_accepted, active):

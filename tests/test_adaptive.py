@@ -99,8 +99,9 @@ def test_greedy_equals_autoregressive(pair, baseline, policy, kind):
 def test_auto_switches_between_autoregressive_and_full_drafts(pair,
                                                               baseline):
   # Full acceptance, then a stretch where every draft is rejected, then
-  # full acceptance again: `auto` must draft G, drop to plain steps, and
-  # come back (through its probes), and stay exact throughout.
+  # full acceptance again: `auto` must ramp up to G (2, the cap on a prior
+  # alone, then G), drop to plain steps, and come back (through its
+  # probes), and stay exact throughout.
   target, _ = pair
   policy = adaptive.Auto.create(**COSTS, rate=0.5, probe_every=4)
   out = decode.speculative_generate(
@@ -109,7 +110,8 @@ def test_auto_switches_between_autoregressive_and_full_drafts(pair,
   np.testing.assert_array_equal(out.tokens, baseline.tokens)
   for scored, accepted in zip(out.stats.scored, out.stats.accepted):
     # Full blocks first, then plain steps, then full blocks accepted again.
-    assert scored[0] == GAMMA and accepted[0] == GAMMA, scored
+    assert list(scored[:2]) == [2, GAMMA], scored
+    assert accepted[0] == 2, accepted
     first_plain = np.argmax(scored == 0)
     assert first_plain > 0 and np.sum(scored == 0) >= 5, scored
     assert np.any(accepted[first_plain:] == GAMMA), (scored, accepted)
@@ -205,7 +207,12 @@ def test_auto_budget_maximises_the_cost_models_prediction():
     policy = adaptive.Auto.create(max_gamma=8, target_ms=target_ms,
                                   prior=acceptance,
                                   **adaptive.Auto.draft_costs(draft))
-    state = policy.init(2)
+    # Every position seen at `acceptance`, so nothing caps the budget
+    # (`test_a_cold_start_tests_its_prior_at_the_first_step`).
+    state = policy.init(2).replace(verified=jnp.ones((2, 8)),
+                                   accepted=jnp.full((2, 8), acceptance))
+    np.testing.assert_allclose(policy.acceptance(state), acceptance,
+                               rtol=1e-6)
     active = jnp.array([True, True])
     budget = int(policy.budget(state, active)[0])
     if draft_ms:
@@ -246,9 +253,10 @@ def test_auto_drafts_nothing_past_a_rows_end():
   # tokens left can use only r - 1 of them: the budget and the trim stop
   # there, and a row's last token is a plain step.
   policy = adaptive.Auto.create(max_gamma=4, target_ms=[1.0, 1.01, 1.02,
-                                                        1.03], draft_ms=0.01,
-                                prior=1.0)
-  state = policy.init(2)
+                                                        1.03], draft_ms=0.01)
+  # Every position seen accepted (no exploration cap).
+  state = policy.init(2).replace(verified=jnp.ones((2, 4)),
+                                 accepted=jnp.ones((2, 4)))
   active = jnp.array([True, True])
   np.testing.assert_array_equal(policy.budget(state, active), [4, 4])
   for left, usable in ((9, 4), (3, 2), (2, 1), (1, 0)):
@@ -303,12 +311,15 @@ def test_warm_policy_starts_from_pooled_estimates():
   assert heuristic.warm(heuristic.init(2)) is heuristic
 
 
-def _steps(policy, accept, num_steps):
+def _steps(policy, accept, num_steps, tokens=None):
   """Drives `policy` for one row; `accept(step, budget)` is how many of the
-  step's drafts are accepted. Returns the budgets and the last state."""
+  step's drafts are accepted, `tokens` how many the row has left at the
+  first step (None for no end; one fewer at each step). Returns the
+  budgets and the last state."""
   active, state, budgets = jnp.array([True]), policy.init(1), []
   for step in range(num_steps):
-    budget = policy.budget(state, active)
+    remaining = None if tokens is None else jnp.array([tokens - step])
+    budget = policy.budget(state, active, remaining)
     proposal = Proposal(tokens=jnp.zeros((1, GAMMA), jnp.int32),
                         num_drafted=budget, num_forwards=budget[0])
     state = policy.update(state, budget, proposal,
@@ -342,26 +353,64 @@ def test_failed_probes_back_off_until_drafting_pays_again():
     adaptive.Auto.create(**COSTS, probe_every=8, probe_max=4)
 
 
+# Costs measured on machine F at B = 1 (ms; targets at T = 1, 2, 3, 5).
+F_B1 = dict(max_gamma=GAMMA, target_ms=[230.0, 342.0, 328.0, 387.0],
+            draft_ms=91.0, first_draft_ms=105.0)
+
+
 def test_a_cold_start_tests_its_prior_at_the_first_step():
-  # Costs where the prior (0.7) predicts that no K pays, but K = 3 pays
-  # once position 1 is seen accepted (machine F at B = 1: a draft token
-  # 0.4 of a target pass, the two-token pass 1.5x a one-token one). From
-  # the prior alone the policy never drafted, so it never learned that
-  # drafts are accepted; now its first step drafts one token.
-  costs = dict(max_gamma=GAMMA, target_ms=[230.0, 342.0, 328.0, 387.0],
-               draft_ms=91.0, first_draft_ms=105.0)
-  never = adaptive.Auto.create(**costs, probe_first=False)
+  # Costs where the prior (0.7) predicts that no K pays, but K = 2 and 4
+  # pay once position 1 is seen accepted (machine F at B = 1: a draft
+  # token 0.4 of a target pass, the two-token pass 1.5x a one-token one).
+  # From the prior alone the policy never drafted, so it never learned
+  # that drafts are accepted; now its first step drafts one token.
   all_accepted = lambda step, budget: budget
+  never = adaptive.Auto.create(**F_B1, probe_first=False)
   assert _steps(never, all_accepted, 12)[0] == [0] * 12
-  budgets, state = _steps(adaptive.Auto.create(**costs), all_accepted, 6)
-  assert budgets[0] == 1 and min(budgets[1:]) >= 3, budgets
+  budgets, state = _steps(adaptive.Auto.create(**F_B1), all_accepted, 6)
+  # Accepted, it grows no faster than its evidence: twice the deepest
+  # position verified (uncapped, one lucky probe bought 4 drafts here).
+  assert budgets == [1, 2, 4, 4, 4, 4], budgets
+  # Accepted, then the two-token step rejected: back to plain steps.
+  budgets, _ = _steps(adaptive.Auto.create(**F_B1),
+                      lambda step, budget: budget * (step == 0), 6)
+  assert budgets == [1, 2, 0, 0, 0, 0], budgets
   # Rejected, the first probe leaves plain steps and the usual wait.
-  budgets, state = _steps(adaptive.Auto.create(**costs),
+  budgets, state = _steps(adaptive.Auto.create(**F_B1),
                           lambda step, budget: 0 * budget, 8)
   assert budgets == [1] + [0] * 7 and int(state.wait) == 16, budgets
   # Started warm from learned estimates, the first step is no probe.
-  warm = adaptive.Auto.create(**costs).warm(state)
+  warm = adaptive.Auto.create(**F_B1).warm(state)
   assert _steps(warm, all_accepted, 3)[0] == [0] * 3
+
+
+def test_no_probe_that_the_tokens_left_cannot_repay():
+  # Machine F at B = 4: even certain acceptance saves 2.6% of a plain
+  # step's time per token (K = 2: 3 tokens in 1018 ms against 1 in 348),
+  # 8.7 ms a token, while a probe costs a draft pass and a two-token pass,
+  # 367 ms beyond a plain step: it can pay for itself only with over 42
+  # tokens left. With the F B = 1 costs (a 217 ms probe; with 4 tokens
+  # left, 3 drafts at certain acceptance save 61.5 ms a token, with 3
+  # left 2 save 55.3) it can with 4.
+  f_b4 = dict(max_gamma=GAMMA, target_ms=[348.0, 526.0, 709.0, 1188.0],
+              draft_ms=120.0, first_draft_ms=189.0)
+  accepted = lambda step, budget: budget
+  for costs, short, long in ((f_b4, 42, 43), (F_B1, 3, 4)):
+    policy = adaptive.Auto.create(**costs)
+    assert policy.may_draft()
+    assert _steps(policy, accepted, 1, tokens=short)[0] == [0]
+    assert _steps(policy, accepted, 1, tokens=long)[0] == [1]
+  # The periodic probes too: after a rejected first probe the next is due
+  # at step 5 (`probe_ms` stretches the wait of 2); with 4 tokens left
+  # there it is not made.
+  rejected = lambda step, budget: 0 * budget
+  no_end, _ = _steps(adaptive.Auto.create(**F_B1, probe_every=2), rejected,
+                     12)
+  assert no_end.count(1) == 2, no_end
+  assert no_end.index(1, 1) == 5, no_end
+  near_end, _ = _steps(adaptive.Auto.create(**F_B1, probe_every=2),
+                       rejected, 9, tokens=9)
+  assert near_end == [1] + [0] * 8, near_end
 
 
 def test_low_acceptance_drops_to_autoregressive_steps(pair):
