@@ -101,13 +101,19 @@ def _values(text: str, kind=int) -> list:
   return [kind(x) for x in text.split("/") if x]
 
 
+def random_model(name: str, seed: int):
+  """The model `name` of `SHAPES` with random weights (key `seed`) and this
+  machine's matmul plan, as the random-weight benchmarks run it."""
+  model = models.init_random(SHAPES[name], jax.random.key(seed))
+  return tuning.apply(model, "auto")[0]
+
+
 def _load(name: str, seed: int):
   if name == "tiny":  # smoke runs: the random tiny pair
     return testing.tiny_pair(0)[seed], None
   if _WEIGHTS.value == "real":
     return registry.load_pretrained(name, progress=False)
-  model = models.init_random(SHAPES[name], jax.random.key(seed))
-  return tuning.apply(model, "auto")[0], None
+  return random_model(name, seed), None
 
 
 def _prompts(tokenizer, batch: int, vocab: int) -> list[list[int]]:

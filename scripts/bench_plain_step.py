@@ -33,9 +33,7 @@ from specjax import adaptive
 from specjax import decode
 from specjax import drafters
 from specjax import hardware
-from specjax import models
-from specjax.tuning import matmul as tuning
-import bench_crossover  # the real pair's shapes, next to this script
+import bench_crossover  # the real pair's models, next to this script
 
 _BATCH = flags.DEFINE_integer("batch", 8, "Rows B.")
 _FIXED = flags.DEFINE_list("fixed_gammas", [], "Fixed γ runs to add (e.g. 4).")
@@ -66,11 +64,8 @@ def _decode_s(fn, tokens: int, repeats: int) -> float:
 
 def main(argv):
   del argv
-  shapes = bench_crossover.SHAPES
-  target = tuning.apply(models.init_random(
-      shapes["qwen2.5-coder-1.5b-instruct"], jax.random.key(0)), "auto")[0]
-  draft = tuning.apply(models.init_random(
-      shapes["qwen2.5-coder-0.5b-instruct"], jax.random.key(1)), "auto")[0]
+  target = bench_crossover.random_model("qwen2.5-coder-1.5b-instruct", 0)
+  draft = bench_crossover.random_model("qwen2.5-coder-0.5b-instruct", 1)
   batch = _BATCH.value
   prompts = np.random.default_rng(batch).integers(
       1, 1000, (batch, _PROMPT_TOKENS.value)).tolist()
