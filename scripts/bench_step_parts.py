@@ -1,4 +1,4 @@
-r"""Where a fixed-γ speculative step's time goes: its parts against its forwards.
+r"""Where a fixed-γ step's time goes: its stages against its forwards.
 
 The cost model (`specjax.tuning.cost`) prices a step as the drafter's
 forwards (a two-token catch-up pass, then γ - 1 one-token forwards) plus

@@ -70,9 +70,10 @@ Two policies:
   most twice the deepest draft position verified so far (position 1 counts
   from the prior), so that one accepted probe, which lifts every deeper
   estimate with it, is followed by a two-token step and not by a full
-  γ_max block that a low acceptance would waste. `Auto.warm` starts a next generation from the estimates an
-  earlier one ended with (`SpecOutput.policy_state`), so short
-  generations do not each pay for relearning from the prior. Where even
+  γ_max block that a low acceptance would waste. `Auto.warm` starts a
+  next generation from the estimates an earlier one ended with
+  (`SpecOutput.policy_state`), so short generations do not each pay for
+  relearning from the prior. Where even
   certain acceptance is predicted not to pay (`Auto.may_draft`: a model
   drafter at a batch size where the wide pass is compute-bound), no step
   could ever draft, and `speculative_generate` falls back, before
