@@ -116,11 +116,17 @@ def _load(name: str, seed: int):
   return random_model(name, seed), None
 
 
+def random_prompts(batch: int, vocab: int) -> list[list[int]]:
+  """B prompts of `--prompt_tokens` random ids (seeded by B), as the
+  random-weight benchmarks run them."""
+  rng = np.random.default_rng(batch)
+  return rng.integers(1, min(1000, vocab), (batch, _PROMPT_TOKENS.value)
+                      ).tolist()
+
+
 def _prompts(tokenizer, batch: int, vocab: int) -> list[list[int]]:
   if tokenizer is None:
-    rng = np.random.default_rng(batch)
-    return rng.integers(1, min(1000, vocab), (batch, _PROMPT_TOKENS.value)
-                        ).tolist()
+    return random_prompts(batch, vocab)
   prompt_set = prompts_lib.load_prompts("humaneval", batch)
   return [prompts_lib.encode_prompt(tokenizer, p, chat_template=True)
           for p in prompt_set.prompts]

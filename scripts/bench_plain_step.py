@@ -67,8 +67,7 @@ def main(argv):
   target = bench_crossover.random_model("qwen2.5-coder-1.5b-instruct", 0)
   draft = bench_crossover.random_model("qwen2.5-coder-0.5b-instruct", 1)
   batch = _BATCH.value
-  prompts = np.random.default_rng(batch).integers(
-      1, 1000, (batch, _PROMPT_TOKENS.value)).tolist()
+  prompts = bench_crossover.random_prompts(batch, target.vocab_size)
   size = decode.default_cache_size(_PROMPT_TOKENS.value, _TOKENS.value,
                                    reserve=5)
   # Costs do not matter at prior 0: no draft ever predicts a gain.
