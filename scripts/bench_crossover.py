@@ -9,7 +9,15 @@ tokens/s of each (the first token's prompt pass timed apart and
 subtracted, as in `experiments.bench`), the ratio of `auto` to the best of
 the others, and the cost model's prediction beside each measurement.
 Each figure is the median of `--repeats` rounds that run every policy in
-turn, so a drift in the machine's speed reaches all policies alike.
+turn, so a drift in the machine's speed reaches all policies alike (the
+paired ratio is the median over rounds of `auto` over the best policy in
+the same round, which cancels a drift between rounds); round
+r draws acceptance with key r, so with synthetic α the rounds follow
+different sample paths. Beside the measured ratio, the one
+`specjax.tuning.simulate` expects from the same policies and costs over
+many draws (the policy's own loss, without the machine's noise or the
+cost model's error). The forward costs are measured afresh once per B, at
+its start (`--norefresh_costs` reads the cost cache).
 
 COMMAND (the real pair, HumanEval chat prompts, the draft model drafting):
   python scripts/bench_crossover.py --weights=real --batches=1/2/4 \
@@ -40,6 +48,7 @@ step's target pass at the width it ran, plus its draft forwards).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -60,6 +69,7 @@ from specjax import registry
 from specjax import testing
 from specjax.tuning import cost
 from specjax.tuning import matmul as tuning
+from specjax.tuning import simulate
 
 _WEIGHTS = flags.DEFINE_enum("weights", "real", ["real", "random"],
                              "Checkpoints, or random weights at their shapes.")
@@ -76,6 +86,9 @@ _ALPHAS = flags.DEFINE_string(
 _TOKENS = flags.DEFINE_integer("tokens", 32, "New tokens per row.")
 _REPEATS = flags.DEFINE_integer(
     "repeats", 3, "Timed rounds over all policies; each reports its median.")
+_REFRESH = flags.DEFINE_bool(
+    "refresh_costs", True, "Measure the forward costs afresh instead of "
+    "reading them from the cost cache.")
 _PROMPT_TOKENS = flags.DEFINE_integer(
     "prompt_tokens", 128, "Prompt length with random weights.")
 _OUTPUT = flags.DEFINE_string("output_dir", "/tmp/specjax/crossover", "")
@@ -155,19 +168,40 @@ def _steps_ms(stats, target_costs, draft_costs) -> float:
       draft_costs.drafting_ms(1) - draft_costs.at(1))
 
 
-def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+  """What every policy and α at one B share: the cache size S, the target
+  widths timed, and the forward costs measured at S (a forward's cost
+  grows with S)."""
+
+  cache_size: int
+  widths: list[int]
+  target_costs: cost.ForwardCosts
+  draft_costs: cost.ForwardCosts | None
+
+
+def _setup(target, draft, prompts, gammas) -> _Setup:
+  """Measures the costs once per B, afresh unless `--norefresh_costs`: a
+  cost cache keyed by machine cannot tell that the machine itself has
+  changed speed since, and the predictions beside the measurements would
+  then be stale."""
   batch = len(prompts)
   widths = sorted({1, *(g + 1 for g in gammas),
                    *adaptive.verify_widths(_MAX_GAMMA.value)})
-  # Every policy runs with the same cache, and the costs are measured at
-  # it: a forward's cost grows with S.
   cache_size = decode.default_cache_size(
       max(map(len, prompts)), _TOKENS.value, reserve=widths[-1])
-  target_costs = cost.measure(target, batch=batch, chunks=widths,
-                              cache_size=cache_size)
-  draft_costs = (cost.measure(draft, batch=batch, chunks=(1, 2),
-                              cache_size=cache_size)
-                 if _DRAFTER.value == "model" else None)
+  measure = functools.partial(cost.measure, batch=batch,
+                              cache_size=cache_size, refresh=_REFRESH.value)
+  return _Setup(cache_size, widths, measure(target, chunks=widths),
+                measure(draft, chunks=(1, 2))
+                if _DRAFTER.value == "model" else None)
+
+
+def _run_batch(target, drafter, prompts, alpha, gammas, seen,
+               setup: _Setup):
+  batch = len(prompts)
+  cache_size, widths = setup.cache_size, setup.widths
+  target_costs, draft_costs = setup.target_costs, setup.draft_costs
   policies = {"ar": None, **{f"γ={g}": g for g in gammas},
               "heuristic": adaptive.Heuristic(_MAX_GAMMA.value),
               "auto": adaptive.Auto.create(
@@ -176,18 +210,20 @@ def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
                              adaptive.verify_widths(_MAX_GAMMA.value)],
                   **(adaptive.Auto.draft_costs(draft_costs)
                      if draft_costs else {}))}
-  kwargs = dict(max_new_tokens=_TOKENS.value, key=0, cache_size=cache_size)
+  kwargs = dict(max_new_tokens=_TOKENS.value, cache_size=cache_size)
   # Rounds interleave the policies, so a drift of the machine's speed
   # during the run reaches them all alike; each policy's tokens/s is the
-  # median over the rounds.
+  # median over the rounds. Round r runs every policy with the key r: the
+  # same draws for all policies within a round, other acceptance draws
+  # (with synthetic α, another sample path) from round to round.
   calls, runs = {}, {}
-  for _ in range(_REPEATS.value):
+  for round_key in range(_REPEATS.value):
     for name in [*policies, "auto warm"]:
       if name not in calls:
         if name == "auto warm":
-          # As a server would: the estimates the cold run ended with start
-          # the next request (`Auto.warm`); the same program, nothing
-          # compiles.
+          # As a server would: the estimates the first cold run ended
+          # with start the next requests (`Auto.warm`); the same program,
+          # nothing compiles.
           gamma = policies["auto"].warm(
               runs["auto"][0][1].output.policy_state)
         else:
@@ -198,43 +234,22 @@ def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
                 decode.speculative_generate, target, drafter, prompts,
                 gamma=gamma, synthetic_acceptance=alpha, **kwargs))
       gamma, fn = calls[name]
-      # α is traced (synthetic acceptance compiles nothing new): each
-      # program warms up once per B.
-      call = bench.timed_call(fn, (name.split()[0], batch), seen, 1)
+      # α and the key are traced (nothing compiles anew): each program
+      # warms up once per B.
+      call = bench.timed_call(functools.partial(fn, key=round_key),
+                              (name.split()[0], batch), seen, 1)
       if not call.decode_s:
         raise app.UsageError(f"{name}: decoding took no longer than the "
                              "prompt pass alone; raise --tokens.")
       runs.setdefault(name, []).append(
           (call.decode_tokens / call.decode_s, call))
-  rows = {}
-  for name, (gamma, _) in calls.items():
-    rates = [rate for rate, _ in runs[name]]
-    measured = float(np.median(rates))
-    call = runs[name][0][1]  # the outputs are the same every round
-    if gamma is None:
-      predicted = cost.predict_tokens_per_s(target_costs, 0, [])
-      row = {}
-    else:
-      stats = call.output.stats
-      if isinstance(gamma, int):
-        predicted = cost.predict_tokens_per_s(
-            target_costs, gamma, _conditional_acceptance(stats, gamma),
-            draft_costs)
-      else:
-        tokens = int(np.sum(np.maximum(call.output.lengths - 1, 0)))
-        predicted = tokens / (_steps_ms(stats, target_costs, draft_costs)
-                              / 1e3)
-      scored = np.asarray(stats.scored)
-      row = {"tau": float(call.output.lengths.sum() - batch)
-                    / max(int(stats.steps), 1) / batch,
-             "autoregressive_steps": float(np.mean(scored[scored >= 0] == 0)),
-             "mean_drafts": float(np.mean(scored[scored >= 0])),
-}
-    rows[name] = {"tokens_per_s": measured, "tokens_per_s_rounds": rates,
-                  "predicted_tokens_per_s": predicted,
-                  "predicted_over_measured": predicted / measured, **row}
-  best_other = max(v["tokens_per_s"] for k, v in rows.items()
-                   if k not in ("auto", "auto warm", "heuristic"))
+  rows = {name: _policy_row(gamma, runs[name], batch, target_costs,
+                            draft_costs)
+          for name, (gamma, _) in calls.items()}
+  best = max((k for k in rows if k not in ("auto", "auto warm",
+                                           "heuristic")),
+             key=lambda k: rows[k]["tokens_per_s"])
+  best_other = rows[best]["tokens_per_s"]
   return {"batch": batch, "alpha": alpha, "tokens": _TOKENS.value,
           "repeats": _REPEATS.value, "prompt_tokens": (
               _PROMPT_TOKENS.value if _WEIGHTS.value == "random" else None),
@@ -242,22 +257,96 @@ def _run_batch(target, draft, drafter, prompts, alpha, gammas, seen):
           "auto_over_best": rows["auto"]["tokens_per_s"] / best_other,
           "auto_warm_over_best": (rows["auto warm"]["tokens_per_s"]
                                   / best_other),
+          "best": best,
+          "auto_over_best_paired": _paired(rows, "auto", best),
+          "auto_warm_over_best_paired": _paired(rows, "auto warm", best),
+          **_simulated(policies, rows, batch, alpha),
           "cache_size": cache_size,
           "target_ms": {str(w): target_costs.at(w) for w in widths},
           "draft_ms": ({str(t): draft_costs.at(t) for t in (1, 2)}
                        if draft_costs else {})}
 
 
+def _paired(rows: dict, name: str, best: str) -> float:
+  """The median over rounds of `name`'s tokens/s over `best`'s in the same
+  round: a round runs them back to back, so the machine's drift between
+  rounds cancels."""
+  return float(np.median(np.divide(rows[name]["tokens_per_s_rounds"],
+                                    rows[best]["tokens_per_s_rounds"])))
+
+
+def _predicted(gamma, call, target_costs, draft_costs) -> float:
+  """The cost model's tokens/s for one run of a policy."""
+  if gamma is None:
+    return cost.predict_tokens_per_s(target_costs, 0, [])
+  stats = call.output.stats
+  if isinstance(gamma, int):
+    return cost.predict_tokens_per_s(
+        target_costs, gamma, _conditional_acceptance(stats, gamma),
+        draft_costs)
+  tokens = int(np.sum(np.maximum(call.output.lengths - 1, 0)))
+  return tokens / (_steps_ms(stats, target_costs, draft_costs) / 1e3)
+
+
+def _policy_row(gamma, runs, batch, target_costs, draft_costs) -> dict:
+  """One policy's medians over its rounds (`runs`: (tokens/s, Call))."""
+  rates = [rate for rate, _ in runs]
+  measured = float(np.median(rates))
+  predicted = float(np.median([
+      _predicted(gamma, call, target_costs, draft_costs)
+      for _, call in runs]))
+  row = {"tokens_per_s": measured, "tokens_per_s_rounds": rates,
+         "predicted_tokens_per_s": predicted,
+         "predicted_over_measured": predicted / measured}
+  if gamma is not None:
+    steps = [np.asarray(call.output.stats.scored) for _, call in runs]
+    steps = np.concatenate([s[s >= 0] for s in steps])
+    row.update(
+        tau=float(np.mean([(call.output.lengths.sum() - batch)
+                           / max(int(call.output.stats.steps), 1) / batch
+                           for _, call in runs])),
+        autoregressive_steps=float(np.mean(steps == 0)),
+        mean_drafts=float(np.mean(steps)))
+  if isinstance(gamma, int):
+    row["acceptance"] = np.mean(
+        [_conditional_acceptance(call.output.stats, gamma)
+         for _, call in runs], 0).tolist()
+  return row
+
+
+def _simulated(policies, rows, batch, alpha) -> dict:
+  """`auto` (cold) over the best of autoregressive and the fixed γ <= γ_max
+  as `specjax.tuning.simulate` expects it: the same policies and costs,
+  the mean over many acceptance draws, no timing noise. With real weights
+  the acceptance is the per-position rate the widest fixed γ measured, its
+  last value repeated past its γ."""
+  auto = policies["auto"]
+  fixed = [g or 0 for g in policies.values()
+           if g is None or isinstance(g, int) and g <= auto.max_gamma]
+  if alpha is None:
+    measured = rows[f"γ={max(fixed)}"]["acceptance"]
+    alpha = (measured + measured[-1:] * auto.max_gamma)[:auto.max_gamma]
+  costs = simulate.policy_costs(auto)
+  rate = lambda policy: simulate.simulate(policy, costs, alpha=alpha,
+                                          batch=batch, tokens=_TOKENS.value)
+  best = max(rate(simulate.Fixed(g, auto.max_gamma)) for g in fixed)
+  return {"auto_over_best_simulated": rate(auto) / best}
+
+
 def _table(results) -> str:
   names = list(results[0]["policies"])
-  head = ["α", "B", "N"] + names + ["auto/best", "auto warm/best"]
+  head = ["α", "B", "N"] + names + ["auto/best", "auto warm/best",
+                                     "paired", "auto/best simulated"]
   lines = [" | ".join(head), " | ".join("---" for _ in head)]
   for r in results:
     alpha = "real" if r["alpha"] is None else f"{r['alpha']:.2f}"
     cells = [f"{r['policies'][n]['tokens_per_s']:.2f}" for n in names]
     lines.append(" | ".join([alpha, str(r["batch"]), str(r["tokens"])]
                             + cells + [f"{r['auto_over_best']:.2f}x",
-                               f"{r['auto_warm_over_best']:.2f}x"]))
+                               f"{r['auto_warm_over_best']:.2f}x",
+                               _optional_cell(r, "auto_over_best_paired"),
+                               _optional_cell(r, "auto_over_best_simulated")
+                               ]))
   lines += ["", "predicted / measured tokens/s:"]
   lines += [" | ".join(["α", "B"] + names)]
   for r in results:
@@ -266,6 +355,12 @@ def _table(results) -> str:
              for n in names]
     lines.append(" | ".join([alpha, str(r["batch"])] + cells))
   return "\n".join(lines)
+
+
+def _optional_cell(result: dict, field: str) -> str:
+  """A ratio that runs written before its column existed do not have."""
+  ratio = result.get(field)
+  return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def _plot(results, path: str) -> None:
@@ -342,9 +437,10 @@ def main(argv):
   results, seen = [], set()
   for batch in _values(_BATCHES.value):
     prompts = _prompts(tokenizer, batch, target.vocab_size)
+    setup = _setup(target, draft, prompts, gammas)
     for alpha in alphas:
-      results.append(_run_batch(target, draft, drafter, prompts, alpha,
-                                gammas, seen))
+      results.append(_run_batch(target, drafter, prompts, alpha, gammas,
+                                seen, setup))
       print(_table(results[-1:]), flush=True)
       _write(results, gammas)  # after each (B, α): a long sweep keeps it
   _plot(results, os.path.join(_OUTPUT.value, "crossover.png"))

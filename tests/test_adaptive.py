@@ -70,7 +70,8 @@ def _phases(pair, prompts):
 # The default suite runs each policy with one drafter; the other pairs run
 # with the slow tests.
 @pytest.mark.parametrize("policy, kind", [
-    ("auto", "model"), ("heuristic", "lookup"),
+    ("auto", "model"),
+    pytest.param("heuristic", "lookup", marks=pytest.mark.slow),
     pytest.param("auto", "lookup", marks=pytest.mark.slow),
     pytest.param("heuristic", "model", marks=pytest.mark.slow),
     pytest.param("auto", "fallback", marks=pytest.mark.slow),
@@ -413,6 +414,7 @@ def test_no_probe_that_the_tokens_left_cannot_repay():
   assert near_end == [1] + [0] * 8, near_end
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_low_acceptance_drops_to_autoregressive_steps(pair):
   # Synthetic acceptance 0.05 on the tiny pair: once its estimates have
   # fallen, `auto` stops drafting but for one probe every 16 steps (and,
@@ -459,6 +461,7 @@ def test_errors_name_the_problem(pair):
     adaptive.Auto.create(**COSTS, rate=0.0)
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_auto_measures_costs_at_the_calls_cache_size(pair, tmp_path,
                                                       monkeypatch):
   """A forward's cost grows with S (attention reads every slot), so

@@ -20,6 +20,7 @@ PROMPTS = [[1, 2, 3], [4, 5]]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_speculative_settings_do_not_recompile():
   target, draft = testing.tiny_pair(seed=4)
   run = lambda **kw: decode.speculative_generate(
@@ -99,6 +100,7 @@ def _loop_copies(hlo: str, config, batch: int, size: int) -> int:
   return count
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 @pytest.mark.parametrize("policy", [None, "auto"])
 def test_decoding_loops_update_caches_in_place(policy):
   # Every forward reads the old cache, then writes the chunk's keys and
@@ -143,6 +145,7 @@ print("hits", len(hits))
 """
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_a_second_process_reuses_the_persistent_cache(tmp_path):
   env = dict(os.environ, SPECJAX_CACHE=str(tmp_path),
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import types
 
 import numpy as np
@@ -54,6 +55,7 @@ def test_prediction_uses_measured_verify_cost_and_free_drafting():
   assert tps == pytest.approx(2 * 5 / 0.160)
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_measure_caches_per_machine_and_shape(tmp_path):
   target, _ = testing.tiny_pair()
   first = cost.measure(target, batch=2, chunks=(1, 3), cache_size=64,
@@ -71,6 +73,36 @@ def test_measure_caches_per_machine_and_shape(tmp_path):
     assert cost.measure(target, batch=2, chunks=(1, 3), cache_size=64,
                         prompt_tokens=8, repeats=2,
                         cache_dir=tmp_path).source == "measured"
+
+
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
+def test_a_cached_cost_that_drifted_is_measured_again(tmp_path,
+                                                      monkeypatch):
+  """An entry whose times no longer hold (here 1000x what was measured) is
+  re-timed at its first read in a process and measured again; `check=False`
+  trusts it; a key checked once is read without timing."""
+  target, _ = testing.tiny_pair()
+  kw = dict(batch=1, chunks=(1, 3), cache_size=64, prompt_tokens=8,
+            repeats=2, cache_dir=tmp_path)
+  true = cost.measure(target, **kw)
+  path = tmp_path / "tuning" / "cost.json"
+  entries = json.loads(path.read_text())
+  (key,) = entries
+  entries[key]["forward_ms"] = {
+      t: 1000 * v for t, v in entries[key]["forward_ms"].items()}
+  path.write_text(json.dumps(entries))
+  monkeypatch.setattr(cost, "_CHECKED", set())  # as in a new process
+  stale = cost.measure(target, check=False, **kw)
+  assert stale.source == "cache"
+  assert stale.forward_ms[1] == 1000 * true.forward_ms[1]
+  again = cost.measure(target, **kw)
+  assert again.source == "measured"
+  assert again.forward_ms[1] < 10 * true.forward_ms[1]
+  written = json.loads(path.read_text())[key]["forward_ms"]
+  assert written == {str(t): v for t, v in again.forward_ms.items()}
+  monkeypatch.setattr(cost.hardware, "median_ms",
+                      lambda *a, **k: pytest.fail("timed again"))
+  assert cost.measure(target, **kw).source == "cache"
 
 
 def test_extended_prediction_by_hand():

@@ -31,6 +31,11 @@ VOCAB = 8
 NUM_TOKENS = 3
 NUM_SAMPLES = 20_000
 PROMPT = [1, 2, 3]
+# The default suite keeps one sampling setting of the draft model, prompt
+# lookup, self-speculation, heads, trees and each γ policy; the other
+# settings and the combined drafters run with the slow tests (each case
+# compiles its own loop).
+_SLOW = pytest.mark.slow
 
 
 def _peaked(config, seed):
@@ -122,8 +127,8 @@ def _spec_samples(pair, gamma, settings, seed, prompt=PROMPT, **kw):
 
 @pytest.mark.parametrize("gamma, settings", [
     (2, (1.0, 0, 1.0)),
-    (1, (0.7, 3, 1.0)),
-    (3, (1.0, 0, 0.8)),
+    pytest.param(1, (0.7, 3, 1.0), marks=_SLOW),
+    pytest.param(3, (1.0, 0, 0.8), marks=_SLOW),
 ], ids=["t1", "t0.7-topk3", "topp0.8"])
 def test_speculative_samples_match_exact_distribution(pair, gamma, settings):
   joint = _exact_joint(pair[0], settings)
@@ -135,7 +140,7 @@ def test_speculative_samples_match_exact_distribution(pair, gamma, settings):
 
 @pytest.mark.parametrize("gamma, settings", [
     (3, (1.0, 0, 1.0)),
-    (2, (0.7, 3, 1.0)),
+    pytest.param(2, (0.7, 3, 1.0), marks=_SLOW),
 ], ids=["t1", "t0.7-topk3"])
 def test_prompt_lookup_samples_match_exact_distribution(pair, gamma,
                                                         settings):
@@ -150,10 +155,10 @@ def test_prompt_lookup_samples_match_exact_distribution(pair, gamma,
 
 
 @pytest.mark.parametrize("kind, gamma, settings", [
-    ("fallback", 3, (1.0, 0, 1.0)),
-    ("fallback", 2, (0.7, 3, 1.0)),
-    ("cascade", 3, (1.0, 0, 1.0)),
-    ("cascade", 2, (0.7, 3, 1.0)),
+    pytest.param("fallback", 3, (1.0, 0, 1.0), marks=_SLOW),
+    pytest.param("fallback", 2, (0.7, 3, 1.0), marks=_SLOW),
+    pytest.param("cascade", 3, (1.0, 0, 1.0), marks=_SLOW),
+    pytest.param("cascade", 2, (0.7, 3, 1.0), marks=_SLOW),
 ], ids=["fallback-t1", "fallback-t0.7-topk3", "cascade-t1",
         "cascade-t0.7-topk3"])
 def test_combined_drafters_match_exact_distribution(pair, kind, gamma,
@@ -175,7 +180,7 @@ def test_combined_drafters_match_exact_distribution(pair, kind, gamma,
 
 @pytest.mark.parametrize("exit_layer, skip, gamma, settings", [
     (1, (), 3, (1.0, 0, 1.0)),
-    (None, (0,), 2, (0.7, 3, 1.0)),
+    pytest.param(None, (0,), 2, (0.7, 3, 1.0), marks=_SLOW),
 ], ids=["early-exit-t1", "skip-t0.7-topk3"])
 def test_self_speculation_matches_exact_distribution(pair, exit_layer, skip,
                                                      gamma, settings):
@@ -188,7 +193,8 @@ def test_self_speculation_matches_exact_distribution(pair, exit_layer, skip,
   assert stat < critical, (stat, critical)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa",
+                                  pytest.param("eagle", marks=_SLOW)])
 def test_heads_match_exact_distribution(pair, kind):
   # Random Medusa heads: each draft from its own head's law, whatever the
   # drafts before it (the first step drafts nothing: no hidden state yet).
@@ -213,9 +219,9 @@ def _alternating(max_gamma):
 
 
 @pytest.mark.parametrize("policy, drafter, settings", [
-    ("heuristic", "model", (1.0, 0, 1.0)),
-    ("heuristic", "fallback", (0.7, 3, 1.0)),
-    ("auto", "model", (0.7, 3, 1.0)),
+    pytest.param("heuristic", "model", (1.0, 0, 1.0), marks=_SLOW),
+    pytest.param("heuristic", "fallback", (0.7, 3, 1.0), marks=_SLOW),
+    pytest.param("auto", "model", (0.7, 3, 1.0), marks=_SLOW),
     ("auto", "lookup", (1.0, 0, 1.0)),
 ], ids=["heuristic-model-t1", "heuristic-fallback-t0.7-topk3",
         "auto-model-t0.7-topk3", "auto-lookup-t1"])
@@ -295,9 +301,10 @@ class _SampledTree:
 
 @pytest.mark.parametrize("drafter, settings", [
     ("lookup", (1.0, 0, 1.0)),
-    ("model", (0.7, 3, 1.0)),
-    ("sampled-with-replacement", (1.0, 0, 1.0)),
-    ("sampled-without-replacement", (0.7, 3, 1.0)),
+    pytest.param("model", (0.7, 3, 1.0), marks=_SLOW),
+    pytest.param("sampled-with-replacement", (1.0, 0, 1.0), marks=_SLOW),
+    pytest.param("sampled-without-replacement", (0.7, 3, 1.0),
+                 marks=_SLOW),
 ], ids=["lookup-t1", "model-t0.7-topk3", "sampled-with-replacement-t1",
         "sampled-without-replacement-t0.7-topk3"])
 def test_token_trees_match_exact_distribution(pair, drafter, settings):

@@ -131,6 +131,7 @@ def _perturbed_draft(target, scale=0.1):
   return target.replace(params={**target.params, "lm_head": head + noise})
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 @pytest.mark.parametrize("gamma", [2, 4])
 def test_partial_acceptance_on_a_perturbed_draft(gamma):
   target, _ = testing.tiny_pair(seed=0)

@@ -69,6 +69,7 @@ def tiny_results(jax_cache, tmp_path_factory):
   return config, bench.run_and_save(config)
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_tiny_end_to_end(tiny_results):
   config, results = tiny_results
   out = pathlib.Path(config.output_dir)
@@ -97,6 +98,7 @@ def test_tiny_end_to_end(tiny_results):
   assert "speedup" in text and "code/3" in text
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_absl_main_subprocess(tiny_results, jax_cache, tmp_path):
   del tiny_results  # Runs after it, so every program is in the cache.
   env = dict(os.environ, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
@@ -232,6 +234,7 @@ def test_prompt_sets_and_fallback(monkeypatch):
   assert len(ids) == 8 and tok.decode(ids) == "stant|>\n"
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_prompt_file(tmp_path):
   path = tmp_path / "mine.jsonl"
   path.write_text(

@@ -96,6 +96,7 @@ def test_training_lowers_the_loss_and_raises_accuracy(target, splits, kind,
   assert (tmp_path / "plot.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_eagle_drafts_from_the_pairs_it_was_trained_on(target, splits):
   # Training pairs (h_i, x_{i+1}) predict h_{i+1}. After a prompt x[:L]
   # and a first token x[L], the drafter's feature must be the prediction

@@ -80,6 +80,7 @@ def _repetitive_prompts():
   ]
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 @pytest.mark.parametrize("gamma", [1, 3, 6])
 def test_greedy_lookup_equals_generate(gamma):
   from specjax import decode, testing  # pylint: disable=g-import-not-at-top
@@ -98,6 +99,7 @@ def test_greedy_lookup_equals_generate(gamma):
   assert int(np.sum(out.stats.accepted_by_position)) > 0
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_greedy_lookup_with_eos_inside_a_block():
   from specjax import decode, testing  # pylint: disable=g-import-not-at-top
   target, _ = testing.tiny_pair(seed=2)

@@ -86,6 +86,7 @@ def test_notebook_is_saved_without_outputs(name):
           f"{name} cell {i} has an execution count.")
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_notebooks_run(tmp_path):
   """Both notebooks, concurrently; reports every notebook that failed.
 

@@ -69,6 +69,7 @@ def test_shares_the_targets_parameters(target):
   assert drafter.model.init_cache(1, 8).k.shape[0] == 2
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 @pytest.mark.parametrize("exit_layer, skip", [(1, ()), (3, ()), (None, (1,)),
                                               (3, (0, 2))])
 def test_greedy_equals_autoregressive(target, exit_layer, skip):

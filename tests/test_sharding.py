@@ -143,6 +143,7 @@ def test_unknown_parameter_and_bad_mesh_errors():
     rules.mesh_axes(head="rows")
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_padding_rows_start_done_and_are_cut():
   """On one device the padding path is the same code: pad 3 rows to 4 by
   hand and check the added row generates nothing and is dropped."""

@@ -18,7 +18,9 @@ PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
 MAX_NEW = 13  # not a multiple of gamma + 1 for any gamma below
 
 
-@pytest.mark.parametrize("gamma", [1, 2, 4, 7])
+@pytest.mark.parametrize("gamma", [
+    1, pytest.param(2, marks=pytest.mark.slow), 4,
+    pytest.param(7, marks=pytest.mark.slow)])
 def test_greedy_equals_autoregressive(pair, baseline, gamma):
   target, draft = pair
   out = decode.speculative_generate(target, draft, PROMPTS, gamma=gamma,

@@ -46,7 +46,8 @@ _SLOW = pytest.mark.slow
     pytest.param(4, 16, id="16-nodes-depth-4"),
     pytest.param(3, 16, id="16-nodes-depth-3", marks=_SLOW),
     pytest.param(8, 64, id="64-nodes", marks=_SLOW)])
-@pytest.mark.parametrize("kind", ["lookup", "model", "self"])
+@pytest.mark.parametrize("kind", [
+    "lookup", "model", pytest.param("self", marks=_SLOW)])
 def test_greedy_equals_autoregressive(pair, baseline, kind, gamma,
                                       num_nodes):
   out = decode.speculative_generate(pair[0], _drafter(kind, pair), PROMPTS,
@@ -94,6 +95,7 @@ def test_model_tree_children_are_the_top_tokens_after_their_path(pair):
     assert tokens[i] in top, (i, path)
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_eos_inside_an_accepted_path(pair, baseline):
   target = pair[0]
   eos = int(baseline.tokens[2, 6])  # row 2 stops early, inside a path
@@ -205,6 +207,7 @@ def test_lookup_builds_a_trie_of_its_matches():
   np.testing.assert_array_equal(nodes["num_drafted"], [5])
 
 
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_changing_tree_contents_compiles_nothing(pair):
   target = pair[0]
   run = lambda prompts, kind="lookup", **kw: decode.speculative_generate(

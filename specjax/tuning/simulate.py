@@ -1,0 +1,191 @@
+"""A γ policy's throughput under the cost model, free of timing noise.
+
+Shape letters (`specjax.shapes`): B batch, G = γ_max, W verification
+widths, N simulated generations.
+
+On a shared CPU the spread between rounds of one program can exceed the
+gap between two policies, so a measured sweep cannot tell whether a policy
+chooses well. `simulate` runs the policy's own `budget`, `trim` and
+`update` (the functions `speculate_step` calls) on synthetic acceptance:
+each draft position is accepted with probability α, independently, as in
+`speculative_generate(..., synthetic_acceptance=α)`. It prices every step
+with the costs the cost model measured, as `speculate_step` would run it:
+the target pass at the smallest compiled width holding the longest
+verified proposal, and, when a row drafts, the draft model's first
+(catch-up) pass, one forward per further draft token, and the catch-up on
+the tokens emitted while it was idle (priced as `Auto.probe_ms` prices
+it). What it reports is therefore the policy's own loss against the best
+fixed choice in hindsight, with the cost model taken as exact; the cost
+model's error is measured apart (`scripts/bench_crossover.py`).
+
+A fixed γ is the policy that budgets γ every step; autoregressive decoding
+is γ = 0. For them `simulate` reproduces `cost.predict_tokens_per_s`
+(`tests/test_simulate.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import adaptive
+from specjax.drafters.base import Proposal
+
+__all__ = ["Fixed", "SimCosts", "policy_costs", "simulate"]
+
+
+@flax.struct.dataclass
+class Fixed(adaptive.GammaPolicy):
+  """Budgets `gamma` drafts for every active row at every step (0:
+  autoregressive decoding)."""
+
+  gamma: int = flax.struct.field(pytree_node=False)
+  max_gamma: int = flax.struct.field(pytree_node=False)
+
+  def init(self, batch):
+    return adaptive.Heuristic(self.max_gamma).init(batch)
+
+  def budget(self, state, active, remaining=None):
+    del state, remaining
+    return jnp.where(active, self.gamma, 0).astype(jnp.int32)
+
+  def update(self, state, budget, proposal, num_accepted, active):
+    del budget, proposal, num_accepted, active
+    return state
+
+
+@dataclasses.dataclass(frozen=True)
+class SimCosts:
+  """What one step costs, in ms.
+
+  Attributes:
+    target_ms: [W] a target pass of each width in `verify_widths(G)`.
+    draft_ms: a draft forward of one token (0: a drafter without a model).
+    first_draft_ms: a step's first draft token (the two-token catch-up
+      pass).
+  """
+
+  target_ms: Sequence[float]
+  draft_ms: float = 0.0
+  first_draft_ms: float = 0.0
+
+
+@flax.struct.dataclass(kw_only=True)
+class _State:
+  """Simulated generations.
+
+  Attributes:
+    policy: the policy's state, batch B.
+    generated: [B] int32 tokens emitted per row.
+    lag: [] int32 tokens the draft model has not seen (emitted by plain
+      steps since it last drafted).
+    ms: [] float32 time spent.
+    key: PRNG key.
+  """
+
+  policy: adaptive.PolicyState
+  generated: jax.Array
+  lag: jax.Array
+  ms: jax.Array
+  key: jax.Array
+
+
+def _step(policy: adaptive.GammaPolicy, costs: SimCosts, alpha: jax.Array,
+          tokens: int, state: _State) -> _State:
+  """One speculative step of every row, as `speculate_step` takes it."""
+  max_gamma = alpha.shape[0]
+  target_ms = jnp.asarray(costs.target_ms, jnp.float32)
+  active = state.generated < tokens  # [B]
+  remaining = tokens - state.generated  # [B]
+  budget = policy.budget(state.policy, active, remaining)  # [B]
+  drafting = jnp.any(budget > 0)
+  drafted = jnp.minimum(budget, policy.trim(state.policy, budget, active,
+                                            remaining))  # [B]
+  width = adaptive.width_index(policy.widths, jnp.max(drafted) + 1)
+  catch_up = (jnp.ceil(state.lag / (max_gamma + 1)) * costs.draft_ms
+              * target_ms[-1] / target_ms[0])
+  draft_ms = (costs.first_draft_ms + (jnp.max(budget) - 1) * costs.draft_ms
+              + catch_up)
+  key, sub = jax.random.split(state.key)
+  accept = jax.random.uniform(sub, (budget.shape[0], max_gamma)) < alpha
+  # The first rejected position, at most the drafts verified.
+  num_accepted = jnp.minimum(
+      jnp.sum(jnp.cumprod(accept, axis=1), axis=1), drafted)  # [B]
+  num_accepted = jnp.where(active, num_accepted, 0)
+  emitted = jnp.where(active, jnp.minimum(num_accepted + 1, remaining), 0)
+  proposal = Proposal(tokens=jnp.zeros((budget.shape[0], max_gamma),
+                                       jnp.int32),
+                      num_drafted=drafted, num_forwards=jnp.int32(0))
+  return state.replace(
+      policy=policy.update(state.policy, budget, proposal, num_accepted,
+                           active),
+      generated=state.generated + emitted,
+      lag=jnp.where(drafting, 0, state.lag + 1),
+      ms=state.ms + target_ms[width] + jnp.where(drafting, draft_ms, 0.0),
+      key=key)
+
+
+@functools.partial(jax.jit, static_argnames=("costs", "batch", "tokens",
+                                             "samples"))
+def _simulate(policy, costs, alpha, batch, tokens, samples, key):
+  def generation(key):
+    state = _State(policy=policy.init(batch),
+                   generated=jnp.zeros((batch,), jnp.int32),
+                   lag=jnp.int32(0), ms=jnp.float32(0.0), key=key)
+    state = jax.lax.while_loop(
+        lambda s: jnp.any(s.generated < tokens),
+        functools.partial(_step, policy, costs, alpha, tokens), state)
+    return state.ms
+
+  return jax.vmap(generation)(jax.random.split(key, samples))  # [N]
+
+
+def simulate(policy: adaptive.GammaPolicy, costs: SimCosts, *,
+             alpha: float | Sequence[float], batch: int, tokens: int,
+             samples: int = 256, seed: int = 0) -> float:
+  """Mean predicted tokens/s of `policy` over `samples` generations.
+
+  Args:
+    policy: a `GammaPolicy` (`Fixed(γ, G)` for a fixed γ).
+    costs: the step costs at this batch size (`SimCosts`).
+    alpha: the probability that a draft position is accepted given that
+      every earlier one was: one value for all positions, or G values.
+    batch: B rows, each generating `tokens` tokens (no EOS).
+    tokens: tokens per row.
+    samples: N generations simulated.
+    seed: the acceptance draws' seed.
+
+  Returns:
+    B · tokens / (mean time of a generation), in tokens per second.
+  """
+  max_gamma = policy.max_gamma
+  alpha = np.asarray(alpha, np.float32)
+  if alpha.shape not in ((), (max_gamma,)) or not np.all(
+      (alpha >= 0) & (alpha <= 1)):
+    raise ValueError(f"alpha must be one probability or {max_gamma} (one "
+                     f"per draft position), got {alpha.tolist()}.")
+  if batch < 1 or tokens < 1 or samples < 1:
+    raise ValueError(f"batch, tokens and samples must be >= 1, got "
+                     f"{batch}, {tokens} and {samples}.")
+  alpha = jnp.broadcast_to(jnp.asarray(alpha), (max_gamma,))
+  if len(costs.target_ms) != len(policy.widths):
+    raise ValueError(f"costs.target_ms needs one time per width "
+                     f"{policy.widths}, got {len(costs.target_ms)}.")
+  costs = dataclasses.replace(costs,
+                              target_ms=tuple(map(float, costs.target_ms)))
+  ms = _simulate(policy, costs, alpha, batch, tokens, samples,
+                 jax.random.PRNGKey(seed))
+  return batch * tokens / (float(jnp.mean(ms)) / 1e3)
+
+
+def policy_costs(policy: Any) -> SimCosts:
+  """The `SimCosts` an `Auto` policy was created with."""
+  return SimCosts(target_ms=tuple(map(float, policy.target_ms)),
+                  draft_ms=float(policy.draft_ms),
+                  first_draft_ms=float(policy.first_draft_ms))

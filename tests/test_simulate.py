@@ -1,0 +1,82 @@
+"""`specjax.tuning.simulate`: a policy priced by the cost model."""
+
+from __future__ import annotations
+
+import pytest
+
+from specjax import adaptive
+from specjax.tuning import cost
+from specjax.tuning import simulate as sim
+
+G = 4
+# Widths 1, 2, 3, 5; a first draft token dearer than the next ones, so a
+# simulator that priced drafting as γ equal forwards would be off by 10%.
+COSTS = sim.SimCosts(target_ms=(100.0, 120.0, 130.0, 160.0), draft_ms=10.0,
+                     first_draft_ms=40.0)
+
+
+def test_autoregressive_costs_one_forward_per_token():
+  rate = sim.simulate(sim.Fixed(0, G), COSTS, alpha=0.9, batch=3,
+                      tokens=20, samples=4)
+  assert rate == pytest.approx(3 / 0.100, rel=1e-6)
+
+
+@pytest.mark.parametrize("gamma,alpha", [(2, 0.6), (4, (0.9, 0.8, 0.5,
+                                                         0.3))])
+def test_a_fixed_gamma_matches_the_cost_models_prediction(gamma, alpha):
+  """One long row, so that its end (drafts past the last token) weighs
+  little, and no row waits for a slower one (which the per-step
+  prediction does not price): the mean rate is `predict_tokens_per_s`
+  with the same costs."""
+  acceptance = [alpha] * G if isinstance(alpha, float) else list(alpha)
+  target = cost.ForwardCosts(1, dict(zip((1, 2, 3, 5), COSTS.target_ms)))
+  draft = cost.ForwardCosts(1, {1: COSTS.draft_ms, 2: COSTS.first_draft_ms})
+  expected = cost.predict_tokens_per_s(target, gamma, acceptance, draft)
+  got = sim.simulate(sim.Fixed(gamma, G), COSTS, alpha=alpha, batch=1,
+                     tokens=3000, samples=32)
+  assert got == pytest.approx(expected, rel=0.005)
+
+
+def test_auto_stops_drafting_where_nothing_is_accepted():
+  """At α = 0 `Auto` pays its probes and then decodes plainly: close to
+  autoregressive, far above γ = 1."""
+  auto = adaptive.Auto.create(max_gamma=G, target_ms=COSTS.target_ms,
+                              draft_ms=COSTS.draft_ms,
+                              first_draft_ms=COSTS.first_draft_ms)
+  plain = sim.simulate(sim.Fixed(0, G), COSTS, alpha=0.0, batch=1,
+                       tokens=200, samples=8)
+  one = sim.simulate(sim.Fixed(1, G), COSTS, alpha=0.0, batch=1,
+                     tokens=200, samples=8)
+  got = sim.simulate(auto, COSTS, alpha=0.0, batch=1, tokens=200, samples=8)
+  assert one < 0.7 * plain
+  assert 0.95 * plain < got < plain
+
+
+@pytest.mark.parametrize("costs, alpha, match", [
+    (sim.SimCosts(target_ms=(1.0, 2.0)), 0.5, "one time per width"),
+    (COSTS, (0.5, 0.5), "one probability or 4"),
+    (COSTS, 1.5, "one probability or 4"),
+])
+def test_bad_input_is_named(costs, alpha, match):
+  with pytest.raises(ValueError, match=match):
+    sim.simulate(sim.Fixed(1, G), costs, alpha=alpha, batch=1, tokens=4)
+
+
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
+@pytest.mark.parametrize("alpha", [0.05, 0.5, 0.8, 0.95])
+def test_auto_on_machine_f_costs_is_within_5_percent_of_the_best(alpha):
+  """The B = 1 costs machine F cached in its third session, at the
+  1.5B/0.5B shapes, and 32 tokens. In expectation over the draws, `Auto`
+  from its prior reaches 0.95x the best of autoregressive decoding and
+  every fixed γ, knowing neither α nor which γ wins in advance. A guard
+  against a policy change that loses on these costs. It does not hold on
+  every machine's costs (BENCHMARKS, "Machine F, fourth session")."""
+  costs = sim.SimCosts(target_ms=(230.3, 341.9, 327.6, 386.6),
+                       draft_ms=90.9, first_draft_ms=105.5)
+  auto = adaptive.Auto.create(max_gamma=G, target_ms=costs.target_ms,
+                              draft_ms=costs.draft_ms,
+                              first_draft_ms=costs.first_draft_ms)
+  run = lambda policy: sim.simulate(policy, costs, alpha=alpha, batch=1,
+                                    tokens=32)
+  best = max(run(sim.Fixed(g, G)) for g in range(G + 1))
+  assert run(auto) >= 0.95 * best
