@@ -93,7 +93,7 @@ import numpy as np
 from specjax.drafters.base import cost_model
 from specjax.drafters.base import Proposal
 
-__all__ = ["Auto", "GammaPolicy", "Heuristic", "PolicyState",
+__all__ = ["Auto", "GammaPolicy", "Heuristic", "PolicyState", "catch_up_ms",
            "verify_widths"]
 
 
@@ -109,6 +109,16 @@ def verify_widths(max_gamma: int) -> tuple[int, ...]:
     widths.add(step + 1)
     step *= 2
   return tuple(sorted(widths))
+
+
+def catch_up_ms(idle: jax.Array, draft_ms: jax.Array, target_ms: jax.Array,
+                max_gamma: int) -> jax.Array:
+  """[] predicted ms a draft model spends catching up on the `idle` tokens
+  plain steps emitted without it: ⌈idle / (G+1)⌉ passes of G+1 tokens,
+  each priced at its one-token forward (`draft_ms`) times the target's
+  ratio t(G+1) / t(1) (`target_ms` [W])."""
+  return (jnp.ceil(idle / (max_gamma + 1)) * draft_ms * target_ms[-1]
+          / target_ms[0])
 
 
 def width_index(widths: Sequence[int], num_tokens: jax.Array) -> jax.Array:
@@ -432,8 +442,8 @@ class Auto(GammaPolicy):
   def probe_ms(self, idle: jax.Array) -> jax.Array:
     """[] predicted ms a one-token probe after `idle` plain steps costs
     beyond a plain step (see the module docstring)."""
-    catch_up = (jnp.ceil(idle / (self.max_gamma + 1)) * self.draft_ms
-                * self.target_ms[-1] / self.target_ms[0])
+    catch_up = catch_up_ms(idle, self.draft_ms, self.target_ms,
+                           self.max_gamma)
     return (self.first_draft_ms + catch_up + self.target_ms[1]
             - self.target_ms[0])
 

@@ -108,10 +108,9 @@ def _step(policy: adaptive.GammaPolicy, costs: SimCosts, alpha: jax.Array,
   drafted = jnp.minimum(budget, policy.trim(state.policy, budget, active,
                                             remaining))  # [B]
   width = adaptive.width_index(policy.widths, jnp.max(drafted) + 1)
-  catch_up = (jnp.ceil(state.lag / (max_gamma + 1)) * costs.draft_ms
-              * target_ms[-1] / target_ms[0])
   draft_ms = (costs.first_draft_ms + (jnp.max(budget) - 1) * costs.draft_ms
-              + catch_up)
+              + adaptive.catch_up_ms(state.lag, costs.draft_ms, target_ms,
+                                     max_gamma))
   key, sub = jax.random.split(state.key)
   accept = jax.random.uniform(sub, (budget.shape[0], max_gamma)) < alpha
   # The first rejected position, at most the drafts verified.
