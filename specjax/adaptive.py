@@ -94,7 +94,7 @@ from specjax.drafters.base import cost_model
 from specjax.drafters.base import Proposal
 
 __all__ = ["Auto", "GammaPolicy", "Heuristic", "PolicyState", "catch_up_ms",
-           "verify_widths"]
+           "drafting_ms", "verify_widths"]
 
 
 def verify_widths(max_gamma: int) -> tuple[int, ...]:
@@ -109,6 +109,15 @@ def verify_widths(max_gamma: int) -> tuple[int, ...]:
     widths.add(step + 1)
     step *= 2
   return tuple(sorted(widths))
+
+
+def drafting_ms(num_drafts: jax.Array, first_draft_ms: jax.Array,
+                draft_ms: jax.Array) -> jax.Array:
+  """[...] predicted ms a draft model spends drafting `num_drafts` [...]
+  tokens: its first (catch-up) pass, then a forward per further token; 0
+  for none (`tuning.cost.ForwardCosts.drafting_ms` on the host)."""
+  return jnp.where(num_drafts > 0,
+                   first_draft_ms + (num_drafts - 1) * draft_ms, 0.0)
 
 
 def catch_up_ms(idle: jax.Array, draft_ms: jax.Array, target_ms: jax.Array,
@@ -425,8 +434,7 @@ class Auto(GammaPolicy):
     k = jnp.arange(self.max_gamma + 1)
     step_ms = self.target_ms[width_index(self.widths, k + 1)]
     if drafting:
-      step_ms = step_ms + jnp.where(
-          k > 0, self.first_draft_ms + (k - 1) * self.draft_ms, 0.0)
+      step_ms = step_ms + drafting_ms(k, self.first_draft_ms, self.draft_ms)
     return tokens / step_ms
 
   def may_draft(self) -> bool:

@@ -108,7 +108,8 @@ def _step(policy: adaptive.GammaPolicy, costs: SimCosts, alpha: jax.Array,
   drafted = jnp.minimum(budget, policy.trim(state.policy, budget, active,
                                             remaining))  # [B]
   width = adaptive.width_index(policy.widths, jnp.max(drafted) + 1)
-  draft_ms = (costs.first_draft_ms + (jnp.max(budget) - 1) * costs.draft_ms
+  draft_ms = (adaptive.drafting_ms(jnp.max(budget), costs.first_draft_ms,
+                                   costs.draft_ms)
               + adaptive.catch_up_ms(state.lag, costs.draft_ms, target_ms,
                                      max_gamma))
   key, sub = jax.random.split(state.key)
