@@ -62,6 +62,11 @@ def test_bad_input_is_named(costs, alpha, match):
     sim.simulate(sim.Fixed(1, G), costs, alpha=alpha, batch=1, tokens=4)
 
 
+def test_a_fixed_gamma_past_max_gamma_is_refused():
+  with pytest.raises(ValueError, match="gamma must be in"):
+    sim.Fixed(G + 1, G)
+
+
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 @pytest.mark.parametrize("alpha", [0.05, 0.5, 0.8, 0.95])
 def test_auto_on_machine_f_costs_is_within_5_percent_of_the_best(alpha):

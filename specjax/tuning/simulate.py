@@ -48,6 +48,14 @@ class Fixed(adaptive.GammaPolicy):
   gamma: int = flax.struct.field(pytree_node=False)
   max_gamma: int = flax.struct.field(pytree_node=False)
 
+  def __post_init__(self):
+    # A budget past G would index past the compiled widths, which JAX
+    # clamps silently: the step would be priced at the widest pass.
+    adaptive.verify_widths(self.max_gamma)  # validates G
+    if not 0 <= self.gamma <= self.max_gamma:
+      raise ValueError(f"gamma must be in [0, max_gamma={self.max_gamma}],"
+                       f" got {self.gamma}.")
+
   def init(self, batch):
     return adaptive.Heuristic(self.max_gamma).init(batch)
 
