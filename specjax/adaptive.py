@@ -48,7 +48,14 @@ Two policies:
   that costs nothing (prompt lookup) always drafts γ_max and is only
   trimmed, so a row without a match costs a plain step. After
   `probe_every` steps without drafting it tries one token, so the
-  estimates follow a text that becomes predictable again; a generation
+  estimates follow a text that becomes predictable again. It also tries
+  one token, without waiting, where an upper confidence bound on
+  position 1's acceptance predicts that a draft would pay: the estimate
+  plus `optimism` standard errors, √(a(1 - a) / (n + 1)) with n the
+  steps that verified it (not decayed), so a few unlucky rejections near
+  the break-even (two in a row bring a rate-0.2 estimate of 0.8 to 0.51)
+  do not stop drafting for `probe_every` steps, while an estimate far
+  below it, or one that many steps support, does not probe; a generation
   that starts from the prior probes at its first step, so that where the
   prior alone does not pay (a draft model dear next to the target, as on
   a CPU without wide vector units) the estimates still come to rest on
@@ -145,6 +152,8 @@ class PolicyState:
     verified: [B, G] float32 decayed count of steps in which each draft
       position was verified, per row (`Auto`).
     accepted: [B, G] float32 the same count of acceptances (`Auto`).
+    trials: [B] float32 steps in which draft position 1 was verified, not
+      decayed: the evidence behind `Auto.hopeful`'s confidence bound.
     idle: [] int32 consecutive steps without drafting (`Auto`).
     wait: [] int32 steps without drafting before the next probe (`Auto`).
   """
@@ -152,6 +161,7 @@ class PolicyState:
   budget: jax.Array
   verified: jax.Array
   accepted: jax.Array
+  trials: jax.Array
   idle: jax.Array
   wait: jax.Array
 
@@ -241,8 +251,9 @@ class Heuristic(GammaPolicy):
     start = self.initial or self.max_gamma
     none = jnp.zeros((batch, 0), jnp.float32)
     return PolicyState(budget=jnp.full((batch,), start, jnp.int32),
-                       verified=none, accepted=none, idle=jnp.int32(0),
-                       wait=jnp.int32(0))
+                       verified=none, accepted=none,
+                       trials=jnp.zeros((batch,), jnp.float32),
+                       idle=jnp.int32(0), wait=jnp.int32(0))
 
   def budget(self, state, active, remaining=None):
     del remaining
@@ -271,6 +282,8 @@ class Auto(GammaPolicy):
       from: one pseudo-observation of position 1 at `prior` (`create`), or
       what an earlier generation learned (`warm`).
     start_accepted: [G] float32 the matching acceptance counts.
+    start_trials: [] float32 the steps that verified position 1 before
+      the generation: 0 (`create`) or an earlier generation's (`warm`).
     rate: [] float32 the weight of the newest observation: earlier counts
       decay by 1 - rate.
     probe_every: [] int32 draft one token after this many steps without
@@ -280,6 +293,9 @@ class Auto(GammaPolicy):
       from the prior (`create`, unless `probe_first=False`), so the first
       step drafts at least one token; `probe_every` from learned estimates
       (`warm`).
+    optimism: [] float32 standard errors added to position 1's estimate
+      to decide whether a plain step should probe at once (`hopeful`; 0:
+      only the scheduled probes).
     max_gamma: G, static.
   """
 
@@ -288,17 +304,20 @@ class Auto(GammaPolicy):
   first_draft_ms: jax.Array
   start_verified: jax.Array
   start_accepted: jax.Array
+  start_trials: jax.Array
   rate: jax.Array
   probe_every: jax.Array
   probe_max: jax.Array
   first_wait: jax.Array
+  optimism: jax.Array
   max_gamma: int = flax.struct.field(pytree_node=False)
 
   @classmethod
   def create(cls, *, max_gamma: int, target_ms: Sequence[float],
              draft_ms: float = 0.0, first_draft_ms: float | None = None,
              prior: float = 0.7, rate: float = 0.2, probe_every: int = 16,
-             probe_max: int = 128, probe_first: bool = True) -> "Auto":
+             probe_max: int = 128, probe_first: bool = True,
+             optimism: float = 1.0) -> "Auto":
     """Validates host values.
 
     Args:
@@ -315,6 +334,9 @@ class Auto(GammaPolicy):
         not worth it (each doubles the wait), >= probe_every.
       probe_first: draft at least one token at the first step, whatever
         the prior predicts, so that the prior is tested at once.
+      optimism: standard errors of position 1's estimate added to it to
+        decide whether a plain step should probe at once, >= 0 (0: only
+        the scheduled probes).
     """
     widths = verify_widths(max_gamma)
     costs = np.asarray(target_ms, np.float32).reshape(-1)
@@ -331,6 +353,8 @@ class Auto(GammaPolicy):
       raise ValueError(f"rate must be in (0, 1], got {rate}.")
     if int(probe_every) < 1:
       raise ValueError(f"probe_every must be >= 1, got {probe_every}.")
+    if not optimism >= 0:
+      raise ValueError(f"optimism must be >= 0, got {optimism}.")
     if int(probe_max) < int(probe_every):
       raise ValueError(f"probe_max must be >= probe_every={probe_every}, "
                        f"got {probe_max}.")
@@ -338,11 +362,12 @@ class Auto(GammaPolicy):
     return cls(target_ms=jnp.asarray(costs), draft_ms=jnp.float32(draft_ms),
                first_draft_ms=jnp.float32(first_draft_ms),
                start_verified=first, start_accepted=first * prior,
+               start_trials=jnp.float32(0.0),
                rate=jnp.float32(rate),
                probe_every=jnp.int32(probe_every),
                probe_max=jnp.int32(probe_max),
                first_wait=jnp.int32(0 if probe_first else probe_every),
-               max_gamma=int(max_gamma))
+               optimism=jnp.float32(optimism), max_gamma=int(max_gamma))
 
   @classmethod
   def measure(cls, target: Any, drafter: Any, *, batch: int,
@@ -385,6 +410,7 @@ class Auto(GammaPolicy):
         budget=jnp.zeros((batch,), jnp.int32),
         verified=jnp.broadcast_to(self.start_verified, shape),
         accepted=jnp.broadcast_to(self.start_accepted, shape),
+        trials=jnp.broadcast_to(self.start_trials, (batch,)),
         idle=jnp.int32(0), wait=self.first_wait)
 
   def warm(self, state: PolicyState) -> "Auto":
@@ -397,6 +423,7 @@ class Auto(GammaPolicy):
     pooled = lambda counts: jnp.mean(jnp.asarray(counts, jnp.float32), 0)
     return self.replace(start_verified=pooled(state.verified),
                         start_accepted=pooled(state.accepted),
+                        start_trials=pooled(state.trials),
                         first_wait=self.probe_every)
 
   def acceptance(self, state: PolicyState) -> jax.Array:
@@ -476,16 +503,34 @@ class Auto(GammaPolicy):
                       - 1.0 / jnp.maximum(jnp.max(rate[1:]), 1e-9))
     return saved > self.probe_ms(state.idle)
 
+  def hopeful(self, state: PolicyState, active: jax.Array,
+              available: jax.Array | None = None) -> jax.Array:
+    """[] bool: a one-token draft is predicted to beat a plain step at an
+    upper confidence bound on position 1's acceptance, a + `optimism` ·
+    √(a(1 - a) / (n + 1)) (n the steps that verified it, `trials`; the
+    1 is the prior's pseudo-observation; `available` [B] as in
+    `predicted_rate`). The estimate follows recent steps (decayed counts);
+    the bound's width falls with all the evidence, so a policy that keeps
+    seeing a low acceptance stops hoping."""
+    first = self.acceptance(state)[:, :1]  # [B, G] -> [B, 1]
+    error = jnp.sqrt(first * (1.0 - first) / (state.trials[:, None] + 1.0))
+    bound = jnp.minimum(first + self.optimism * error, 1.0)
+    rate = self.predicted_rate(
+        jnp.broadcast_to(bound, state.verified.shape), active,
+        available)  # [G+1]; only K = 1 is read
+    return rate[1] > rate[0]
+
   def _probe(self, state: PolicyState, k: jax.Array, active: jax.Array,
              available: jax.Array | None,
              remaining: jax.Array | None) -> jax.Array:
-    """[] the budget `k`, or 1 for a due probe where some active row can
-    use a draft (`available` [B] drafts per row, None for any) and the
-    tokens left (`remaining` [B]) could repay it (`_pays_back`)."""
+    """[] the budget `k`, or 1 for a probe, due (`_due`) or hoped for
+    (`hopeful`), where some active row can use a draft (`available` [B]
+    drafts per row, None for any) and the tokens left (`remaining` [B])
+    could repay it (`_pays_back`)."""
     usable = True if available is None else jnp.any(active & (available > 0))
-    due = self._due(state) & usable & self._pays_back(state, active,
-                                                      remaining)
-    return jnp.where((k == 0) & due, 1, k)
+    probe = ((self._due(state) | self.hopeful(state, active, available))
+             & usable & self._pays_back(state, active, remaining))
+    return jnp.where((k == 0) & probe, 1, k)
 
   def _explored(self, state: PolicyState, active: jax.Array) -> jax.Array:
     """[] the largest budget worth trying yet: twice the deepest position
@@ -533,6 +578,7 @@ class Auto(GammaPolicy):
         probed, jnp.clip(2 * state.wait, self.probe_every, self.probe_max),
         jnp.where(drafted, self.probe_every, state.wait))
     return state.replace(
+        trials=state.trials + judged[:, 0],
         verified=decay(state.verified, 1.0),
         accepted=decay(state.accepted, accepted.astype(jnp.float32)),
         idle=jnp.where(drafted, 0, state.idle + 1), wait=wait)

@@ -364,10 +364,14 @@ def test_a_cold_start_tests_its_prior_at_the_first_step():
   # pay once position 1 is seen accepted (machine F at B = 1: a draft
   # token 0.4 of a target pass, the two-token pass 1.5x a one-token one).
   # From the prior alone the policy never drafted, so it never learned
-  # that drafts are accepted; now its first step drafts one token.
+  # that drafts are accepted; now its first step drafts one token. (With
+  # no evidence, the confidence bound on the prior alone, 0.7 + 0.46,
+  # also hopes for a draft: `test_an_optimistic_bound_probes_...`.)
   all_accepted = lambda step, budget: budget
-  never = adaptive.Auto.create(**F_B1, probe_first=False)
+  never = adaptive.Auto.create(**F_B1, probe_first=False, optimism=0.0)
   assert _steps(never, all_accepted, 12)[0] == [0] * 12
+  hoping = adaptive.Auto.create(**F_B1, probe_first=False)
+  assert _steps(hoping, all_accepted, 3)[0] == [1, 2, 4]
   budgets, state = _steps(adaptive.Auto.create(**F_B1), all_accepted, 6)
   # Accepted, it grows no faster than its evidence: twice the deepest
   # position verified (uncapped, one lucky probe bought 4 drafts here).
@@ -383,6 +387,48 @@ def test_a_cold_start_tests_its_prior_at_the_first_step():
   # Started warm from learned estimates, the first step is no probe.
   warm = adaptive.Auto.create(**F_B1).warm(state)
   assert _steps(warm, all_accepted, 3)[0] == [0] * 3
+
+
+# Machine F's B = 1 costs where verification was cheap (its fourth
+# session, t(3) / t(1) = 1.2): a one-token draft pays from a position-1
+# acceptance of (318 + 109) / 275 - 1 = 0.553.
+F_CHEAP = dict(max_gamma=GAMMA, target_ms=[275.0, 318.0, 331.0, 403.0],
+               draft_ms=92.0, first_draft_ms=109.0)
+
+
+def test_an_optimistic_bound_probes_near_the_break_even():
+  # Position 1's estimate a = accepted / verified, its bound a + sqrt(a (1
+  # - a) / (trials + 1)). a = 0.5 after 2 trials: 0.5 + 0.289 = 0.789 >
+  # 0.553, a one-token probe at once (not due: the wait is 16 steps);
+  # without optimism a plain step. After 1000 trials: 0.5 + 0.016, plain.
+  # a = 0.2 after 2 trials: 0.2 + 0.231 = 0.431, plain.
+  policy = adaptive.Auto.create(**F_CHEAP, probe_first=False)
+  plain = adaptive.Auto.create(**F_CHEAP, probe_first=False, optimism=0.0)
+  active = jnp.array([True])
+
+  def budget(policy, a, trials):
+    state = policy.init(1).replace(
+        verified=jnp.array([[4.0, 0.0, 0.0, 0.0]]),
+        accepted=jnp.array([[4.0 * a, 0.0, 0.0, 0.0]]),
+        trials=jnp.array([trials]))
+    return int(policy.budget(state, active)[0])
+
+  assert budget(policy, 0.5, 2.0) == 1
+  assert budget(plain, 0.5, 2.0) == 0
+  assert budget(policy, 0.5, 1000.0) == 0
+  assert budget(policy, 0.2, 2.0) == 0
+  # From the prior (0.7: two drafts pay at once on these costs), every
+  # draft rejected: a = 0.56 / 1.8 = 0.311 after one trial, bound 0.311 +
+  # 0.327 = 0.638, a hoped-for probe; a = 0.448 / 2.44 = 0.184 after two,
+  # bound 0.408, plain steps.
+  # The trials count every step that verified position 1, undecayed, and
+  # a warm start carries them.
+  budgets, state = _steps(policy, lambda step, budget: 0 * budget, 4)
+  assert budgets == [2, 1, 0, 0], budgets
+  assert float(state.trials[0]) == 2.0
+  np.testing.assert_allclose(policy.warm(state).init(2).trials, [2.0, 2.0])
+  with pytest.raises(ValueError, match="optimism"):
+    adaptive.Auto.create(**F_CHEAP, optimism=-1.0)
 
 
 def test_no_probe_that_the_tokens_left_cannot_repay():
