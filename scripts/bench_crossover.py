@@ -326,11 +326,9 @@ def _simulated(policies, rows, batch, alpha) -> dict:
   if alpha is None:
     measured = rows[f"γ={max(fixed)}"]["acceptance"]
     alpha = (measured + measured[-1:] * auto.max_gamma)[:auto.max_gamma]
-  costs = simulate.policy_costs(auto)
-  rate = lambda policy: simulate.simulate(policy, costs, alpha=alpha,
-                                          batch=batch, tokens=_TOKENS.value)
-  best = max(rate(simulate.Fixed(g, auto.max_gamma)) for g in fixed)
-  return {"auto_over_best_simulated": rate(auto) / best}
+  return {"auto_over_best_simulated": simulate.over_best(
+      auto, simulate.policy_costs(auto), alpha=alpha, batch=batch,
+      tokens=_TOKENS.value, gammas=fixed)}
 
 
 def _table(results) -> str:

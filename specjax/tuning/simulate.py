@@ -37,7 +37,7 @@ import numpy as np
 from specjax import adaptive
 from specjax.drafters.base import Proposal
 
-__all__ = ["Fixed", "SimCosts", "policy_costs", "simulate"]
+__all__ = ["Fixed", "SimCosts", "over_best", "policy_costs", "simulate"]
 
 
 @flax.struct.dataclass
@@ -197,3 +197,26 @@ def policy_costs(policy: Any) -> SimCosts:
   return SimCosts(target_ms=tuple(map(float, policy.target_ms)),
                   draft_ms=float(policy.draft_ms),
                   first_draft_ms=float(policy.first_draft_ms))
+
+
+def over_best(policy: adaptive.GammaPolicy, costs: SimCosts, *,
+              alpha: float | Sequence[float], batch: int, tokens: int,
+              gammas: Sequence[int] | None = None, samples: int = 256,
+              seed: int = 0) -> float:
+  """`policy`'s simulated tokens/s over the best fixed γ in hindsight.
+
+  Args:
+    policy: a `GammaPolicy`.
+    costs, alpha, batch, tokens, samples, seed: as in `simulate`.
+    gammas: the fixed γ to compare with (0: autoregressive decoding);
+      default 0 to G.
+
+  Returns:
+    simulate(policy) / max over γ of simulate(Fixed(γ, G)).
+  """
+  gammas = range(policy.max_gamma + 1) if gammas is None else gammas
+  rate = lambda p: simulate(p, costs, alpha=alpha, batch=batch,
+                            tokens=tokens, samples=samples, seed=seed)
+  return rate(policy) / max(rate(Fixed(g, policy.max_gamma))
+                            for g in gammas)
+

@@ -1,0 +1,99 @@
+r"""A γ policy's expected loss, by simulation, on measured cost sets.
+
+For each cost set and α, `specjax.tuning.simulate.over_best`: `Auto`'s
+mean tokens/s over many draws of synthetic acceptance, priced by the cost
+model, over the best of autoregressive decoding and every fixed γ <= γ_max
+in hindsight. No timing noise: it scores a policy change on several
+machines' costs in seconds (BENCHMARKS.md, "Never slower, machine G").
+
+COMMAND (machine G's B = 1 costs against the same policy without its
+confidence bound):
+  python scripts/simulate_policy.py \
+    --costs=G1=213.4/249.9/263.6/283.9:71.2/78.6 --optimism=0/1
+COMMAND (the costs a `bench_crossover.py` run measured, each B and α row):
+  python scripts/simulate_policy.py --runs=/tmp/bench/e_b1,/tmp/bench/e_b2
+
+A cost set is NAME=t(1)/t(2)/t(3)/t(5):d(1)/d(2): the target's ms at the
+widths of γ_max = 4 and the draft model's ms at 1 and 2 tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app
+from absl import flags
+
+from specjax import adaptive
+from specjax.tuning import simulate
+
+_COSTS = flags.DEFINE_list("costs", [], "Cost sets, NAME=T/T/T/T:D/D.")
+_RUNS = flags.DEFINE_list(
+    "runs", [], "bench_crossover output dirs whose measured costs to use.")
+_ALPHAS = flags.DEFINE_string("alphas", "0.05/0.5/0.8/0.95", "α values.")
+_BATCH = flags.DEFINE_integer(
+    "batch", 0, "B simulated; 0: each run's own (1 for --costs).")
+_TOKENS = flags.DEFINE_integer("tokens", 32, "New tokens per row.")
+_OPTIMISM = flags.DEFINE_string("optimism", "1", "`Auto` optimism values.")
+_SAMPLES = flags.DEFINE_integer("samples", 256, "Generations simulated.")
+_MAX_GAMMA = 4
+
+
+def _floats(text: str) -> list[float]:
+  return [float(x) for x in text.split("/") if x]
+
+
+def cost_sets() -> list[tuple[str, int, simulate.SimCosts]]:
+  """(name, B, costs) from --costs and --runs."""
+  sets = []
+  for spec in _COSTS.value:
+    name, _, values = spec.partition("=")
+    target, _, draft = values.partition(":")
+    draft = _floats(draft) or [0.0]  # d(1), d(2); one value: both
+    sets.append((name, 1, simulate.SimCosts(
+        target_ms=_floats(target), draft_ms=draft[0],
+        first_draft_ms=draft[-1])))
+  for run in _RUNS.value:
+    with open(os.path.join(run, "crossover.json")) as f:
+      results = json.load(f)["results"]
+    seen = set()
+    for r in results:
+      key = (r["batch"], tuple(r["target_ms"].values()))
+      if key in seen:
+        continue
+      seen.add(key)
+      sets.append((f"{os.path.basename(run)} B={r['batch']}", r["batch"],
+                   simulate.SimCosts(
+                       target_ms=[r["target_ms"][k] for k in sorted(
+                           r["target_ms"], key=int)],
+                       draft_ms=r["draft_ms"]["1"],
+                       first_draft_ms=r["draft_ms"]["2"])))
+  return sets
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  sets = cost_sets()
+  if not sets:
+    raise app.UsageError("Give --costs or --runs.")
+  alphas = _floats(_ALPHAS.value)
+  print("costs | B | optimism | " + " | ".join(f"α = {a}" for a in alphas))
+  print(" | ".join("---" for _ in range(3 + len(alphas))))
+  for name, batch, costs in sets:
+    batch = _BATCH.value or batch
+    for optimism in _floats(_OPTIMISM.value):
+      policy = adaptive.Auto.create(
+          max_gamma=_MAX_GAMMA, target_ms=costs.target_ms,
+          draft_ms=costs.draft_ms, first_draft_ms=costs.first_draft_ms,
+          optimism=optimism)
+      ratios = [simulate.over_best(policy, costs, alpha=a, batch=batch,
+                                   tokens=_TOKENS.value,
+                                   samples=_SAMPLES.value) for a in alphas]
+      print(f"{name} | {batch} | {optimism:g} | "
+            + " | ".join(f"{r:.3f}" for r in ratios), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
