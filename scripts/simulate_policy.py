@@ -14,7 +14,8 @@ COMMAND (the costs a `bench_crossover.py` run measured, each B and α row):
   python scripts/simulate_policy.py --runs=/tmp/bench/e_b1,/tmp/bench/e_b2
 
 A cost set is NAME=t(1)/t(2)/t(3)/t(5):d(1)/d(2): the target's ms at the
-widths of γ_max = 4 and the draft model's ms at 1 and 2 tokens.
+widths of `--max_gamma` (`adaptive.verify_widths`; 1, 2, 3, 5 for 4) and
+the draft model's ms at 1 and 2 tokens.
 """
 
 from __future__ import annotations
@@ -37,38 +38,41 @@ _BATCH = flags.DEFINE_integer(
 _TOKENS = flags.DEFINE_integer("tokens", 32, "New tokens per row.")
 _OPTIMISM = flags.DEFINE_string("optimism", "1", "`Auto` optimism values.")
 _SAMPLES = flags.DEFINE_integer("samples", 256, "Generations simulated.")
-_MAX_GAMMA = 4
+_MAX_GAMMA = flags.DEFINE_integer(
+    "max_gamma", 4, "γ_max of --costs (a run's own for --runs).")
 
 
 def _floats(text: str) -> list[float]:
   return [float(x) for x in text.split("/") if x]
 
 
-def cost_sets() -> list[tuple[str, int, simulate.SimCosts]]:
-  """(name, B, costs) from --costs and --runs."""
+def cost_sets() -> list[tuple[str, int, int, simulate.SimCosts]]:
+  """(name, B, γ_max, costs) from --costs and --runs."""
   sets = []
   for spec in _COSTS.value:
     name, _, values = spec.partition("=")
     target, _, draft = values.partition(":")
     draft = _floats(draft) or [0.0]  # d(1), d(2); one value: both
-    sets.append((name, 1, simulate.SimCosts(
+    sets.append((name, 1, _MAX_GAMMA.value, simulate.SimCosts(
         target_ms=_floats(target), draft_ms=draft[0],
         first_draft_ms=draft[-1])))
   for run in _RUNS.value:
     with open(os.path.join(run, "crossover.json")) as f:
-      results = json.load(f)["results"]
+      run_data = json.load(f)
+    results = run_data["results"]
     seen = set()
     for r in results:
       key = (r["batch"], tuple(r["target_ms"].values()))
       if key in seen:
         continue
       seen.add(key)
+      draft = r.get("draft_ms") or {}  # none for a drafter without a model
       sets.append((f"{os.path.basename(run)} B={r['batch']}", r["batch"],
-                   simulate.SimCosts(
+                   run_data["max_gamma"], simulate.SimCosts(
                        target_ms=[r["target_ms"][k] for k in sorted(
                            r["target_ms"], key=int)],
-                       draft_ms=r["draft_ms"]["1"],
-                       first_draft_ms=r["draft_ms"]["2"])))
+                       draft_ms=draft.get("1", 0.0),
+                       first_draft_ms=draft.get("2", draft.get("1", 0.0)))))
   return sets
 
 
@@ -81,11 +85,11 @@ def main(argv) -> None:
   alphas = _floats(_ALPHAS.value)
   print("costs | B | optimism | " + " | ".join(f"α = {a}" for a in alphas))
   print(" | ".join("---" for _ in range(3 + len(alphas))))
-  for name, batch, costs in sets:
+  for name, batch, max_gamma, costs in sets:
     batch = _BATCH.value or batch
     for optimism in _floats(_OPTIMISM.value):
       policy = adaptive.Auto.create(
-          max_gamma=_MAX_GAMMA, target_ms=costs.target_ms,
+          max_gamma=max_gamma, target_ms=costs.target_ms,
           draft_ms=costs.draft_ms, first_draft_ms=costs.first_draft_ms,
           optimism=optimism)
       ratios = [simulate.over_best(policy, costs, alpha=a, batch=batch,
