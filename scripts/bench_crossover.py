@@ -40,8 +40,9 @@ from such runs must be labelled synthetic. Rows ignore EOS, so every row
 does the same work.
 
 Predicted tokens/s (`specjax.tuning.cost`): for autoregressive and fixed γ,
-`predict_tokens_per_s` with the forward costs measured at this B and the
-measured conditional acceptance per position; for the adaptive policies,
+`predict_tokens_per_s` with the forward costs measured at this B, the
+measured conditional acceptance per position, and the batch's steps until
+its slowest row ends (`expected_steps`); for the adaptive policies,
 the generated tokens over the predicted time of the steps they took (each
 step's target pass at the width it ran, plus its draft forwards).
 """
@@ -277,15 +278,18 @@ def _paired(rows: dict, name: str, best: str) -> float:
 
 def _predicted(gamma, call, target_costs, draft_costs) -> float:
   """The cost model's tokens/s for one run of a policy."""
-  if gamma is None:
-    return cost.predict_tokens_per_s(target_costs, 0, [])
-  stats = call.output.stats
-  if isinstance(gamma, int):
-    return cost.predict_tokens_per_s(
-        target_costs, gamma, _conditional_acceptance(stats, gamma),
-        draft_costs)
-  tokens = int(np.sum(np.maximum(call.output.lengths - 1, 0)))
-  return tokens / (_steps_ms(stats, target_costs, draft_costs) / 1e3)
+  emitted = np.maximum(call.output.lengths - 1, 0)  # [B] decoding phase
+  if gamma is None or isinstance(gamma, int):
+    # The batch runs until its longest row ends: price that many tokens
+    # per row (`expected_steps`), then count the tokens rows did emit.
+    acceptance = (_conditional_acceptance(call.output.stats, gamma)
+                  if gamma else [])
+    rate = cost.predict_tokens_per_s(
+        target_costs, gamma or 0, acceptance, draft_costs,
+        tokens=max(int(emitted.max()), 1))
+    return rate * emitted.mean() / max(emitted.max(), 1)
+  return int(emitted.sum()) / (_steps_ms(call.output.stats, target_costs,
+                                         draft_costs) / 1e3)
 
 
 def _policy_row(gamma, runs, batch, target_costs, draft_costs) -> dict:

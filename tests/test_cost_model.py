@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import types
 
@@ -53,6 +54,59 @@ def test_prediction_uses_measured_verify_cost_and_free_drafting():
   # Zero-cost drafter (prompt lookup), B = 2 rows, γ = 4, all accepted.
   tps = cost.predict_tokens_per_s(target, 4, [1.0] * 4)
   assert tps == pytest.approx(2 * 5 / 0.160)
+
+
+def _steps_by_enumeration(acceptance, gamma, tokens, batch):
+  """E[max over `batch` rows of the steps to emit `tokens`], by listing
+  every joint outcome of the rows' steps (small cases only)."""
+  survive = np.cumprod([1.0] + list(acceptance[:gamma]))
+  emit = {i + 1: survive[i] - (survive[i + 1] if i < gamma else 0.0)
+          for i in range(gamma + 1)}
+
+  def finish(emitted):  # {steps: probability} for one row from `emitted`
+    if emitted >= tokens:
+      return {0: 1.0}
+    out = {}
+    for tau, p in emit.items():
+      for s, q in finish(emitted + tau).items():
+        out[s + 1] = out.get(s + 1, 0.0) + p * q
+    return out
+
+  row = finish(0)
+  return sum(np.prod([p for _, p in outcome]) * max(s for s, _ in outcome)
+             for outcome in itertools.product(row.items(), repeat=batch))
+
+
+@pytest.mark.parametrize("acceptance,gamma,tokens,batch", [
+    ([0.5], 1, 2, 1), ([0.5], 1, 2, 2), ([0.6, 0.5], 2, 3, 2),
+    ([0.9, 0.7, 0.4], 3, 7, 3), ([0.3, 0.8], 2, 5, 4)])
+def test_expected_steps_match_enumeration(acceptance, gamma, tokens, batch):
+  expected = _steps_by_enumeration(acceptance, gamma, tokens, batch)
+  assert cost.expected_steps(acceptance, gamma, tokens,
+                             batch) == pytest.approx(expected, rel=1e-9)
+
+
+def test_expected_steps_by_hand():
+  # γ = 1, a = 0.5, 2 tokens: one step (p 0.5) or two; two rows end
+  # together after one step with p 0.25.
+  assert cost.expected_steps([0.5], 1, 2) == pytest.approx(1.5)
+  assert cost.expected_steps([0.5], 1, 2, batch=2) == pytest.approx(1.75)
+  assert cost.expected_steps([], 0, 32, batch=16) == 32.0  # plain steps
+  assert cost.expected_steps([1.0] * 4, 4, 32, batch=16) == 7.0  # ⌈32/5⌉
+  with pytest.raises(ValueError, match="tokens and batch must be >= 1"):
+    cost.expected_steps([0.5], 1, 0)
+
+
+def test_prediction_for_a_batch_waits_for_its_slowest_row():
+  target = cost.ForwardCosts(16, {1: 100.0, 5: 200.0})
+  steady = cost.predict_tokens_per_s(target, 4, [0.9] * 4)
+  finite = cost.predict_tokens_per_s(target, 4, [0.9] * 4, tokens=32)
+  steps = cost.expected_steps([0.9] * 4, 4, 32, batch=16)
+  assert finite == pytest.approx(16 * 32 / (steps * 0.2))
+  assert steps > 32 / cost.expected_tokens([0.9] * 4, 4) and finite < steady
+  # Plain steps: every row ends after `tokens` steps, as in the steady state.
+  assert cost.predict_tokens_per_s(target, 0, [], tokens=32) == (
+      pytest.approx(cost.predict_tokens_per_s(target, 0, [])))
 
 
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step

@@ -38,6 +38,22 @@ def test_a_fixed_gamma_matches_the_cost_models_prediction(gamma, alpha):
   assert got == pytest.approx(expected, rel=0.005)
 
 
+@pytest.mark.parametrize("gamma,alpha", [(2, 0.7), (4, 0.9)])
+def test_a_batch_waits_for_its_slowest_row_as_predicted(gamma, alpha):
+  """Eight rows of 24 tokens: the simulated generation ends with its
+  slowest row, 20-30% below the steady-state rate, and the cost model's
+  `predict_tokens_per_s(..., tokens=24)` (an exact computation, apart
+  from this Monte Carlo) prices that."""
+  target = cost.ForwardCosts(8, dict(zip((1, 2, 3, 5), COSTS.target_ms)))
+  draft = cost.ForwardCosts(8, {1: COSTS.draft_ms, 2: COSTS.first_draft_ms})
+  got = sim.simulate(sim.Fixed(gamma, G), COSTS, alpha=alpha, batch=8,
+                     tokens=24, samples=2048)
+  steady = cost.predict_tokens_per_s(target, gamma, [alpha] * G, draft)
+  assert got < 0.85 * steady
+  assert got == pytest.approx(cost.predict_tokens_per_s(
+      target, gamma, [alpha] * G, draft, tokens=24), rel=0.01)
+
+
 def test_auto_stops_drafting_where_nothing_is_accepted():
   """At α = 0 `Auto` pays its probes and then decodes plainly: close to
   autoregressive, far above γ = 1."""

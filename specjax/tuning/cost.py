@@ -26,6 +26,13 @@ token, and on the block's last draft when the whole block was accepted;
 drafter without a model (prompt lookup) has d = 0. With a constant a_j =
 α, t_target(B, γ+1) = t_target(B, 1) and t_draft(B, 2) = t_draft(B, 1)
 this is Leviathan's formula.
+
+That is the steady state. One generation of B rows of N tokens each runs
+until its slowest row ends, and rows that finish earlier idle through its
+last steps: at B = 16 and N = 16 that made a fixed γ = 4 measure 1.5x
+slower than the steady state (BENCHMARKS.md). `predict_tokens_per_s(...,
+tokens=N)` therefore divides B · N by the expected number of steps of the
+slowest row (`expected_steps`) instead of by N / E[τ].
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import decode
 from specjax import hardware
@@ -45,7 +53,7 @@ from specjax.models.protocol import model_output
 from specjax.tuning import store
 
 __all__ = ["DRIFT", "READ_BYTES", "ForwardCosts", "compiled_forward_hlo",
-           "expected_tokens",
+           "expected_steps", "expected_tokens",
            "forward_step", "measure", "predict_tokens_per_s", "read_step"]
 
 READ_BYTES = 1 << 30
@@ -252,9 +260,49 @@ def expected_tokens(acceptance: Sequence[float], gamma: int) -> float:
   return total
 
 
+def expected_steps(acceptance: Sequence[float], gamma: int, tokens: int,
+                   batch: int = 1) -> float:
+  """E[steps] until every one of `batch` rows has emitted `tokens` tokens.
+
+  A step emits τ tokens per row, P(τ > i) = Π_{j≤i} a_j for i ≤ γ (the
+  last step's are cut at the row's end), independently across rows and
+  steps; the batch runs until its slowest row ends, so this is E[max over
+  rows of a row's steps] = Σ_{s≥0} (1 - F(s)^B), with F(s) the
+  probability that one row is done after s steps (computed exactly by
+  convolving τ's distribution). It exceeds tokens / E[τ] by the last
+  step's overshoot and, for B > 1, by the spread between rows.
+
+  Args:
+    acceptance: a_1, a_2, ...: conditional acceptances, at least γ values.
+    gamma: γ >= 0 (0: one token per step).
+    tokens: tokens per row, >= 1.
+    batch: B rows, >= 1.
+  """
+  if tokens < 1 or batch < 1:
+    raise ValueError(f"tokens and batch must be >= 1, got {tokens} and "
+                     f"{batch}.")
+  if len(acceptance) < gamma:
+    raise ValueError(f"Need {gamma} acceptance values, got "
+                     f"{len(acceptance)}.")
+  survive = np.cumprod(np.concatenate(
+      [[1.0], np.asarray(acceptance[:gamma], np.float64)]))  # P(τ > i)
+  emit = survive - np.append(survive[1:], 0.0)  # [γ+1] P(τ = i + 1)
+  # done[n]: P(the row has emitted n tokens), n < tokens, after s steps.
+  done, left, steps = 0.0, np.eye(1, tokens)[0], 0.0
+  while 1.0 - done ** batch > 1e-12 and left.any():
+    steps += 1.0 - done ** batch
+    spread = np.zeros(tokens + gamma + 1)
+    for i, p in enumerate(emit):
+      spread[i + 1:i + 1 + tokens] += p * left
+    done += spread[tokens:].sum()
+    left = spread[:tokens]
+  return steps
+
+
 def predict_tokens_per_s(target: ForwardCosts, gamma: int,
                          acceptance: Sequence[float],
-                         draft: ForwardCosts | None = None) -> float:
+                         draft: ForwardCosts | None = None,
+                         tokens: int | None = None) -> float:
   """Predicted tokens/s (all rows) of γ-token speculation; see the module.
 
   Args:
@@ -265,10 +313,17 @@ def predict_tokens_per_s(target: ForwardCosts, gamma: int,
     draft: the draft model's costs (T = 1, and T = 2 for its catch-up
       pass; see `ForwardCosts.drafting_ms`), or None for a drafter that
       runs no model.
+    tokens: tokens per row of one generation, or None for the steady
+      state. With it, the batch's steps are `expected_steps`: the
+      generation ends with its slowest row, and rows that finished
+      earlier idle through its last steps.
   """
-  if gamma == 0:
-    return target.batch / (target.at(1) / 1e3)
   step_ms = target.at(gamma + 1)
-  if draft is not None:
+  if gamma and draft is not None:
     step_ms += draft.drafting_ms(gamma)
-  return target.batch * expected_tokens(acceptance, gamma) / (step_ms / 1e3)
+  if tokens is None:
+    per_step = expected_tokens(acceptance, gamma)
+  else:
+    per_step = tokens / expected_steps(acceptance, gamma, tokens,
+                                       target.batch)
+  return target.batch * per_step / (step_ms / 1e3)

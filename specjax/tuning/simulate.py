@@ -20,6 +20,7 @@ model's error is measured apart (`scripts/bench_crossover.py`).
 
 A fixed γ is the policy that budgets γ every step; autoregressive decoding
 is γ = 0. For them `simulate` reproduces `cost.predict_tokens_per_s`
+with the same `tokens`, the batch's slowest row included
 (`tests/test_simulate.py`).
 """
 
