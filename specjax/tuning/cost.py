@@ -287,7 +287,7 @@ def expected_steps(acceptance: Sequence[float], gamma: int, tokens: int,
   survive = np.cumprod(np.concatenate(
       [[1.0], np.asarray(acceptance[:gamma], np.float64)]))  # P(τ > i)
   emit = survive - np.append(survive[1:], 0.0)  # [γ+1] P(τ = i + 1)
-  # done[n]: P(the row has emitted n tokens), n < tokens, after s steps.
+  # After s steps: done = F(s); left[n] = P(the row has emitted n < tokens).
   done, left, steps = 0.0, np.eye(1, tokens)[0], 0.0
   while 1.0 - done ** batch > 1e-12 and left.any():
     steps += 1.0 - done ** batch
@@ -296,7 +296,7 @@ def expected_steps(acceptance: Sequence[float], gamma: int, tokens: int,
       spread[i + 1:i + 1 + tokens] += p * left
     done += spread[tokens:].sum()
     left = spread[:tokens]
-  return steps
+  return float(steps)
 
 
 def predict_tokens_per_s(target: ForwardCosts, gamma: int,
