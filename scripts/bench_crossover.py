@@ -284,10 +284,10 @@ def _predicted(gamma, call, target_costs, draft_costs) -> float:
     # per row (`expected_steps`), then count the tokens rows did emit.
     acceptance = (_conditional_acceptance(call.output.stats, gamma)
                   if gamma else [])
-    rate = cost.predict_tokens_per_s(
-        target_costs, gamma or 0, acceptance, draft_costs,
-        tokens=max(int(emitted.max()), 1))
-    return rate * emitted.mean() / max(emitted.max(), 1)
+    longest = max(int(emitted.max()), 1)
+    rate = cost.predict_tokens_per_s(target_costs, gamma or 0, acceptance,
+                                     draft_costs, tokens=longest)
+    return rate * emitted.mean() / longest
   return int(emitted.sum()) / (_steps_ms(call.output.stats, target_costs,
                                          draft_costs) / 1e3)
 
