@@ -26,7 +26,6 @@ import os
 from absl import app
 from absl import flags
 
-from specjax import adaptive
 from specjax.tuning import simulate
 
 _COSTS = flags.DEFINE_list("costs", [], "Cost sets, NAME=T/T/T/T:D/D.")
@@ -88,10 +87,7 @@ def main(argv) -> None:
   for name, batch, max_gamma, costs in sets:
     batch = _BATCH.value or batch
     for optimism in _floats(_OPTIMISM.value):
-      policy = adaptive.Auto.create(
-          max_gamma=max_gamma, target_ms=costs.target_ms,
-          draft_ms=costs.draft_ms, first_draft_ms=costs.first_draft_ms,
-          optimism=optimism)
+      policy = simulate.auto_policy(costs, max_gamma, optimism=optimism)
       ratios = [simulate.over_best(policy, costs, alpha=a, batch=batch,
                                    tokens=_TOKENS.value,
                                    samples=_SAMPLES.value) for a in alphas]

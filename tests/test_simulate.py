@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specjax import adaptive
 from specjax.tuning import cost
 from specjax.tuning import simulate as sim
 
@@ -57,9 +56,7 @@ def test_a_batch_waits_for_its_slowest_row_as_predicted(gamma, alpha):
 def test_auto_stops_drafting_where_nothing_is_accepted():
   """At α = 0 `Auto` pays its probes and then decodes plainly: close to
   autoregressive, far above γ = 1."""
-  auto = adaptive.Auto.create(max_gamma=G, target_ms=COSTS.target_ms,
-                              draft_ms=COSTS.draft_ms,
-                              first_draft_ms=COSTS.first_draft_ms)
+  auto = sim.auto_policy(COSTS, G)
   plain = sim.simulate(sim.Fixed(0, G), COSTS, alpha=0.0, batch=1,
                        tokens=200, samples=8)
   one = sim.simulate(sim.Fixed(1, G), COSTS, alpha=0.0, batch=1,
@@ -108,9 +105,7 @@ def test_auto_on_machine_f_costs_is_within_5_percent_of_the_best(alpha):
   every machine's costs (BENCHMARKS, "Machine F, fourth session")."""
   costs = sim.SimCosts(target_ms=(230.3, 341.9, 327.6, 386.6),
                        draft_ms=90.9, first_draft_ms=105.5)
-  auto = adaptive.Auto.create(max_gamma=G, target_ms=costs.target_ms,
-                              draft_ms=costs.draft_ms,
-                              first_draft_ms=costs.first_draft_ms)
+  auto = sim.auto_policy(costs, G)
   assert sim.over_best(auto, costs, alpha=alpha, batch=1,
                        tokens=32) >= 0.95
 
@@ -126,10 +121,7 @@ def test_optimism_keeps_drafting_through_unlucky_rejections():
   costs = sim.SimCosts(target_ms=(275.0, 318.0, 331.0, 403.0),
                        draft_ms=92.0, first_draft_ms=109.0)
   ratio = lambda optimism: sim.over_best(
-      adaptive.Auto.create(max_gamma=G, target_ms=costs.target_ms,
-                           draft_ms=costs.draft_ms,
-                           first_draft_ms=costs.first_draft_ms,
-                           optimism=optimism),
-      costs, alpha=0.8, batch=1, tokens=32)
+      sim.auto_policy(costs, G, optimism=optimism), costs, alpha=0.8,
+      batch=1, tokens=32)
   assert ratio(0.0) < 0.93
   assert ratio(1.0) >= 0.95

@@ -242,6 +242,16 @@ def measure(model: Any, *, batch: int, chunks: Sequence[int],
   return ForwardCosts(batch, dict(ms))
 
 
+def _survival(acceptance: Sequence[float], gamma: int) -> np.ndarray:
+  """[γ+1] P(τ > i) = Π_{j≤i} a_j for i = 0..γ, from at least γ
+  conditional acceptances a_1, a_2, ..."""
+  if len(acceptance) < gamma:
+    raise ValueError(f"Need {gamma} acceptance values, got "
+                     f"{len(acceptance)}.")
+  return np.cumprod(np.concatenate(
+      [[1.0], np.asarray(acceptance[:gamma], np.float64)]))
+
+
 def expected_tokens(acceptance: Sequence[float], gamma: int) -> float:
   """E[τ] = 1 + Σ_{i≤γ} Π_{j≤i} a_j for conditional acceptances a_j.
 
@@ -250,14 +260,7 @@ def expected_tokens(acceptance: Sequence[float], gamma: int) -> float:
       at least γ values.
     gamma: γ >= 0.
   """
-  if len(acceptance) < gamma:
-    raise ValueError(f"Need {gamma} acceptance values, got "
-                     f"{len(acceptance)}.")
-  total, survive = 1.0, 1.0
-  for a in acceptance[:gamma]:
-    survive *= float(a)
-    total += survive
-  return total
+  return float(_survival(acceptance, gamma).sum())
 
 
 def expected_steps(acceptance: Sequence[float], gamma: int, tokens: int,
@@ -281,11 +284,7 @@ def expected_steps(acceptance: Sequence[float], gamma: int, tokens: int,
   if tokens < 1 or batch < 1:
     raise ValueError(f"tokens and batch must be >= 1, got {tokens} and "
                      f"{batch}.")
-  if len(acceptance) < gamma:
-    raise ValueError(f"Need {gamma} acceptance values, got "
-                     f"{len(acceptance)}.")
-  survive = np.cumprod(np.concatenate(
-      [[1.0], np.asarray(acceptance[:gamma], np.float64)]))  # P(τ > i)
+  survive = _survival(acceptance, gamma)  # [γ+1] P(τ > i)
   emit = survive - np.append(survive[1:], 0.0)  # [γ+1] P(τ = i + 1)
   # After s steps: done = F(s); left[n] = P(the row has emitted n < tokens).
   done, left, steps = 0.0, np.eye(1, tokens)[0], 0.0

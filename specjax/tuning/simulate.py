@@ -38,7 +38,8 @@ import numpy as np
 from specjax import adaptive
 from specjax.drafters.base import Proposal
 
-__all__ = ["Fixed", "SimCosts", "over_best", "policy_costs", "simulate"]
+__all__ = ["Fixed", "SimCosts", "auto_policy", "over_best", "policy_costs",
+           "simulate"]
 
 
 @flax.struct.dataclass
@@ -193,6 +194,16 @@ def simulate(policy: adaptive.GammaPolicy, costs: SimCosts, *,
   return batch * tokens / (float(jnp.mean(ms)) / 1e3)
 
 
+def auto_policy(costs: SimCosts, max_gamma: int,
+                **kwargs) -> adaptive.Auto:
+  """`adaptive.Auto.create` with these costs (the inverse of
+  `policy_costs`); `kwargs` are its other arguments."""
+  return adaptive.Auto.create(
+      max_gamma=max_gamma, target_ms=costs.target_ms,
+      draft_ms=costs.draft_ms, first_draft_ms=costs.first_draft_ms,
+      **kwargs)
+
+
 def policy_costs(policy: Any) -> SimCosts:
   """The `SimCosts` an `Auto` policy was created with."""
   return SimCosts(target_ms=tuple(map(float, policy.target_ms)),
@@ -220,4 +231,3 @@ def over_best(policy: adaptive.GammaPolicy, costs: SimCosts, *,
                             tokens=tokens, samples=samples, seed=seed)
   return rate(policy) / max(rate(Fixed(g, policy.max_gamma))
                             for g in gammas)
-
