@@ -10,6 +10,10 @@ COMMAND (machine G's B = 1 costs against the same policy without its
 confidence bound):
   python scripts/simulate_policy.py \
     --costs=G1=213.4/249.9/263.6/283.9:71.2/78.6 --optimism=0/1
+COMMAND (the choice by the steady state, horizon 0, against the choice by
+when the batch ends, on the costs of sweep runs, cold and warm):
+  python scripts/simulate_policy.py --runs=/tmp/bench/g_b16a8 \
+    --horizon=0/64 --warm
 COMMAND (the costs a `bench_crossover.py` run measured, each B and α row):
   python scripts/simulate_policy.py --runs=/tmp/bench/e_b1,/tmp/bench/e_b2
 
@@ -36,6 +40,10 @@ _BATCH = flags.DEFINE_integer(
     "batch", 0, "B simulated; 0: each run's own (1 for --costs).")
 _TOKENS = flags.DEFINE_integer("tokens", 32, "New tokens per row.")
 _OPTIMISM = flags.DEFINE_string("optimism", "1", "`Auto` optimism values.")
+_HORIZON = flags.DEFINE_string("horizon", "64", "`Auto` horizon values.")
+_WARM = flags.DEFINE_boolean(
+    "warm", False, "Also score each policy started warm at α "
+    "(`simulate.settled`), as cold / warm.")
 _SAMPLES = flags.DEFINE_integer("samples", 256, "Generations simulated.")
 _MAX_GAMMA = flags.DEFINE_integer(
     "max_gamma", 4, "γ_max of --costs (a run's own for --runs).")
@@ -82,17 +90,26 @@ def main(argv) -> None:
   if not sets:
     raise app.UsageError("Give --costs or --runs.")
   alphas = _floats(_ALPHAS.value)
-  print("costs | B | optimism | " + " | ".join(f"α = {a}" for a in alphas))
-  print(" | ".join("---" for _ in range(3 + len(alphas))))
+  print("costs | B | optimism | horizon | "
+        + " | ".join(f"α = {a}" for a in alphas))
+  print(" | ".join("---" for _ in range(4 + len(alphas))))
   for name, batch, max_gamma, costs in sets:
     batch = _BATCH.value or batch
     for optimism in _floats(_OPTIMISM.value):
-      policy = simulate.auto_policy(costs, max_gamma, optimism=optimism)
-      ratios = [simulate.over_best(policy, costs, alpha=a, batch=batch,
-                                   tokens=_TOKENS.value,
-                                   samples=_SAMPLES.value) for a in alphas]
-      print(f"{name} | {batch} | {optimism:g} | "
-            + " | ".join(f"{r:.3f}" for r in ratios), flush=True)
+      for horizon in _floats(_HORIZON.value):
+        policy = simulate.auto_policy(costs, max_gamma, optimism=optimism,
+                                      horizon=int(horizon))
+        cells = []
+        for a in alphas:
+          starts = [policy] + ([simulate.settled(policy, a)]
+                               if _WARM.value else [])
+          ratios = [simulate.over_best(p, costs, alpha=a, batch=batch,
+                                       tokens=_TOKENS.value,
+                                       samples=_SAMPLES.value)
+                    for p in starts]
+          cells.append(" / ".join(f"{r:.3f}" for r in ratios))
+        print(f"{name} | {batch} | {optimism:g} | {horizon:g} | "
+              + " | ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -42,20 +42,30 @@ Two policies:
   gives it to every active row; d(K) is the drafter's cost of K tokens, a
   first pass (the draft model's two-token catch-up) and K - 1 one-token
   forwards (`tuning.cost.ForwardCosts.drafting_ms`). K = 0 is an
-  autoregressive step. Once drafted, it verifies the K' leading drafts of
+  autoregressive step. That is the steady state. Near the end (no row
+  with over `horizon` tokens left) the batch waits for its slowest row,
+  whose step count spreads more the larger K is, so it then maximises the
+  tokens left over the predicted time until the last row ends under a
+  constant K (`specjax.finish`, exact), every row at the batch's pooled
+  estimates (`Auto.pooled`: the rows' counts summed, the prior counted
+  once). Once drafted, it verifies the K' leading drafts of
   each row that maximise the same prediction without the (spent) drafting
   cost and with each row's actual proposal length (`trim`); a drafter
   that costs nothing (prompt lookup) always drafts γ_max and is only
   trimmed, so a row without a match costs a plain step. After
   `probe_every` steps without drafting it tries one token, so the
-  estimates follow a text that becomes predictable again. It also tries
-  one token, without waiting, where an upper confidence bound on
-  position 1's acceptance predicts that a draft would pay: the estimate
-  plus `optimism` standard errors, √(a(1 - a) / (n + 1)) with n the
-  steps that verified it (not decayed), so a few unlucky rejections near
-  the break-even (two in a row bring a rate-0.2 estimate of 0.8 to 0.51)
-  do not stop drafting for `probe_every` steps, while an estimate far
-  below it, or one that many steps support, does not probe; a generation
+  estimates follow a text that becomes predictable again. It also tries,
+  without waiting, the budget that an upper confidence bound on position
+  1's acceptance predicts best (`Auto.hoped`): the batch's pooled
+  estimate plus `optimism` standard errors, √(a(1 - a) / (n + 1)) with n
+  the steps that verified it in any row (not decayed), the deeper
+  positions at their estimates; one token at most before any evidence.
+  So a few unlucky rejections near the break-even (two in a row bring a
+  rate-0.2 estimate of 0.8 to 0.51) do not stop drafting for
+  `probe_every` steps, a batch whose first probe was accepted goes on to
+  the budget that pays (at B = 8, where one draft never pays, a wide
+  one), while an estimate far below it, or one that many steps support,
+  does not probe; a generation
   that starts from the prior probes at its first step, so that where the
   prior alone does not pay (a draft model dear next to the target, as on
   a CPU without wide vector units) the estimates still come to rest on
@@ -97,6 +107,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import finish
 from specjax.drafters.base import cost_model
 from specjax.drafters.base import Proposal
 
@@ -153,7 +164,7 @@ class PolicyState:
       position was verified, per row (`Auto`).
     accepted: [B, G] float32 the same count of acceptances (`Auto`).
     trials: [B] float32 steps in which draft position 1 was verified, not
-      decayed: the evidence behind `Auto.hopeful`'s confidence bound.
+      decayed: the evidence behind `Auto.hoped`'s confidence bound.
     idle: [] int32 consecutive steps without drafting (`Auto`).
     wait: [] int32 steps without drafting before the next probe (`Auto`).
   """
@@ -294,9 +305,12 @@ class Auto(GammaPolicy):
       step drafts at least one token; `probe_every` from learned estimates
       (`warm`).
     optimism: [] float32 standard errors added to position 1's estimate
-      to decide whether a plain step should probe at once (`hopeful`; 0:
+      to decide whether a plain step should probe at once (`hoped`; 0:
       only the scheduled probes).
     max_gamma: G, static.
+    horizon: static, the most tokens a row may have left for the budget to
+      be chosen by when the batch ends (`score`); 0 for the steady state
+      only.
   """
 
   target_ms: jax.Array
@@ -311,13 +325,14 @@ class Auto(GammaPolicy):
   first_wait: jax.Array
   optimism: jax.Array
   max_gamma: int = flax.struct.field(pytree_node=False)
+  horizon: int = flax.struct.field(pytree_node=False, default=64)
 
   @classmethod
   def create(cls, *, max_gamma: int, target_ms: Sequence[float],
              draft_ms: float = 0.0, first_draft_ms: float | None = None,
              prior: float = 0.7, rate: float = 0.2, probe_every: int = 16,
              probe_max: int = 128, probe_first: bool = True,
-             optimism: float = 1.0) -> "Auto":
+             optimism: float = 1.0, horizon: int = 64) -> "Auto":
     """Validates host values.
 
     Args:
@@ -337,6 +352,8 @@ class Auto(GammaPolicy):
       optimism: standard errors of position 1's estimate added to it to
         decide whether a plain step should probe at once, >= 0 (0: only
         the scheduled probes).
+      horizon: choose by when the batch ends once no row has more than
+        this many tokens left, >= 0 (0: by the steady state throughout).
     """
     widths = verify_widths(max_gamma)
     costs = np.asarray(target_ms, np.float32).reshape(-1)
@@ -355,6 +372,8 @@ class Auto(GammaPolicy):
       raise ValueError(f"probe_every must be >= 1, got {probe_every}.")
     if not optimism >= 0:
       raise ValueError(f"optimism must be >= 0, got {optimism}.")
+    if isinstance(horizon, bool) or int(horizon) != horizon or horizon < 0:
+      raise ValueError(f"horizon must be an integer >= 0, got {horizon!r}.")
     if int(probe_max) < int(probe_every):
       raise ValueError(f"probe_max must be >= probe_every={probe_every}, "
                        f"got {probe_max}.")
@@ -367,7 +386,8 @@ class Auto(GammaPolicy):
                probe_every=jnp.int32(probe_every),
                probe_max=jnp.int32(probe_max),
                first_wait=jnp.int32(0 if probe_first else probe_every),
-               optimism=jnp.float32(optimism), max_gamma=int(max_gamma))
+               optimism=jnp.float32(optimism), max_gamma=int(max_gamma),
+               horizon=int(horizon))
 
   @classmethod
   def measure(cls, target: Any, drafter: Any, *, batch: int,
@@ -430,12 +450,47 @@ class Auto(GammaPolicy):
     """[B, G] conditional acceptance estimates: position 1 accepted over
     verified; position j > 1 the same with the estimate of position j - 1
     added as one more observation."""
-    first = state.accepted[:, 0] / jnp.maximum(state.verified[:, 0], 1e-6)
+    return self._estimates(state.verified, state.accepted)
+
+  def _estimates(self, verified: jax.Array, accepted: jax.Array
+                 ) -> jax.Array:
+    """[..., G] `acceptance` from decayed counts [..., G]."""
+    first = accepted[..., 0] / jnp.maximum(verified[..., 0], 1e-6)
     columns = [first]
     for j in range(1, self.max_gamma):
-      columns.append((state.accepted[:, j] + columns[-1])
-                     / (state.verified[:, j] + 1.0))
-    return jnp.stack(columns, axis=1)
+      columns.append((accepted[..., j] + columns[-1])
+                     / (verified[..., j] + 1.0))
+    return jnp.stack(columns, axis=-1)
+
+  def pooled(self, state: PolicyState, active: jax.Array
+             ) -> tuple[jax.Array, jax.Array]:
+    """The batch's estimates, [G], from its active rows' counts summed,
+    and its evidence, [] steps that verified position 1 in some row.
+
+    Each row holds a decayed copy of the counts it started from (the
+    prior, or what `warm` carried), which in a pool would be counted B
+    times and outweigh the batch's first observations: after one
+    accepted one-token probe at B = 8 from a prior of 0.7, 0.867 where
+    the pool says 0.973. So the start counts are counted once, at the
+    rows' mean decay, (1 - rate)^(trials - start_trials) (position 1's;
+    a deeper position decays no faster, so its copy is at least that).
+    """
+    decay = (1.0 - self.rate) ** (state.trials - self.start_trials)  # [B]
+    decay = jnp.where(active, decay, 0.0)
+    rows = jnp.sum(active)
+    once = jnp.sum(decay) / jnp.maximum(rows, 1)
+
+    def pool(counts, start):  # [B, G], [G] -> [G]
+      own = jnp.maximum(counts - start[None] * decay[:, None], 0.0)
+      return (jnp.sum(jnp.where(active[:, None], own, 0.0), 0)
+              + start * once)
+
+    trials = (jnp.sum(jnp.where(active, state.trials - self.start_trials,
+                                0.0))
+              + self.start_trials * (rows > 0))
+    estimates = self._estimates(pool(state.verified, self.start_verified),
+                                pool(state.accepted, self.start_accepted))
+    return jnp.clip(estimates, 0.0, 1.0), trials
 
   def predicted_rate(self, acceptance: jax.Array, active: jax.Array,
                      available: jax.Array | None = None,
@@ -503,34 +558,105 @@ class Auto(GammaPolicy):
                       - 1.0 / jnp.maximum(jnp.max(rate[1:]), 1e-9))
     return saved > self.probe_ms(state.idle)
 
-  def hopeful(self, state: PolicyState, active: jax.Array,
-              available: jax.Array | None = None) -> jax.Array:
-    """[] bool: a one-token draft is predicted to beat a plain step at an
-    upper confidence bound on position 1's acceptance, a + `optimism` ·
-    √(a(1 - a) / (n + 1)) (n the steps that verified it, `trials`; the
-    1 is the prior's pseudo-observation; `available` [B] as in
-    `predicted_rate`). The estimate follows recent steps (decayed counts);
-    the bound's width falls with all the evidence, so a policy that keeps
-    seeing a low acceptance stops hoping."""
-    first = self.acceptance(state)[:, :1]  # [B, G] -> [B, 1]
-    error = jnp.sqrt(first * (1.0 - first) / (state.trials[:, None] + 1.0))
-    bound = jnp.minimum(first + self.optimism * error, 1.0)
-    rate = self.predicted_rate(
-        jnp.broadcast_to(bound, state.verified.shape), active,
-        available)  # [G+1]; only K = 1 is read
-    return rate[1] > rate[0]
+  def finish_rate(self, pooled: jax.Array, active: jax.Array,
+                  remaining: jax.Array, drafting: bool = True) -> jax.Array:
+    """[G+1] the active rows' tokens left over the predicted time until
+    the slowest ends, for each budget K held to the end, every row at the
+    batch's estimates `pooled` [G] (`remaining` [B] at most `horizon`; see
+    `score`)."""
+    pooled = jnp.broadcast_to(pooled, (active.shape[0], self.max_gamma))
+    steps = finish.expected_steps(finish.emit_probabilities(pooled),
+                                  remaining, active, self.horizon)  # [G+1]
+    k = jnp.arange(self.max_gamma + 1)
+    target = self.target_ms[width_index(self.widths, k + 1)]
+    step_ms = target + drafting_ms(k, self.first_draft_ms, self.draft_ms)
+    # Drafts already made are spent: this step pays the target pass only.
+    ms = (step_ms if drafting else target) + (steps - 1.0) * step_ms
+    tokens = jnp.sum(jnp.where(active, remaining, 0)).astype(jnp.float32)
+    return tokens / ms
+
+  def score(self, acceptance: jax.Array, pooled: jax.Array,
+            active: jax.Array, remaining: jax.Array | None = None,
+            available: jax.Array | None = None,
+            drafting: bool = True) -> jax.Array:
+    """[G+1] predicted tokens per ms of the batch for each budget K.
+
+    While some row has more than `horizon` tokens left (or with no end,
+    `remaining` None), the steady state (`predicted_rate`). Once none has,
+    the batch's end is near and its slowest row sets it: `finish_rate`,
+    which prices the spread of the rows' step counts that a larger K
+    widens (at B = 32, 32 tokens, machine G's costs and α = 0.5, one draft
+    is 1.06x a plain step in the steady state and 0.91x for the whole
+    generation). It gives every row the batch's estimates (`pooled`): the
+    max over rows would otherwise follow whichever row's estimate a recent
+    rejection pulled down.
+
+    Args:
+      acceptance: [B, G] conditional acceptance estimates.
+      pooled: [G] the batch's (`pooled`).
+      active: [B] rows that count.
+      remaining: [B] tokens each row may still emit, or None.
+      available: [B] drafts each row has (once drafted) or could use
+        (before its end), or None for as many as K.
+      drafting: as in `predicted_rate`.
+    """
+    rate = self.predicted_rate(acceptance, active, available, drafting)
+    if remaining is None or not self.horizon:
+      return rate
+    if available is not None:
+      # The longest proposal a row has or can use caps K.
+      most = jnp.max(jnp.where(active, available, 0))
+      cap = lambda r: jnp.where(jnp.arange(self.max_gamma + 1) <= most, r,
+                                0.0)
+    else:
+      cap = lambda r: r
+    near = jnp.max(jnp.where(active, remaining, 0)) <= self.horizon
+    return jax.lax.cond(
+        near, lambda: cap(self.finish_rate(pooled, active, remaining,
+                                           drafting)),
+        lambda: rate)
+
+  def hoped(self, state: PolicyState, active: jax.Array,
+            available: jax.Array | None = None,
+            remaining: jax.Array | None = None) -> jax.Array:
+    """[] the budget K that `score` predicts best at an upper confidence
+    bound on position 1's acceptance (every position at it), 0 where none
+    beats a plain step: a + `optimism` · √(a(1 - a) / (n + 1)), with a
+    the active rows' mean estimate and n their steps that verified it
+    (`trials`, not decayed; the 1 is the prior's pseudo-observation). The
+    estimate follows recent steps (decayed counts); the bound's width
+    falls with all the evidence, so a policy that keeps seeing a low
+    acceptance stops hoping. Before any evidence it hopes for one token
+    at most; after, for no more than `_explored` allows.
+
+    Args:
+      state: the policy state.
+      active: [B] rows that count.
+      available, remaining: [B] as in `score`, or None.
+    """
+    pooled, trials = self.pooled(state, active)  # [G], []
+    error = jnp.sqrt(pooled[0] * (1.0 - pooled[0]) / (trials + 1.0))
+    hope = pooled.at[0].set(jnp.minimum(pooled[0] + self.optimism * error,
+                                        1.0))
+    rate = self.score(jnp.broadcast_to(hope, state.verified.shape), hope,
+                      active, remaining, available)  # [G+1]
+    k = jnp.arange(self.max_gamma + 1)
+    most = jnp.where(trials > 0, self._explored(state, active), 1)
+    best = jnp.argmax(jnp.where(k <= most, rate, -1.0))
+    return jnp.where(rate[best] > rate[0], best, 0)
 
   def _probe(self, state: PolicyState, k: jax.Array, active: jax.Array,
              available: jax.Array | None,
              remaining: jax.Array | None) -> jax.Array:
-    """[] the budget `k`, or 1 for a probe, due (`_due`) or hoped for
-    (`hopeful`), where some active row can use a draft (`available` [B]
-    drafts per row, None for any) and the tokens left (`remaining` [B])
-    could repay it (`_pays_back`)."""
+    """[] the budget `k`, or where it is 0 a probe: the budget `hoped`
+    for, else one token if one is due (`_due`); only where some active
+    row can use a draft (`available` [B] drafts per row, None for any)
+    and the tokens left (`remaining` [B]) could repay it (`_pays_back`)."""
     usable = True if available is None else jnp.any(active & (available > 0))
-    probe = ((self._due(state) | self.hopeful(state, active, available))
-             & usable & self._pays_back(state, active, remaining))
-    return jnp.where((k == 0) & probe, 1, k)
+    hope = self.hoped(state, active, available, remaining)
+    probe = jnp.where(hope > 0, hope, self._due(state).astype(jnp.int32))
+    allowed = usable & self._pays_back(state, active, remaining)
+    return jnp.where((k == 0) & allowed, probe, k)
 
   def _explored(self, state: PolicyState, active: jax.Array) -> jax.Array:
     """[] the largest budget worth trying yet: twice the deepest position
@@ -544,8 +670,9 @@ class Auto(GammaPolicy):
     # A drafter that costs nothing drafts all it can; `trim` then picks
     # how much of it to verify.
     usable = _usable(remaining)
-    rate = self.predicted_rate(self.acceptance(state), active,
-                               available=usable)  # [G+1]
+    rate = self.score(self.acceptance(state),
+                      self.pooled(state, active)[0], active, remaining,
+                      usable)  # [G+1]
     k = jnp.argmax(jnp.where(jnp.arange(self.max_gamma + 1)
                              <= self._explored(state, active), rate, -1.0))
     k = jnp.where(self.draft_ms > 0,
@@ -559,9 +686,9 @@ class Auto(GammaPolicy):
     usable = _usable(remaining)
     if usable is not None:
       num_drafted = jnp.minimum(num_drafted, usable)
-    k = jnp.argmax(self.predicted_rate(self.acceptance(state), active,
-                                       available=num_drafted,
-                                       drafting=False))
+    k = jnp.argmax(self.score(self.acceptance(state),
+                              self.pooled(state, active)[0], active,
+                              remaining, num_drafted, drafting=False))
     k = self._probe(state, k, active, num_drafted, remaining)
     return jnp.where(active, k, 0).astype(jnp.int32)
 

@@ -254,8 +254,10 @@ def test_auto_drafts_nothing_past_a_rows_end():
   # tokens left can use only r - 1 of them: the budget and the trim stop
   # there, and a row's last token is a plain step.
   policy = adaptive.Auto.create(max_gamma=4, target_ms=[1.0, 1.01, 1.02,
-                                                        1.03], draft_ms=0.01)
-  # Every position seen accepted (no exploration cap).
+                                                        1.03], draft_ms=0.01,
+                                prior=1.0)
+  # Every position seen accepted (no exploration cap; with a prior of 1,
+  # the batch's pooled estimates are 1 as well).
   state = policy.init(2).replace(verified=jnp.ones((2, 4)),
                                  accepted=jnp.ones((2, 4)))
   active = jnp.array([True, True])
@@ -270,6 +272,86 @@ def test_auto_drafts_nothing_past_a_rows_end():
   # Rows with different ends: the batch takes the longest useful budget.
   np.testing.assert_array_equal(
       policy.budget(state, active, jnp.array([2, 3])), [2, 2])
+
+
+def test_near_the_end_auto_chooses_by_when_the_batch_ends():
+  # Once no row has over `horizon` tokens left, the in-loop choice must
+  # agree with `tuning.cost.predict_tokens_per_s(..., tokens=r)` on the
+  # host, which waits for the slowest of B rows. Machine G's B = 32 costs
+  # (ms; widths 1, 2, 3, 5): at α = 0.5 one draft is 1.06x a plain step
+  # in the steady state but not over 31 tokens; at 0.8 it pays both ways.
+  target_ms = [1063.5, 1107.4, 1500.4, 2131.2]
+  draft = cost.ForwardCosts(batch=32, forward_ms={1: 367.5, 2: 392.9})
+  widths = adaptive.verify_widths(GAMMA)
+  batch, left = 32, 31
+  active = jnp.ones((batch,), bool)
+  chosen = {}
+  for acceptance in (0.5, 0.8, 0.95):
+    for horizon in (0, 64):
+      # Every position seen at `acceptance`, over so many steps that the
+      # confidence bound hopes for nothing more; no probe due.
+      policy = adaptive.Auto.create(max_gamma=GAMMA, target_ms=target_ms,
+                                    horizon=horizon, probe_first=False,
+                                    **adaptive.Auto.draft_costs(draft))
+      state = policy.init(batch).replace(
+          verified=jnp.ones((batch, GAMMA)),
+          accepted=jnp.full((batch, GAMMA), acceptance),
+          trials=jnp.full((batch,), 1000.0))
+      np.testing.assert_allclose(policy.pooled(state, active)[0],
+                                 acceptance, rtol=1e-6)
+      chosen[acceptance, horizon] = int(policy.budget(
+          state, active, jnp.full((batch,), left))[0])
+
+    def predicted(g, tokens):
+      padded = cost.ForwardCosts(batch=batch, forward_ms={
+          1: target_ms[0], g + 1: target_ms[widths.index(
+              next(w for w in widths if w >= g + 1))]})
+      return cost.predict_tokens_per_s(padded, g, [acceptance] * g, draft,
+                                       tokens=tokens)
+
+    # A row with r tokens left uses at most r - 1 drafts either way.
+    assert chosen[acceptance, 64] == max(
+        range(GAMMA + 1), key=lambda g: predicted(g, left)), acceptance
+    assert chosen[acceptance, 0] == max(
+        range(GAMMA + 1), key=lambda g: predicted(g, None)), acceptance
+  assert chosen[0.5, 0] == 1 and chosen[0.5, 64] == 0, chosen
+  with pytest.raises(ValueError, match="horizon"):
+    adaptive.Auto.create(**COSTS, horizon=-1)
+
+
+def test_pooled_estimates_count_the_start_once():
+  # Eight rows from a prior of 0.7 (rate 0.2), each accepting a one-token
+  # probe: every row's estimate is (0.56 + 1) / (0.8 + 1) = 0.867, but the
+  # batch saw eight acceptances and one prior: (8 + 0.56) / (8 + 0.8) =
+  # 0.973, with 8 trials. A done row does not count.
+  policy = adaptive.Auto.create(**COSTS)
+  batch = 8
+  active = jnp.ones((batch,), bool)
+  proposal = Proposal(tokens=jnp.zeros((batch, GAMMA), jnp.int32),
+                      num_drafted=jnp.ones((batch,), jnp.int32),
+                      num_forwards=jnp.int32(1))
+  ones = jnp.ones((batch,), jnp.int32)
+  state = policy.update(policy.init(batch), ones, proposal, ones, active)
+  np.testing.assert_allclose(policy.acceptance(state)[:, 0], 1.56 / 1.8,
+                             rtol=1e-6)
+  pooled, trials = policy.pooled(state, active)
+  np.testing.assert_allclose(pooled[0], 8.56 / 8.8, rtol=1e-6)
+  assert float(trials) == 8.0
+  # Row 0 rejected a second probe: its counts (1.44 + 1, 1.248); the other
+  # rows' own counts (1, 1) and the prior's (0.8, 0.56) at their decay;
+  # row 0's prior copy is at 0.64, so the prior counts once at the mean
+  # decay (0.64 + 7 * 0.8) / 8 = 0.78.
+  row0 = jnp.arange(batch) == 0
+  state = policy.update(state, ones, proposal, 0 * ones, row0)
+  once = (0.64 + 7 * 0.8) / 8
+  verified = (2.44 - 0.64) + 7 * 1.0 + once
+  accepted = (1.248 - 0.448) + 7 * 1.0 + 0.7 * once
+  pooled, trials = policy.pooled(state, active)
+  np.testing.assert_allclose(pooled[0], accepted / verified, rtol=1e-5)
+  assert float(trials) == 9.0
+  pooled, trials = policy.pooled(state, ~row0)
+  np.testing.assert_allclose(pooled[0], (7 + 0.56) / (7 + 0.8), rtol=1e-6)
+  assert float(trials) == 7.0
 
 
 def test_auto_estimates_follow_observed_acceptance():

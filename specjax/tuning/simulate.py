@@ -39,7 +39,7 @@ from specjax import adaptive
 from specjax.drafters.base import Proposal
 
 __all__ = ["Fixed", "SimCosts", "auto_policy", "over_best", "policy_costs",
-           "simulate"]
+           "settled", "simulate"]
 
 
 @flax.struct.dataclass
@@ -202,6 +202,18 @@ def auto_policy(costs: SimCosts, max_gamma: int,
       max_gamma=max_gamma, target_ms=costs.target_ms,
       draft_ms=costs.draft_ms, first_draft_ms=costs.first_draft_ms,
       **kwargs)
+
+
+def settled(policy: adaptive.Auto, alpha: float,
+            trials: float = 32.0) -> adaptive.Auto:
+  """`policy` as `Auto.warm` starts it after a long generation at
+  acceptance `alpha`: every position at its steady decayed count, 1 /
+  rate observations, `alpha` of them accepted, and `trials` steps behind
+  position 1 (a warm start in simulation, knowing α)."""
+  count = jnp.full((policy.max_gamma,), 1.0 / policy.rate, jnp.float32)
+  return policy.replace(start_verified=count, start_accepted=alpha * count,
+                        start_trials=jnp.float32(trials),
+                        first_wait=policy.probe_every)
 
 
 def policy_costs(policy: Any) -> SimCosts:
