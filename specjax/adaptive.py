@@ -620,14 +620,15 @@ class Auto(GammaPolicy):
             available: jax.Array | None = None,
             remaining: jax.Array | None = None) -> jax.Array:
     """[] the budget K that `score` predicts best at an upper confidence
-    bound on position 1's acceptance (every position at it), 0 where none
-    beats a plain step: a + `optimism` · √(a(1 - a) / (n + 1)), with a
-    the active rows' mean estimate and n their steps that verified it
-    (`trials`, not decayed; the 1 is the prior's pseudo-observation). The
-    estimate follows recent steps (decayed counts); the bound's width
-    falls with all the evidence, so a policy that keeps seeing a low
-    acceptance stops hoping. Before any evidence it hopes for one token
-    at most; after, for no more than `_explored` allows.
+    bound on position 1's acceptance (deeper positions at their
+    estimates), 0 where none beats a plain step: a + `optimism` ·
+    √(a(1 - a) / (n + 1)), with a and n the batch's estimate and the
+    steps that verified position 1 in its rows (`pooled`; not decayed;
+    the 1 is the prior's pseudo-observation). The estimate follows recent
+    steps (decayed counts); the bound's width falls with all the
+    evidence, so a policy that keeps seeing a low acceptance stops
+    hoping. Before any evidence it hopes for one token at most; after,
+    for no more than `_explored` allows.
 
     Args:
       state: the policy state.
@@ -653,7 +654,11 @@ class Auto(GammaPolicy):
     row can use a draft (`available` [B] drafts per row, None for any)
     and the tokens left (`remaining` [B]) could repay it (`_pays_back`)."""
     usable = True if available is None else jnp.any(active & (available > 0))
-    hope = self.hoped(state, active, available, remaining)
+    # Only a plain step asks what the bound hopes for.
+    hope = jax.lax.cond(
+        k == 0, lambda: self.hoped(state, active, available,
+                                   remaining).astype(jnp.int32),
+        lambda: jnp.int32(0))
     probe = jnp.where(hope > 0, hope, self._due(state).astype(jnp.int32))
     allowed = usable & self._pays_back(state, active, remaining)
     return jnp.where((k == 0) & allowed, probe, k)
@@ -686,10 +691,17 @@ class Auto(GammaPolicy):
     usable = _usable(remaining)
     if usable is not None:
       num_drafted = jnp.minimum(num_drafted, usable)
-    k = jnp.argmax(self.score(self.acceptance(state),
-                              self.pooled(state, active)[0], active,
-                              remaining, num_drafted, drafting=False))
-    k = self._probe(state, k, active, num_drafted, remaining)
+
+    def choose():
+      k = jnp.argmax(self.score(self.acceptance(state),
+                                self.pooled(state, active)[0], active,
+                                remaining, num_drafted, drafting=False))
+      return self._probe(state, k, active, num_drafted,
+                         remaining).astype(jnp.int32)
+
+    # Without drafts (a plain step) there is nothing to choose.
+    k = jax.lax.cond(jnp.any(active & (num_drafted > 0)), choose,
+                     lambda: jnp.int32(0))
     return jnp.where(active, k, 0).astype(jnp.int32)
 
   def update(self, state, budget, proposal, num_accepted, active):
