@@ -564,8 +564,8 @@ class Auto(GammaPolicy):
     the slowest ends, for each budget K held to the end, every row at the
     batch's estimates `pooled` [G] (`remaining` [B] at most `horizon`; see
     `score`)."""
-    pooled = jnp.broadcast_to(pooled, (active.shape[0], self.max_gamma))
-    steps = finish.expected_steps(finish.emit_probabilities(pooled),
+    # Every row alike: one distribution carried, [1, G+1, G+1].
+    steps = finish.expected_steps(finish.emit_probabilities(pooled[None]),
                                   remaining, active, self.horizon)  # [G+1]
     k = jnp.arange(self.max_gamma + 1)
     target = self.target_ms[width_index(self.widths, k + 1)]

@@ -48,7 +48,8 @@ def expected_steps(emit: jax.Array, remaining: jax.Array, active: jax.Array,
 
   Args:
     emit: [B, G+1, G+1] P(τ = i + 1) per row and budget K
-      (`emit_probabilities`).
+      (`emit_probabilities`), or [1, G+1, G+1] for rows alike: the
+      distribution is then carried once and only the rows' ends differ.
     remaining: [B] int32 tokens each row has left; at most `horizon` for
       an active row (rows beyond it are counted as done at `horizon`).
     active: [B] bool rows that count (the rest are done).

@@ -34,6 +34,10 @@ def test_rows_alike_match_the_host_computation(acceptance, tokens, batch):
   np.testing.assert_allclose(
       steps, [cost.expected_steps(acceptance, k, tokens, batch)
               for k in range(5)], rtol=1e-5)
+  # One distribution for all rows gives the same.
+  shared = finish.expected_steps(emit[:1], jnp.full((batch,), tokens),
+                                 jnp.ones((batch,), bool), horizon=32)
+  np.testing.assert_allclose(shared, steps, rtol=1e-6)
 
 
 def _steps_pmf(emit: tuple[float, ...], left: int) -> dict[int, float]:
