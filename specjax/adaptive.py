@@ -295,6 +295,10 @@ class Auto(GammaPolicy):
     start_accepted: [G] float32 the matching acceptance counts.
     start_trials: [] float32 the steps that verified position 1 before
       the generation: 0 (`create`) or an earlier generation's (`warm`).
+    start_rows: [] float32 how many rows' evidence the start counts stand
+      for in the batch's pool (`pooled`): 1 for the prior, one
+      pseudo-observation (`create`); the rows of the generation that
+      learned them (`warm`).
     rate: [] float32 the weight of the newest observation: earlier counts
       decay by 1 - rate.
     probe_every: [] int32 draft one token after this many steps without
@@ -319,6 +323,7 @@ class Auto(GammaPolicy):
   start_verified: jax.Array
   start_accepted: jax.Array
   start_trials: jax.Array
+  start_rows: jax.Array
   rate: jax.Array
   probe_every: jax.Array
   probe_max: jax.Array
@@ -381,7 +386,7 @@ class Auto(GammaPolicy):
     return cls(target_ms=jnp.asarray(costs), draft_ms=jnp.float32(draft_ms),
                first_draft_ms=jnp.float32(first_draft_ms),
                start_verified=first, start_accepted=first * prior,
-               start_trials=jnp.float32(0.0),
+               start_trials=jnp.float32(0.0), start_rows=jnp.float32(1.0),
                rate=jnp.float32(rate),
                probe_every=jnp.int32(probe_every),
                probe_max=jnp.int32(probe_max),
@@ -439,11 +444,14 @@ class Auto(GammaPolicy):
     `SpecOutput.policy_state`): a server keeps what it learned about its
     drafter on its workload instead of restarting from the prior at each
     request. The estimates rest on observations, so there is no probe at
-    the first step. Same shapes, so nothing recompiles."""
+    the first step, and the batch's pool counts them as the evidence of
+    all the rows that learned them (`start_rows`), not of one. Same
+    shapes, so nothing recompiles."""
     pooled = lambda counts: jnp.mean(jnp.asarray(counts, jnp.float32), 0)
     return self.replace(start_verified=pooled(state.verified),
                         start_accepted=pooled(state.accepted),
                         start_trials=pooled(state.trials),
+                        start_rows=jnp.float32(state.trials.shape[0]),
                         first_wait=self.probe_every)
 
   def acceptance(self, state: PolicyState) -> jax.Array:
@@ -473,12 +481,14 @@ class Auto(GammaPolicy):
     accepted one-token probe at B = 8 from a prior of 0.7, 0.867 where
     the pool says 0.973. So the start counts are counted once, at the
     rows' mean decay, (1 - rate)^(trials - start_trials) (position 1's;
-    a deeper position decays no faster, so its copy is at least that).
+    a deeper position decays no faster, so its copy is at least that),
+    times the rows they stand for (`start_rows`: 1 for the prior, an
+    earlier batch's B after `warm`, whose pool they continue).
     """
     decay = (1.0 - self.rate) ** (state.trials - self.start_trials)  # [B]
     decay = jnp.where(active, decay, 0.0)
     rows = jnp.sum(active)
-    once = jnp.sum(decay) / jnp.maximum(rows, 1)
+    once = jnp.sum(decay) / jnp.maximum(rows, 1) * self.start_rows
 
     def pool(counts, start):  # [B, G], [G] -> [G]
       own = jnp.maximum(counts - start[None] * decay[:, None], 0.0)
@@ -487,7 +497,7 @@ class Auto(GammaPolicy):
 
     trials = (jnp.sum(jnp.where(active, state.trials - self.start_trials,
                                 0.0))
-              + self.start_trials * (rows > 0))
+              + self.start_trials * self.start_rows * (rows > 0))
     estimates = self._estimates(pool(state.verified, self.start_verified),
                                 pool(state.accepted, self.start_accepted))
     return jnp.clip(estimates, 0.0, 1.0), trials

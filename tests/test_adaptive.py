@@ -384,12 +384,19 @@ def test_warm_policy_starts_from_pooled_estimates():
   policy = adaptive.Auto.create(max_gamma=2, target_ms=[1.0, 1.1, 1.2])
   state = policy.init(2).replace(
       verified=jnp.array([[4.0, 2.0], [2.0, 0.0]]),
-      accepted=jnp.array([[4.0, 1.0], [0.0, 0.0]]))
-  warm = policy.warm(state).init(3)
+      accepted=jnp.array([[4.0, 1.0], [0.0, 0.0]]),
+      trials=jnp.array([3.0, 1.0]))
+  warmed = policy.warm(state)
+  warm = warmed.init(3)
   np.testing.assert_allclose(warm.verified, [[3.0, 1.0]] * 3)
   a1 = 2.0 / 3.0
   np.testing.assert_allclose(policy.acceptance(warm)[0],
                              [a1, (0.5 + a1) / 2], rtol=1e-6)
+  # The batch's pool continues the earlier one: the start counts stand
+  # for both rows that learned them, 3 + 1 trials (not one row's 2).
+  pooled, trials = warmed.pooled(warm, jnp.ones((3,), bool))
+  np.testing.assert_allclose(pooled, [a1, (1.0 + a1) / 3], rtol=1e-6)
+  assert float(trials) == 4.0
   heuristic = adaptive.Heuristic(2)
   assert heuristic.warm(heuristic.init(2)) is heuristic
 
