@@ -488,12 +488,14 @@ class Auto(GammaPolicy):
     decay = (1.0 - self.rate) ** (state.trials - self.start_trials)  # [B]
     decay = jnp.where(active, decay, 0.0)
     rows = jnp.sum(active)
-    once = jnp.sum(decay) / jnp.maximum(rows, 1) * self.start_rows
+    # The start counts' weight in the pool: the rows' mean decay, times the
+    # rows they stand for.
+    weight = jnp.sum(decay) / jnp.maximum(rows, 1) * self.start_rows
 
     def pool(counts, start):  # [B, G], [G] -> [G]
       own = jnp.maximum(counts - start[None] * decay[:, None], 0.0)
       return (jnp.sum(jnp.where(active[:, None], own, 0.0), 0)
-              + start * once)
+              + start * weight)
 
     trials = (jnp.sum(jnp.where(active, state.trials - self.start_trials,
                                 0.0))
