@@ -24,6 +24,7 @@ the draft model's ms at 1 and 2 tokens.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -45,6 +46,10 @@ _WARM = flags.DEFINE_boolean(
     "warm", False, "Also score each policy started warm at α "
     "(`simulate.settled`), as cold / warm.")
 _SAMPLES = flags.DEFINE_integer("samples", 256, "Generations simulated.")
+_OBSERVE = flags.DEFINE_string(
+    "observe_first", "1", "/-separated 1 or 0: whether each row observes "
+    "position 1 at prefill (`GammaPolicy.observe`) where the costs have a "
+    "draft model, as `speculative_generate` does; 0: a first-step probe.")
 _MAX_GAMMA = flags.DEFINE_integer(
     "max_gamma", 4, "γ_max of --costs (a run's own for --runs).")
 
@@ -90,26 +95,29 @@ def main(argv) -> None:
   if not sets:
     raise app.UsageError("Give --costs or --runs.")
   alphas = _floats(_ALPHAS.value)
-  print("costs | B | optimism | horizon | "
+  print("costs | B | optimism | horizon | observe | "
         + " | ".join(f"α = {a}" for a in alphas))
-  print(" | ".join("---" for _ in range(4 + len(alphas))))
+  print(" | ".join("---" for _ in range(5 + len(alphas))))
   for name, batch, max_gamma, costs in sets:
     batch = _BATCH.value or batch
     for optimism in _floats(_OPTIMISM.value):
-      for horizon in _floats(_HORIZON.value):
+      for horizon, observe in itertools.product(
+          _floats(_HORIZON.value), _floats(_OBSERVE.value)):
         policy = simulate.auto_policy(costs, max_gamma, optimism=optimism,
                                       horizon=int(horizon))
+        observe = bool(observe) and costs.draft_ms > 0
         cells = []
         for a in alphas:
           starts = [policy] + ([simulate.settled(policy, a)]
                                if _WARM.value else [])
           ratios = [simulate.over_best(p, costs, alpha=a, batch=batch,
                                        tokens=_TOKENS.value,
-                                       samples=_SAMPLES.value)
+                                       samples=_SAMPLES.value,
+                                       observe_first=observe)
                     for p in starts]
           cells.append(" / ".join(f"{r:.3f}" for r in ratios))
         print(f"{name} | {batch} | {optimism:g} | {horizon:g} | "
-              + " | ".join(cells), flush=True)
+              f"{int(observe)} | " + " | ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

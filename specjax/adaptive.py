@@ -65,11 +65,15 @@ Two policies:
   `probe_every` steps, a batch whose first probe was accepted goes on to
   the budget that pays (at B = 8, where one draft never pays, a wide
   one), while an estimate far below it, or one that many steps support,
-  does not probe; a generation
-  that starts from the prior probes at its first step, so that where the
-  prior alone does not pay (a draft model dear next to the target, as on
-  a CPU without wide vector units) the estimates still come to rest on
-  observations instead of never being tested. A probe is not
+  does not probe. A generation
+  that starts from the prior tests it at once, so that where the prior
+  alone does not pay (a draft model dear next to the target, as on a CPU
+  without wide vector units) the estimates still come to rest on
+  observations instead of never being tested: a draft model's prefill
+  computes its guess at the target's first token anyway, so every row
+  observes position 1 once before the first step, for free (`observe`:
+  Σ min(p, q) of the two first-token distributions); a drafter without
+  that guess probes at the first step. A probe is not
   free: beyond a plain step it pays a draft token (the first pass), a
   two-token target pass and the draft model's catch-up on every token it
   skipped, ⌈wait / (G+1)⌉ passes of G+1 tokens (priced at the draft's
@@ -83,11 +87,7 @@ Two policies:
   rows end: the time that drafting with certain acceptance would save over
   the tokens they have left must exceed its price (on a short generation,
   or at a batch size where drafting barely pays even then, a probe is a
-  sure loss). And the budget grows no faster than its evidence: it is at
-  most twice the deepest draft position verified so far (position 1 counts
-  from the prior), so that one accepted probe, which lifts every deeper
-  estimate with it, is followed by a two-token step and not by a full
-  γ_max block that a low acceptance would waste. `Auto.warm` starts a
+  sure loss). `Auto.warm` starts a
   next generation from the estimates an earlier one ended with
   (`SpecOutput.policy_state`), so short generations do not each pay for
   relearning from the prior. Where even
@@ -226,6 +226,15 @@ class GammaPolicy:
     `num_accepted` [B] for rows where `active` [B]."""
     raise NotImplementedError
 
+  def observe(self, state: PolicyState, accepted: jax.Array,
+              active: jax.Array) -> PolicyState:
+    """Learns from one observation of draft position 1 per row that no
+    step paid for: `accepted` [B] float32 in [0, 1], the probability that
+    a first draft would have been accepted (or a draw of it), where
+    `active` [B] (default: ignored)."""
+    del accepted, active
+    return state
+
 
 def _usable(remaining: jax.Array | None) -> jax.Array | None:
   """[B] drafts that can still count: a row with r tokens left emits at
@@ -306,7 +315,8 @@ class Auto(GammaPolicy):
     probe_max: [] int32 the longest wait the backoff reaches.
     first_wait: [] int32 the wait before a generation's first probe: 0
       from the prior (`create`, unless `probe_first=False`), so the first
-      step drafts at least one token; `probe_every` from learned estimates
+      step drafts at least one token unless the rows observed position 1
+      at prefill (`observe`); `probe_every` from learned estimates
       (`warm`).
     optimism: [] float32 standard errors added to position 1's estimate
       to decide whether a plain step should probe at once (`hoped`; 0:
@@ -353,7 +363,8 @@ class Auto(GammaPolicy):
       probe_max: the longest wait between probes that find drafting still
         not worth it (each doubles the wait), >= probe_every.
       probe_first: draft at least one token at the first step, whatever
-        the prior predicts, so that the prior is tested at once.
+        the prior predicts, so that the prior is tested at once (unless
+        `observe` tested it at prefill).
       optimism: standard errors of position 1's estimate added to it to
         decide whether a plain step should probe at once, >= 0 (0: only
         the scheduled probes).
@@ -472,8 +483,14 @@ class Auto(GammaPolicy):
 
   def pooled(self, state: PolicyState, active: jax.Array
              ) -> tuple[jax.Array, jax.Array]:
-    """The batch's estimates, [G], from its active rows' counts summed,
-    and its evidence, [] steps that verified position 1 in some row.
+    """The batch's estimates, [G], from its rows' counts summed, and its
+    evidence, [] steps that verified position 1 in some row.
+
+    The rows are the active ones and those that have ended after
+    verifying something: the rows still running near the end are the
+    ones whose drafts were rejected more (that is why they lag), so a pool
+    of them alone would be biased low exactly when the finish time is
+    chosen by it.
 
     Each row holds a decayed copy of the counts it started from (the
     prior, or what `warm` carried), which in a pool would be counted B
@@ -485,6 +502,7 @@ class Auto(GammaPolicy):
     times the rows they stand for (`start_rows`: 1 for the prior, an
     earlier batch's B after `warm`, whose pool they continue).
     """
+    active = active | (state.trials > self.start_trials)
     decay = (1.0 - self.rate) ** (state.trials - self.start_trials)  # [B]
     decay = jnp.where(active, decay, 0.0)
     rows = jnp.sum(active)
@@ -639,8 +657,7 @@ class Auto(GammaPolicy):
     the 1 is the prior's pseudo-observation). The estimate follows recent
     steps (decayed counts); the bound's width falls with all the
     evidence, so a policy that keeps seeing a low acceptance stops
-    hoping. Before any evidence it hopes for one token at most; after,
-    for no more than `_explored` allows.
+    hoping. Before any evidence it hopes for one token at most.
 
     Args:
       state: the policy state.
@@ -654,7 +671,7 @@ class Auto(GammaPolicy):
     rate = self.score(jnp.broadcast_to(hope, state.verified.shape), hope,
                       active, remaining, available)  # [G+1]
     k = jnp.arange(self.max_gamma + 1)
-    most = jnp.where(trials > 0, self._explored(state, active), 1)
+    most = jnp.where(trials > 0, self.max_gamma, 1)
     best = jnp.argmax(jnp.where(k <= most, rate, -1.0))
     return jnp.where(rate[best] > rate[0], best, 0)
 
@@ -675,14 +692,6 @@ class Auto(GammaPolicy):
     allowed = usable & self._pays_back(state, active, remaining)
     return jnp.where((k == 0) & allowed, probe, k)
 
-  def _explored(self, state: PolicyState, active: jax.Array) -> jax.Array:
-    """[] the largest budget worth trying yet: twice the deepest position
-    verified (or given a prior) in a row of the batch up to it, at least 1.
-    One accepted probe makes every deeper estimate inherit its optimism,
-    so without this cap a single lucky draft buys a full γ_max block."""
-    seen = jnp.cumprod(state.verified > 0, axis=1).sum(1)  # [B]
-    return jnp.maximum(2 * jnp.max(jnp.where(active, seen, 0)), 1)
-
   def budget(self, state, active, remaining=None):
     # A drafter that costs nothing drafts all it can; `trim` then picks
     # how much of it to verify.
@@ -690,8 +699,7 @@ class Auto(GammaPolicy):
     rate = self.score(self.acceptance(state),
                       self.pooled(state, active)[0], active, remaining,
                       usable)  # [G+1]
-    k = jnp.argmax(jnp.where(jnp.arange(self.max_gamma + 1)
-                             <= self._explored(state, active), rate, -1.0))
+    k = jnp.argmax(rate)
     k = jnp.where(self.draft_ms > 0,
                   self._probe(state, k, active, usable, remaining),
                   self.max_gamma)
@@ -715,6 +723,19 @@ class Auto(GammaPolicy):
     k = jax.lax.cond(jnp.any(active & (num_drafted > 0)), choose,
                      lambda: jnp.int32(0))
     return jnp.where(active, k, 0).astype(jnp.int32)
+
+  def observe(self, state, accepted, active):
+    """Position 1's counts learn `accepted` as from a verified first draft
+    (decayed like `update`, one more trial), and the first-step probe it
+    replaces is no longer due."""
+    keep = 1.0 - self.rate
+    first = lambda counts, new: counts.at[:, 0].set(
+        jnp.where(active, keep * counts[:, 0] + new, counts[:, 0]))
+    return state.replace(
+        verified=first(state.verified, 1.0),
+        accepted=first(state.accepted, accepted.astype(jnp.float32)),
+        trials=state.trials + active,
+        wait=jnp.maximum(state.wait, self.probe_every))
 
   def update(self, state, budget, proposal, num_accepted, active):
     judged, accepted = _reached(proposal, num_accepted, active)

@@ -47,11 +47,13 @@ import numpy as np
 from specjax import adaptive
 from specjax import buffers
 from specjax import compilation
+from specjax import rejection
 from specjax import sampling
 from specjax import speculate
 from specjax.drafters import components
 from specjax.drafters import DraftModel
 from specjax.drafters import extra_positions
+from specjax.drafters.base import init_and_guess
 from specjax.drafters import Drafter
 from specjax.models import LanguageModel
 from specjax.models import model_output
@@ -246,9 +248,10 @@ def _start(target: LanguageModel, prompts: jax.Array, lengths: jax.Array,
   """Prefills the target, samples and emits the first token.
 
   Returns:
-    first [B] token, the target's cache, the output buffer [B, width], counts
-    [B], done [B], and the key left for the loop; with `return_hidden`,
-    also the target's hidden states [B, P, E] over the prompts.
+    first [B] token, the distribution [B, V] it was drawn from, the
+    target's cache, the output buffer [B, width], counts [B], done [B],
+    and the key left for the loop; with `return_hidden`, also the target's
+    hidden states [B, P, E] over the prompts.
   """
   key, first_key = jax.random.split(key)
   cache = target.init_cache(prompts.shape[0], cache_size)
@@ -259,20 +262,21 @@ def _start(target: LanguageModel, prompts: jax.Array, lengths: jax.Array,
     hidden = (hidden,)
   else:
     logits, cache = target.prefill(prompts, lengths, cache)  # [B, V]
-  first = sampling.sample(first_key, sampling.probabilities(logits, params))
+  probs = sampling.probabilities(logits, params)  # [B, V]
+  first = sampling.sample(first_key, probs)
   batch = first.shape[0]
   tokens, counts, done = buffers.emit(
       jnp.zeros((batch, width), jnp.int32), jnp.zeros((batch,), jnp.int32),
       jnp.zeros((batch,), bool), first[:, None], jnp.ones((batch,), jnp.int32),
       eos_ids, max_new_tokens)
-  return (first, cache, tokens, counts, done, key) + hidden
+  return (first, probs, cache, tokens, counts, done, key) + hidden
 
 
 @functools.partial(jax.jit, static_argnames=("tokens_cap", "cache_size",
                                              "pad_id"))
 def _generate(model, prompts, lengths, params, eos_ids, key, max_new_tokens,
               *, tokens_cap, cache_size, pad_id):
-  first, cache, tokens, counts, done, key = _start(
+  first, _, cache, tokens, counts, done, key = _start(
       model, prompts, lengths, params, eos_ids, key, cache_size=cache_size,
       width=tokens_cap + 1, max_new_tokens=max_new_tokens)
   state = _ARState(tokens=tokens, num_generated=counts, done=done,
@@ -353,8 +357,13 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
                     params: StepParams, key: jax.Array, *, gamma: int,
                     max_new_tokens: int | jax.Array, cache_size: int,
                     tokens_cap: int | None = None,
-                    policy: adaptive.GammaPolicy | None = None) -> SpecState:
+                    policy: adaptive.GammaPolicy | None = None,
+                    synthetic: bool = False) -> SpecState:
   """Prefills target and drafter and emits the target's first token.
+
+  Where the drafter's prefill guesses the first token too (`init_guess`),
+  the policy observes how likely that guess was to be accepted
+  (`first_acceptance`) before any step drafts.
 
   Args:
     target: the verifying `LanguageModel`.
@@ -369,6 +378,7 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
     tokens_cap: N_cap, the static output width (default N, which must then
       be an int).
     policy: an adaptive γ policy (G is then its γ_max), or None.
+    synthetic: acceptance is synthetic (`params.synthetic_rate`).
 
   Returns:
     The `SpecState` that `speculate.speculate_step` advances.
@@ -376,20 +386,41 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
   cap = max_new_tokens if tokens_cap is None else tokens_cap
   # A drafter reading the target's features (EAGLE) gets the prompt's.
   features = getattr(drafter, "uses_prompt_hidden", False)
-  first, target_cache, tokens, counts, done, key, *hidden = _start(
+  first, probs, target_cache, tokens, counts, done, key, *hidden = _start(
       target, prompts, lengths, params.sampling, params.eos_ids, key,
       cache_size=cache_size, width=cap + gamma + 1,
       max_new_tokens=max_new_tokens, return_hidden=features)
   extra = {"prompt_hidden": hidden[0]} if features else {}
+  drafter_state, guess = init_and_guess(drafter, prompts, lengths, first,
+                                        cache_size, **extra)
+  policy_state = None
+  if policy is not None:
+    policy_state = policy.init(prompts.shape[0])
+    if guess is not None:
+      policy_state = policy.observe(
+          policy_state, first_acceptance(
+              jax.random.fold_in(key, 1), probs, guess, params, synthetic),
+          ~done)
   return SpecState(
       tokens=tokens, num_generated=counts, done=done, last_token=first,
-      target_cache=target_cache,
-      drafter_state=drafter.init(prompts, lengths, first, cache_size,
-                                 **extra),
-      key=key,
+      target_cache=target_cache, drafter_state=drafter_state, key=key,
       stats=SpecStats.zeros(prompts.shape[0], gamma, max(cap - 1, 1),
                             components(drafter)),
-      policy_state=None if policy is None else policy.init(prompts.shape[0]))
+      policy_state=policy_state)
+
+
+def first_acceptance(key: jax.Array, probs: jax.Array, guess: jax.Array,
+                     params: StepParams, synthetic: bool) -> jax.Array:
+  """[B] float32 how likely a first draft from the drafter's `guess`
+  logits [B, V] was to be accepted against the target's first-token
+  distribution `probs` [B, V] (`rejection.acceptance_probability`, 0 or 1
+  under greedy decoding); with synthetic acceptance, a draw at
+  `params.synthetic_rate`, as a verified draft would be."""
+  if synthetic:
+    return (jax.random.uniform(key, probs.shape[:1])
+            < params.synthetic_rate).astype(jnp.float32)
+  return rejection.acceptance_probability(
+      probs, sampling.probabilities(guess, params.sampling))
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -400,7 +431,7 @@ def _speculative_generate(target, drafter, prompts, lengths, params, key,
   state = init_spec_state(target, drafter, prompts, lengths, params, key,
                           gamma=gamma, max_new_tokens=max_new_tokens,
                           cache_size=cache_size, tokens_cap=tokens_cap,
-                          policy=policy)
+                          policy=policy, synthetic=synthetic)
   step = functools.partial(
       speculate.speculate_step, target=target, drafter=drafter, params=params,
       gamma=gamma, max_new_tokens=max_new_tokens, synthetic=synthetic,

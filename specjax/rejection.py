@@ -108,6 +108,13 @@ def _no_drafts(key: jax.Array, p: jax.Array) -> tuple[jax.Array, jax.Array]:
           sampling.sample(next_key, p[:, 0]))
 
 
+def acceptance_probability(p: jax.Array, q: jax.Array) -> jax.Array:
+  """[...] Σ_x min(p(x), q(x)) of p, q [..., V]: the probability that a
+  token drawn from q is accepted against p (1 - total variation; under
+  greedy decoding, where both are one-hot, whether their argmaxes agree)."""
+  return jnp.sum(jnp.minimum(p, q), axis=-1)
+
+
 def rejection_sample(
     key: jax.Array,
     draft_tokens: jax.Array,

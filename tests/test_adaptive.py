@@ -8,6 +8,7 @@ transformers' schedule written out by hand.
 import json
 
 import flax.struct
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from specjax import adaptive
 from specjax import decode
 from specjax import drafters
+from specjax import speculate
 from specjax.drafters.base import Proposal
 from specjax.tuning import cost
 
@@ -100,9 +102,10 @@ def test_greedy_equals_autoregressive(pair, baseline, policy, kind):
 def test_auto_switches_between_autoregressive_and_full_drafts(pair,
                                                               baseline):
   # Full acceptance, then a stretch where every draft is rejected, then
-  # full acceptance again: `auto` must ramp up to G (2, the cap on a prior
-  # alone, then G), drop to plain steps, and come back (through its
-  # probes), and stay exact throughout.
+  # full acceptance again: `auto` must draft G (at these costs the prior
+  # alone, 0.7, predicts G pays: 3.77 tokens in 1.4 plain steps' time),
+  # drop to plain steps, and come back (through its probes), and stay
+  # exact throughout.
   target, _ = pair
   policy = adaptive.Auto.create(**COSTS, rate=0.5, probe_every=4)
   out = decode.speculative_generate(
@@ -111,8 +114,8 @@ def test_auto_switches_between_autoregressive_and_full_drafts(pair,
   np.testing.assert_array_equal(out.tokens, baseline.tokens)
   for scored, accepted in zip(out.stats.scored, out.stats.accepted):
     # Full blocks first, then plain steps, then full blocks accepted again.
-    assert list(scored[:2]) == [2, GAMMA], scored
-    assert accepted[0] == 2, accepted
+    assert list(scored[:2]) == [GAMMA, GAMMA], scored
+    assert accepted[0] == GAMMA, accepted
     first_plain = np.argmax(scored == 0)
     assert first_plain > 0 and np.sum(scored == 0) >= 5, scored
     assert np.any(accepted[first_plain:] == GAMMA), (scored, accepted)
@@ -323,7 +326,8 @@ def test_pooled_estimates_count_the_start_once():
   # Eight rows from a prior of 0.7 (rate 0.2), each accepting a one-token
   # probe: every row's estimate is (0.56 + 1) / (0.8 + 1) = 0.867, but the
   # batch saw eight acceptances and one prior: (8 + 0.56) / (8 + 0.8) =
-  # 0.973, with 8 trials. A done row does not count.
+  # 0.973, with 8 trials. A row that ended still counts what it saw; one
+  # that saw nothing does not.
   policy = adaptive.Auto.create(**COSTS)
   batch = 8
   active = jnp.ones((batch,), bool)
@@ -349,6 +353,12 @@ def test_pooled_estimates_count_the_start_once():
   pooled, trials = policy.pooled(state, active)
   np.testing.assert_allclose(pooled[0], accepted / verified, rtol=1e-5)
   assert float(trials) == 9.0
+  pooled, trials = policy.pooled(state, ~row0)
+  np.testing.assert_allclose(pooled[0], accepted / verified, rtol=1e-5)
+  assert float(trials) == 9.0
+  # Row 0 ended before its first probe: only rows 1-7's evidence, and the
+  # prior at their decay.
+  state = policy.update(policy.init(batch), ones, proposal, ones, ~row0)
   pooled, trials = policy.pooled(state, ~row0)
   np.testing.assert_allclose(pooled[0], (7 + 0.56) / (7 + 0.8), rtol=1e-6)
   assert float(trials) == 7.0
@@ -399,6 +409,55 @@ def test_warm_policy_starts_from_pooled_estimates():
   assert float(trials) == 4.0
   heuristic = adaptive.Heuristic(2)
   assert heuristic.warm(heuristic.init(2)) is heuristic
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_prefill_observes_the_first_acceptance(pair, temperature):
+  # Before any step, each row observes draft position 1 once, for free:
+  # the draft model's prefill guessed the token the target drew first.
+  # Expected: Σ min(p, q) of the two models' next-token distributions
+  # after each prompt, recomputed here by plain forwards (under greedy,
+  # whether their argmaxes agree), added to the prior's decayed count.
+  target, draft = pair
+  policy = adaptive.Auto.create(**COSTS)
+  prompts, lengths, size = decode.prepare_prompts(
+      PROMPTS, target.vocab_size, max_new_tokens=8, cache_size=None,
+      reserve=GAMMA + 1)
+  start = lambda drafter, **kw: decode.init_spec_state(
+      target, drafter, jnp.asarray(prompts), jnp.asarray(lengths),
+      speculate.StepParams.create(temperature=temperature, **kw),
+      jax.random.key(0), gamma=GAMMA, max_new_tokens=8, cache_size=size,
+      policy=policy, synthetic="synthetic_acceptance" in kw).policy_state
+
+  def next_probs(model, prompt):
+    out, _ = model(jnp.asarray([prompt], jnp.int32),
+                   model.init_cache(1, size))
+    logits = np.asarray(out.logits[0, -1], np.float64)
+    if temperature == 0.0:
+      return np.eye(len(logits))[np.argmax(logits)]
+    return np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+
+  # The tiny draft, and the target drafting for itself (always accepted).
+  for model in (draft, target):
+    seen = np.array([np.minimum(next_probs(target, p),
+                                next_probs(model, p)).sum() for p in PROMPTS])
+    state = start(drafters.DraftModel(model))
+    np.testing.assert_allclose(state.accepted[:, 0], 0.8 * 0.7 + seen,
+                               rtol=1e-5)
+    np.testing.assert_allclose(state.verified[:, 0], 0.8 + 1.0)
+    np.testing.assert_array_equal(state.trials, 1.0)
+    # The observation replaces the first-step probe.
+    assert int(state.wait) == int(policy.probe_every)
+  np.testing.assert_allclose(seen, 1.0, rtol=1e-5)
+  # Synthetic acceptance draws the observation at its rate.
+  for rate in (0.0, 1.0):
+    state = start(drafters.DraftModel(draft), synthetic_acceptance=rate)
+    np.testing.assert_allclose(state.accepted[:, 0], 0.56 + rate, rtol=1e-6)
+  # A drafter whose prefill guesses nothing (prompt lookup) observes
+  # nothing and probes at its first step.
+  state = start(drafters.PromptLookup(vocab_size=target.vocab_size))
+  np.testing.assert_array_equal(state.trials, 0.0)
+  assert int(state.wait) == 0
 
 
 def _steps(policy, accept, num_steps, tokens=None):
@@ -460,15 +519,18 @@ def test_a_cold_start_tests_its_prior_at_the_first_step():
   never = adaptive.Auto.create(**F_B1, probe_first=False, optimism=0.0)
   assert _steps(never, all_accepted, 12)[0] == [0] * 12
   hoping = adaptive.Auto.create(**F_B1, probe_first=False)
-  assert _steps(hoping, all_accepted, 3)[0] == [1, 2, 4]
+  assert _steps(hoping, all_accepted, 3)[0] == [1, 4, 4]
+  # Accepted, every position is estimated at (0.56 + 1) / 1.8 = 0.867, and
+  # four drafts pay best: 3.833 tokens in 387 + 105 + 3 * 91 = 765 ms
+  # (5.011 a second) against two's 2.618 in 524 ms (4.996).
   budgets, state = _steps(adaptive.Auto.create(**F_B1), all_accepted, 6)
-  # Accepted, it grows no faster than its evidence: twice the deepest
-  # position verified (uncapped, one lucky probe bought 4 drafts here).
-  assert budgets == [1, 2, 4, 4, 4, 4], budgets
-  # Accepted, then the two-token step rejected: back to plain steps.
+  assert budgets == [1, 4, 4, 4, 4, 4], budgets
+  # Accepted, then the four-token step rejected at its first draft: 0.511,
+  # and its bound 0.511 + 0.289 = 0.80 with the deeper positions at 0.511
+  # predicts no K beats a plain step: back to plain steps.
   budgets, _ = _steps(adaptive.Auto.create(**F_B1),
                       lambda step, budget: budget * (step == 0), 6)
-  assert budgets == [1, 2, 0, 0, 0, 0], budgets
+  assert budgets == [1, 4, 0, 0, 0, 0], budgets
   # Rejected, the first probe leaves plain steps and the usual wait.
   budgets, state = _steps(adaptive.Auto.create(**F_B1),
                           lambda step, budget: 0 * budget, 8)
@@ -551,14 +613,15 @@ def test_no_probe_that_the_tokens_left_cannot_repay():
 
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_low_acceptance_drops_to_autoregressive_steps(pair):
-  # Synthetic acceptance 0.05 on the tiny pair: once its estimates have
-  # fallen, `auto` stops drafting but for one probe every 16 steps (and,
-  # rarely, a step after an accepted probe).
+  # Synthetic acceptance 0 on the tiny pair: once its estimates have
+  # fallen, `auto` stops drafting but for one probe every 16 steps. (At
+  # these costs one draft pays from an acceptance of 0.1 up, so at 0.05 a
+  # lucky run of accepted probes rightly keeps it drafting for a while.)
   target, draft = pair
   policy = adaptive.Auto.create(**COSTS, probe_every=16)
   out = decode.speculative_generate(target, draft, PROMPTS, gamma=policy,
                                     max_new_tokens=MAX_NEW,
-                                    synthetic_acceptance=0.05)
+                                    synthetic_acceptance=0.0)
   for scored in out.stats.scored:
     last = scored[scored >= 0][-24:]
     assert len(last) == 24 and np.sum(last > 0) <= 3, scored

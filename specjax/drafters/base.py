@@ -105,7 +105,11 @@ class Drafter(Protocol):
   Optional attributes: `components` (names of the parts whose forwards are
   counted apart, e.g. ("model", "lookup") for a cascade; a part named
   "model" is counted one prefill forward) and `extra_positions` (cache
-  positions needed past the engine's γ + 1, default 0).
+  positions needed past the engine's γ + 1, default 0). Optional method:
+  `init_guess`, `init` that also returns the drafter's logits [B, V] for
+  `first_token` where its prefill computes them (`DraftModel`), so an
+  adaptive γ policy observes its first acceptance for free
+  (`init_and_guess`).
   """
 
   vocab_size: int
@@ -215,6 +219,19 @@ def pad_nodes(nodes: dict[str, jax.Array], num_nodes: int
 def components(drafter: Any) -> tuple[str, ...]:
   """Names of the parts of a drafter whose forwards are counted apart."""
   return tuple(getattr(drafter, "components", ("drafter",)))
+
+
+def init_and_guess(drafter: Any, prompts: jax.Array,
+                   prompt_lengths: jax.Array, first_token: jax.Array,
+                   cache_size: int, **extra: Any
+                   ) -> tuple[Any, jax.Array | None]:
+  """A drafter's state (`Drafter.init`) and its logits [B, V] for
+  `first_token` from a drafter with `init_guess`, else None."""
+  if hasattr(drafter, "init_guess") and not extra:
+    return drafter.init_guess(prompts, prompt_lengths, first_token,
+                              cache_size)
+  return drafter.init(prompts, prompt_lengths, first_token, cache_size,
+                      **extra), None
 
 
 def extra_positions(drafter: Any) -> int:

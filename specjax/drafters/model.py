@@ -65,6 +65,13 @@ class DraftModel:
     return track.init(self.model, prompts, prompt_lengths, first_token,
                       cache_size)
 
+  def init_guess(self, prompts, prompt_lengths, first_token, cache_size):
+    """`init`, and the draft's logits [B, V] after the prompt: the
+    distribution it would have drafted `first_token` from, which its
+    prefill computes anyway."""
+    return track.init(self.model, prompts, prompt_lengths, first_token,
+                      cache_size, return_logits=True)
+
   supports_trees = True
 
   def propose(self, state, key, params, gamma, stop_threshold, limit=None,

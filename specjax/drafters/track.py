@@ -56,14 +56,18 @@ class Track:
 
 
 def init(model: Any, prompts: jax.Array, prompt_lengths: jax.Array,
-         first_token: jax.Array, cache_size: int) -> Track:
+         first_token: jax.Array, cache_size: int, *,
+         return_logits: bool = False) -> Track | tuple[Track, jax.Array]:
   """Prefills `model` on prompts [B, P]; the committed text is the prompt
-  and `first_token` [B], which stays uncached."""
+  and `first_token` [B], which stays uncached. With `return_logits`, also
+  the model's logits [B, V] after the prompt: its own guess at the token
+  `first_token` is."""
   cache = model.init_cache(prompts.shape[0], cache_size)
-  _, cache = model.prefill(prompts, prompt_lengths, cache)
+  logits, cache = model.prefill(prompts, prompt_lengths, cache)
   context, length = text.init(prompts, prompt_lengths, first_token,
                               cache_size)
-  return Track(cache=cache, context=context, length=length)
+  state = Track(cache=cache, context=context, length=length)
+  return (state, logits) if return_logits else state
 
 
 def catch_up(model: Any, track: Track, *, width: int, keep: int = 0,

@@ -142,10 +142,17 @@ def _step(policy: adaptive.GammaPolicy, costs: SimCosts, alpha: jax.Array,
 
 
 @functools.partial(jax.jit, static_argnames=("costs", "batch", "tokens",
-                                             "samples"))
-def _simulate(policy, costs, alpha, batch, tokens, samples, key):
+                                             "samples", "observe_first"))
+def _simulate(policy, costs, alpha, batch, tokens, samples, key,
+              observe_first):
   def generation(key):
-    state = _State(policy=policy.init(batch),
+    key, sub = jax.random.split(key)
+    start = policy.init(batch)
+    if observe_first:
+      start = policy.observe(
+          start, (jax.random.uniform(sub, (batch,)) < alpha[0]).astype(
+              jnp.float32), jnp.ones((batch,), bool))
+    state = _State(policy=start,
                    generated=jnp.zeros((batch,), jnp.int32),
                    lag=jnp.int32(0), ms=jnp.float32(0.0), key=key)
     state = jax.lax.while_loop(
@@ -158,7 +165,8 @@ def _simulate(policy, costs, alpha, batch, tokens, samples, key):
 
 def simulate(policy: adaptive.GammaPolicy, costs: SimCosts, *,
              alpha: float | Sequence[float], batch: int, tokens: int,
-             samples: int = 256, seed: int = 0) -> float:
+             samples: int = 256, seed: int = 0,
+             observe_first: bool | None = None) -> float:
   """Mean predicted tokens/s of `policy` over `samples` generations.
 
   Args:
@@ -170,6 +178,10 @@ def simulate(policy: adaptive.GammaPolicy, costs: SimCosts, *,
     tokens: tokens per row.
     samples: N generations simulated.
     seed: the acceptance draws' seed.
+    observe_first: the policy observes position 1 once per row before the
+      first step (`GammaPolicy.observe`), as `speculative_generate` lets it
+      from a draft model's prefill; None: where the costs have a draft
+      model (`draft_ms` > 0).
 
   Returns:
     B · tokens / (mean time of a generation), in tokens per second.
@@ -189,8 +201,10 @@ def simulate(policy: adaptive.GammaPolicy, costs: SimCosts, *,
                      f"{policy.widths}, got {len(costs.target_ms)}.")
   costs = dataclasses.replace(costs,
                               target_ms=tuple(map(float, costs.target_ms)))
+  if observe_first is None:
+    observe_first = costs.draft_ms > 0
   ms = _simulate(policy, costs, alpha, batch, tokens, samples,
-                 jax.random.PRNGKey(seed))
+                 jax.random.PRNGKey(seed), bool(observe_first))
   return batch * tokens / (float(jnp.mean(ms)) / 1e3)
 
 
@@ -226,12 +240,13 @@ def policy_costs(policy: Any) -> SimCosts:
 def over_best(policy: adaptive.GammaPolicy, costs: SimCosts, *,
               alpha: float | Sequence[float], batch: int, tokens: int,
               gammas: Sequence[int] | None = None, samples: int = 256,
-              seed: int = 0) -> float:
+              seed: int = 0, observe_first: bool | None = None) -> float:
   """`policy`'s simulated tokens/s over the best fixed γ in hindsight.
 
   Args:
     policy: a `GammaPolicy`.
-    costs, alpha, batch, tokens, samples, seed: as in `simulate`.
+    costs, alpha, batch, tokens, samples, seed, observe_first: as in
+      `simulate`.
     gammas: the fixed γ to compare with (0: autoregressive decoding);
       default 0 to G.
 
@@ -240,6 +255,7 @@ def over_best(policy: adaptive.GammaPolicy, costs: SimCosts, *,
   """
   gammas = range(policy.max_gamma + 1) if gammas is None else gammas
   rate = lambda p: simulate(p, costs, alpha=alpha, batch=batch,
-                            tokens=tokens, samples=samples, seed=seed)
+                            tokens=tokens, samples=samples, seed=seed,
+                            observe_first=observe_first)
   return rate(policy) / max(rate(Fixed(g, policy.max_gamma))
                             for g in gammas)
