@@ -64,7 +64,7 @@ from specjax.speculate import StepParams
 
 __all__ = [
     "GenerateOutput", "SpecOutput", "SpecStats", "StepParams",
-    "default_cache_size", "generate",
+    "default_cache_size", "first_acceptance", "generate",
     "gamma_bound", "init_spec_state", "max_new_tokens_cap",
     "prepare_prompts", "prompt_bucket", "resolve_gamma",
     "speculative_generate", "warmup",
