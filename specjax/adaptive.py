@@ -724,23 +724,29 @@ class Auto(GammaPolicy):
                      lambda: jnp.int32(0))
     return jnp.where(active, k, 0).astype(jnp.int32)
 
+  def _learn(self, state: PolicyState, judged: jax.Array,
+             accepted: jax.Array) -> PolicyState:
+    """`state` with the decayed counts of the positions `judged` [B, G]
+    (bool) each verified once and accepted by `accepted` ([B, G] or
+    broadcastable, float32), and a trial for each row that judged
+    position 1."""
+    keep = 1.0 - self.rate
+    decay = lambda count, new: jnp.where(judged, keep * count + new, count)
+    return state.replace(trials=state.trials + judged[:, 0],
+                         verified=decay(state.verified, 1.0),
+                         accepted=decay(state.accepted, accepted))
+
   def observe(self, state, accepted, active):
     """Position 1's counts learn `accepted` as from a verified first draft
-    (decayed like `update`, one more trial), and the first-step probe it
-    replaces is no longer due."""
-    keep = 1.0 - self.rate
-    first = lambda counts, new: counts.at[:, 0].set(
-        jnp.where(active, keep * counts[:, 0] + new, counts[:, 0]))
-    return state.replace(
-        verified=first(state.verified, 1.0),
-        accepted=first(state.accepted, accepted.astype(jnp.float32)),
-        trials=state.trials + active,
-        wait=jnp.maximum(state.wait, self.probe_every))
+    (`_learn`, as `update` does), and the first-step probe it replaces is
+    no longer due."""
+    judged = active[:, None] & (jnp.arange(self.max_gamma)[None] == 0)
+    return self._learn(state, judged,
+                       accepted.astype(jnp.float32)[:, None]).replace(
+                           wait=jnp.maximum(state.wait, self.probe_every))
 
   def update(self, state, budget, proposal, num_accepted, active):
     judged, accepted = _reached(proposal, num_accepted, active)
-    keep = 1.0 - self.rate
-    decay = lambda count, new: jnp.where(judged, keep * count + new, count)
     drafted = jnp.any(active & (proposal.num_drafted > 0))
     # A step drafted once a probe was due was a probe: the next waits twice
     # as long, and at least `probe_every` after the first step's (it
@@ -749,8 +755,5 @@ class Auto(GammaPolicy):
     wait = jnp.where(
         probed, jnp.clip(2 * state.wait, self.probe_every, self.probe_max),
         jnp.where(drafted, self.probe_every, state.wait))
-    return state.replace(
-        trials=state.trials + judged[:, 0],
-        verified=decay(state.verified, 1.0),
-        accepted=decay(state.accepted, accepted.astype(jnp.float32)),
+    return self._learn(state, judged, accepted.astype(jnp.float32)).replace(
         idle=jnp.where(drafted, 0, state.idle + 1), wait=wait)
