@@ -13,7 +13,7 @@ synthetic acceptance `--alpha` (what a drafting step costs); with
 (`Heuristic` at γ_max = γ: the same drafts and width every step when
 `--alpha=1`, so the difference is the cost of the policy's machinery).
 Decoding-phase time: a one-token call's time (prompt pass and first token)
-is subtracted, medians over `--repeats`.
+is subtracted, medians over `--repeats` rounds that interleave the runs.
 
 COMMAND (random weights at the real pair's shapes):
   PYTHONPATH=. python scripts/bench_plain_step.py --batch=8 --tokens=32 \
@@ -48,18 +48,22 @@ _TOKENS = bench_crossover._TOKENS  # pylint: disable=protected-access
 _PROMPT_TOKENS = bench_crossover._PROMPT_TOKENS  # pylint: disable=protected-access
 
 
-def _decode_s(fn, tokens: int, repeats: int) -> float:
-  """Median seconds of fn(tokens) minus the median of fn(1)."""
-  def median(n):
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
+def _decode_s(runs: dict, tokens: int, repeats: int) -> dict[str, float]:
+  """Per run, the median seconds of fn(tokens) minus the median of fn(1),
+  the runs interleaved round by round (a noisy machine's slow spells fall
+  on all of them alike)."""
+  for fn in runs.values():
+    for n in (tokens, 1):  # compile both shapes first
       jax.block_until_ready(fn(n).tokens)
-      times.append(time.perf_counter() - start)
-    return float(np.median(times))
-  for n in (tokens, 1):  # compile both shapes first
-    jax.block_until_ready(fn(n).tokens)
-  return median(tokens) - median(1)
+  times = {(name, n): [] for name in runs for n in (tokens, 1)}
+  for _ in range(repeats):
+    for name, fn in runs.items():
+      for n in (tokens, 1):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(n).tokens)
+        times[name, n].append(time.perf_counter() - start)
+  return {name: float(np.median(times[name, tokens])
+                      - np.median(times[name, 1])) for name in runs}
 
 
 def main(argv):
@@ -94,10 +98,9 @@ def main(argv):
               synthetic_acceptance=_ALPHA.value, key=0))
   steps = _TOKENS.value - 1
   print(f"B={batch}, S={size}, {steps} decoding steps; {hardware.machine()}")
-  base = None
-  for name, fn in runs.items():
-    seconds = _decode_s(fn, _TOKENS.value, _REPEATS.value)
-    base = base or seconds
+  decoding = _decode_s(runs, _TOKENS.value, _REPEATS.value)
+  base = decoding["generate"]
+  for name, seconds in decoding.items():
     print(f"{name}: {seconds / steps * 1e3:.1f} ms/step, "
           f"{batch * steps / seconds:.2f} tokens/s, "
           f"{base / seconds:.3f}x generate", flush=True)

@@ -269,7 +269,7 @@ def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
           num_drafted=capped(proposal.num_drafted, budget)), s
 
     proposal, drafter_state = propose_if(jnp.any(budget > 0), draft,
-                                         state.drafter_state)
+                                         state.drafter_state, drafter)
     proposal = proposal.replace(num_drafted=capped(
         proposal.num_drafted,
         policy.trim(state.policy_state, proposal.num_drafted, active,

@@ -101,12 +101,14 @@ def _loop_copies(hlo: str, config, batch: int, size: int) -> int:
 
 
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
-@pytest.mark.parametrize("policy", [None, "auto"])
-def test_decoding_loops_update_caches_in_place(policy):
+@pytest.mark.parametrize("policy,synthetic",
+                         [(None, False), ("auto", False), ("auto", True)])
+def test_decoding_loops_update_caches_in_place(policy, synthetic):
   # Every forward reads the old cache, then writes the chunk's keys and
   # values into it. Unless the write is ordered after the last read, XLA
   # keeps the old values by copying the whole cache, on every step and in
-  # every drafting loop. No compiled loop may copy either model's cache.
+  # every drafting loop; a `lax.cond` that passes a cache through one
+  # branch copies it too. No compiled loop may copy either model's cache.
   target, draft = testing.tiny_pair(seed=4)
   batch, size, gamma = 3, 64, 4
   prompts = jnp.ones((batch, 8), jnp.int32)
@@ -125,7 +127,7 @@ def test_decoding_loops_update_caches_in_place(policy):
   hlo = decode._speculative_generate.lower(
       target, drafters.DraftModel(draft), prompts, lengths, params,
       jax.random.key(0), jnp.int32(16), policy, gamma=gamma, tokens_cap=16,
-      cache_size=size, pad_id=0, synthetic=False,
+      cache_size=size, pad_id=0, synthetic=synthetic,
       num_nodes=None).compile().as_text()
   assert _loop_copies(hlo, testing.TINY_TARGET, batch, size) == 0
   assert _loop_copies(hlo, testing.TINY_DRAFT, batch, size) == 0

@@ -188,11 +188,22 @@ def limit_kwargs(limit: jax.Array | None) -> dict[str, Any]:
   return {} if limit is None else {"limit": limit}
 
 
-def propose_if(pred: jax.Array, propose: Any, state: Any
-               ) -> tuple[Proposal, Any]:
+def propose_if(pred: jax.Array, propose: Any, state: Any,
+               drafter: Any = None) -> tuple[Proposal, Any]:
   """`propose(state)` where pred ([] bool) holds; else a zero-filled
   proposal of the same shapes (nothing drafted) and the state unchanged.
-  The drafter's `commit` still sees every step, so it stays in step."""
+  The drafter's `commit` still sees every step, so it stays in step.
+
+  A `drafter` that `gates_itself` (`DraftModel`: under a `limit` that
+  lets no row draft, its `propose` runs no model and proposes nothing)
+  is run unconditionally, `propose` passing a limit that is zero on every
+  row where pred fails: a `lax.cond` whose skipping branch passes the
+  state through makes XLA copy it, whole, into and out of the branches at
+  every step, for a draft model's cache a measurable share of a plain
+  step.
+  """
+  if getattr(drafter, "gates_itself", False):
+    return propose(state)
 
   def skip(s):
     shapes, _ = jax.eval_shape(propose, s)

@@ -90,10 +90,16 @@ class Fallback:
     p1, s1 = self.first.propose(state.first, key1, params, gamma,
                                 stop_threshold, **limit_kwargs(limit))
     use_first = capped(p1.num_drafted, limit) >= self.min_tokens  # [B]
+    second_limit = limit
+    if getattr(self.second, "gates_itself", False):
+      # Only the rows the first leaves short (`propose_if`).
+      second_limit = jnp.where(use_first, 0,
+                               gamma if limit is None else limit)
     p2, s2 = propose_if(
         ~jnp.all(use_first),
         lambda s: self.second.propose(s, key2, params, gamma, stop_threshold,
-                                      **limit_kwargs(limit)), state.second)
+                                      **limit_kwargs(second_limit)),
+        state.second, self.second)
     pick = lambda a, b: where_rows(use_first, a, b)
     q = None
     if p1.q is not None or p2.q is not None:

@@ -73,17 +73,28 @@ class DraftModel:
                       cache_size, return_logits=True)
 
   supports_trees = True
+  # A `limit` of zeros runs no model: the caches only flow through while
+  # loops that take no trip (`base.propose_if`).
+  gates_itself = True
 
   def propose(self, state, key, params, gamma, stop_threshold, limit=None,
               num_nodes=None):
     if num_nodes is not None:
       return self._tree(state, gamma, num_nodes)
-    last, state, passes = track.catch_up(self.model, state, width=gamma + 1)
-    keys = jax.random.split(key, gamma)
-    q0 = sampling.probabilities(last, params)  # [B, V]
-    d0 = sampling.sample(keys[0], q0)  # [B]
-    batch, vocab = q0.shape
+    batch, vocab = state.context.shape[0], self.vocab_size
     cap = jnp.full((batch,), gamma, jnp.int32) if limit is None else limit
+    drafts = jnp.any(cap > 0)
+    last, state, passes = track.catch_up(self.model, state, width=gamma + 1,
+                                         when=drafts)
+    keys = jax.random.split(key, gamma)
+
+    def sample_first(logits):  # [B, V] -> q [B, V], draft [B]
+      q = sampling.probabilities(logits, params)
+      return q, sampling.sample(keys[0], q)
+
+    q0, d0 = jax.lax.cond(
+        drafts, sample_first,
+        lambda x: (jnp.zeros_like(x), jnp.zeros((batch,), jnp.int32)), last)
     first = jnp.minimum(cap, 1)  # [B] 0 for a row that drafts nothing
     loop = _DraftLoop(
         step=jnp.int32(1),

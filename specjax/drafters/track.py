@@ -71,13 +71,16 @@ def init(model: Any, prompts: jax.Array, prompt_lengths: jax.Array,
 
 
 def catch_up(model: Any, track: Track, *, width: int, keep: int = 0,
-             first: int = 2) -> tuple[jax.Array, Track, jax.Array]:
+             first: int = 2, when: jax.Array | bool = True
+             ) -> tuple[jax.Array, Track, jax.Array]:
   """Feeds the committed tokens the cache lacks but the last `keep`.
 
   One pass of `first` tokens covers the usual case (one or two tokens
-  behind); a `lax.while_loop` of `width`-token passes covers the rest (a
-  drafter that sat out steps). Each pass runs only when some row still
-  lacks tokens.
+  behind); `width`-token passes cover the rest (a drafter that sat out
+  steps). Each pass runs only when some row still lacks tokens, and
+  `when` ([] bool) holds. Both are `lax.while_loop`s, the first of at
+  most one trip: a `lax.cond` whose other branch passed the cache through
+  unchanged would make XLA copy the whole cache every step.
 
   Args:
     model: the track's `LanguageModel`.
@@ -86,6 +89,7 @@ def catch_up(model: Any, track: Track, *, width: int, keep: int = 0,
       a pass at every row's length.
     keep: 0 or 1, committed tokens left unfed.
     first: tokens of the first pass (static).
+    when: feed nothing unless this holds (a step that drafts nothing).
 
   Returns:
     logits [B, V] after the last token fed, the track, and the number of
@@ -108,10 +112,11 @@ def catch_up(model: Any, track: Track, *, width: int, keep: int = 0,
       return cache.rollback(start + count), last, passes + 1
     return body
 
-  behind = lambda carry: jnp.any(carry[0].lengths < goal)
+  behind = lambda carry: when & jnp.any(carry[0].lengths < goal)
   carry = (track.cache, jnp.zeros((batch, model.vocab_size), jnp.float32),
            jnp.int32(0))
-  carry = jax.lax.cond(behind(carry), feed(first), lambda c: c, carry)
+  carry = jax.lax.while_loop(lambda c: behind(c) & (c[2] == 0),
+                             feed(first), carry)
   cache, last, passes = jax.lax.while_loop(behind, feed(width), carry)
   return last, track.replace(cache=cache), passes
 
