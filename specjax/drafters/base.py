@@ -105,7 +105,10 @@ class Drafter(Protocol):
   Optional attributes: `components` (names of the parts whose forwards are
   counted apart, e.g. ("model", "lookup") for a cascade; a part named
   "model" is counted one prefill forward) and `extra_positions` (cache
-  positions needed past the engine's γ + 1, default 0). Optional method:
+  positions needed past the engine's γ + 1, default 0) and `gates_itself`
+  (under a `limit` of zeros, `propose` runs nothing and proposes nothing,
+  so the engine calls it without a `lax.cond`: `propose_if`). Optional
+  method:
   `init_guess`, `init` that also returns the drafter's logits [B, V] for
   `first_token` where its prefill computes them (`DraftModel`), so an
   adaptive γ policy observes its first acceptance for free
