@@ -402,7 +402,8 @@ def _merge(dirs: list[str]) -> None:
   """Joins the crossover.json of several runs (one B per process, on one
   machine with the same policies; each result keeps its own tokens per row
   and repeats, shorter at large B) into one, sorted by α then B, with its
-  table and plot."""
+  table and plot. Where several runs hold the same α and B (a cell rerun
+  with more rounds), the one listed last is kept."""
   runs = []
   for path in dirs:
     with open(os.path.join(path, "crossover.json")) as f:
@@ -413,7 +414,9 @@ def _merge(dirs: list[str]) -> None:
     if differ:
       raise app.UsageError(f"{path} was run with other {differ} than "
                            f"{dirs[0]}; only like runs can be merged.")
-  results = sorted((r for run in runs for r in run["results"]),
+  cells = {(r["alpha"], r["batch"]): r for run in runs
+           for r in run["results"]}
+  results = sorted(cells.values(),
                    key=lambda r: (r["alpha"] or 0, r["batch"]))
   first = runs[0]
   _write(results, first["gammas"], **{k: first[k] for k in settings
