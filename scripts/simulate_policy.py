@@ -43,8 +43,9 @@ _TOKENS = flags.DEFINE_integer("tokens", 32, "New tokens per row.")
 _OPTIMISM = flags.DEFINE_string("optimism", "1", "`Auto` optimism values.")
 _HORIZON = flags.DEFINE_string("horizon", "64", "`Auto` horizon values.")
 _WARM = flags.DEFINE_boolean(
-    "warm", False, "Also score each policy started warm at α "
-    "(`simulate.settled`), as cold / warm.")
+    "warm", False, "Also score each policy started warm, as cold / settled "
+    "/ after one: from steady estimates at α (`simulate.settled`), and "
+    "from the state one earlier generation ended with (`warm_after=1`).")
 _SAMPLES = flags.DEFINE_integer("samples", 256, "Generations simulated.")
 _OBSERVE = flags.DEFINE_string(
     "observe_first", "1", "/-separated 1 or 0: whether each row observes "
@@ -108,13 +109,14 @@ def main(argv) -> None:
         observe = bool(observe) and costs.draft_ms > 0
         cells = []
         for a in alphas:
-          starts = [policy] + ([simulate.settled(policy, a)]
-                               if _WARM.value else [])
+          starts = [(policy, 0)] + ([(simulate.settled(policy, a), 0),
+                                     (policy, 1)] if _WARM.value else [])
           ratios = [simulate.over_best(p, costs, alpha=a, batch=batch,
                                        tokens=_TOKENS.value,
                                        samples=_SAMPLES.value,
-                                       observe_first=observe)
-                    for p in starts]
+                                       observe_first=observe,
+                                       warm_after=after)
+                    for p, after in starts]
           cells.append(" / ".join(f"{r:.3f}" for r in ratios))
         print(f"{name} | {batch} | {optimism:g} | {horizon:g} | "
               f"{int(observe)} | " + " | ".join(cells), flush=True)

@@ -88,7 +88,7 @@ Two policies:
   the tokens they have left must exceed its price (on a short generation,
   or at a batch size where drafting barely pays even then, a probe is a
   sure loss). `Auto.warm` starts a
-  next generation from the estimates an earlier one ended with
+  next generation from all that an earlier one observed
   (`SpecOutput.policy_state`), so short generations do not each pay for
   relearning from the prior. Where even
   certain acceptance is predicted not to pay (`Auto.may_draft`: a model
@@ -165,6 +165,9 @@ class PolicyState:
     accepted: [B, G] float32 the same count of acceptances (`Auto`).
     trials: [B] float32 steps in which draft position 1 was verified, not
       decayed: the evidence behind `Auto.hoped`'s confidence bound.
+    seen_verified: [B, G] float32 the steps of this generation in which
+      each draft position was verified, not decayed (`Auto.warm`).
+    seen_accepted: [B, G] float32 the same count of acceptances.
     idle: [] int32 consecutive steps without drafting (`Auto`).
     wait: [] int32 steps without drafting before the next probe (`Auto`).
   """
@@ -173,6 +176,8 @@ class PolicyState:
   verified: jax.Array
   accepted: jax.Array
   trials: jax.Array
+  seen_verified: jax.Array
+  seen_accepted: jax.Array
   idle: jax.Array
   wait: jax.Array
 
@@ -273,6 +278,7 @@ class Heuristic(GammaPolicy):
     return PolicyState(budget=jnp.full((batch,), start, jnp.int32),
                        verified=none, accepted=none,
                        trials=jnp.zeros((batch,), jnp.float32),
+                       seen_verified=none, seen_accepted=none,
                        idle=jnp.int32(0), wait=jnp.int32(0))
 
   def budget(self, state, active, remaining=None):
@@ -447,22 +453,50 @@ class Auto(GammaPolicy):
         verified=jnp.broadcast_to(self.start_verified, shape),
         accepted=jnp.broadcast_to(self.start_accepted, shape),
         trials=jnp.broadcast_to(self.start_trials, (batch,)),
+        seen_verified=jnp.zeros(shape, jnp.float32),
+        seen_accepted=jnp.zeros(shape, jnp.float32),
         idle=jnp.int32(0), wait=self.first_wait)
 
   def warm(self, state: PolicyState) -> "Auto":
     """This policy, with every row of the next generation starting from
-    the row-averaged counts an earlier one ended with (`state`, e.g.
-    `SpecOutput.policy_state`): a server keeps what it learned about its
-    drafter on its workload instead of restarting from the prior at each
-    request. The estimates rest on observations, so there is no probe at
-    the first step, and the batch's pool counts them as the evidence of
-    all the rows that learned them (`start_rows`), not of one. Same
-    shapes, so nothing recompiles."""
-    pooled = lambda counts: jnp.mean(jnp.asarray(counts, jnp.float32), 0)
-    return self.replace(start_verified=pooled(state.verified),
-                        start_accepted=pooled(state.accepted),
-                        start_trials=pooled(state.trials),
-                        start_rows=jnp.float32(state.trials.shape[0]),
+    what an earlier one learned (`state`, e.g. `SpecOutput.policy_state`):
+    a server keeps what it learned about its drafter on its workload
+    instead of restarting from the prior at each request.
+
+    The estimates carried are the earlier generation's undecayed ones:
+    every row's observations (`seen_verified`, `seen_accepted`) pooled
+    with the counts it started from (as its pool counted them), not the
+    rows' decayed counts at its end, which rest on their last
+    1 / `rate` or so observations. From one short generation those few
+    can be unlucky (at B = 1, α = 0.8, a few rejections near the end), and
+    a start that trusted them might not draft for a whole next
+    generation. Each row starts from these pooled estimates with the
+    weight a row held, its start counts and its share of the
+    observations, up to a steady decayed count (1 / `rate` observations
+    of position 1), so that its own observations move them as fast as
+    any decayed estimate. The batch's pool counts them as the evidence of
+    all the rows that learned them (`start_rows`), not of one; `trials`
+    carries the steps behind position 1, for `hoped`'s bound. The
+    estimates rest on observations, so there is no probe at the first
+    step. Same shapes, so nothing recompiles.
+    """
+    state = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), state)
+    rows = state.trials.shape[0]
+    # [G] all the earlier batch knew: its start counts (as its pool
+    # counted them) and what its rows observed.
+    known = lambda start, seen: start * self.start_rows + jnp.sum(seen, 0)
+    total = known(self.start_verified, state.seen_verified)
+    ratio = known(self.start_accepted, state.seen_accepted) / jnp.maximum(
+        total, 1e-6)
+    # What a row held, undecayed: its copy of the start and its share of
+    # the observations; no more than a steady decayed count.
+    verified = self.start_verified + jnp.mean(state.seen_verified, 0)
+    verified *= jnp.minimum(1.0, 1.0 / (self.rate
+                                        * jnp.maximum(verified[0], 1e-6)))
+    return self.replace(start_verified=verified,
+                        start_accepted=verified * ratio,
+                        start_trials=jnp.mean(state.trials),
+                        start_rows=jnp.float32(rows),
                         first_wait=self.probe_every)
 
   def acceptance(self, state: PolicyState) -> jax.Array:
@@ -728,13 +762,17 @@ class Auto(GammaPolicy):
              accepted: jax.Array) -> PolicyState:
     """`state` with the decayed counts of the positions `judged` [B, G]
     (bool) each verified once and accepted by `accepted` ([B, G] or
-    broadcastable, float32), and a trial for each row that judged
-    position 1."""
+    broadcastable, float32), the same in the undecayed counts of the
+    generation (`seen_verified`, `seen_accepted`), and a trial for each
+    row that judged position 1."""
     keep = 1.0 - self.rate
     decay = lambda count, new: jnp.where(judged, keep * count + new, count)
+    accepted = jnp.where(judged, accepted, 0.0)
     return state.replace(trials=state.trials + judged[:, 0],
                          verified=decay(state.verified, 1.0),
-                         accepted=decay(state.accepted, accepted))
+                         accepted=decay(state.accepted, accepted),
+                         seen_verified=state.seen_verified + judged,
+                         seen_accepted=state.seen_accepted + accepted)
 
   def observe(self, state, accepted, active):
     """Position 1's counts learn `accepted` as from a verified first draft

@@ -389,17 +389,22 @@ def test_auto_estimates_follow_observed_acceptance():
 
 
 def test_warm_policy_starts_from_pooled_estimates():
-  # Two rows that ended with different counts: the next generation starts
-  # every row from their mean, so its estimates are the pooled ratios.
+  # Two rows that saw different steps: the next generation starts every
+  # row from the ratios of all the batch saw (not of its decayed counts,
+  # zero here), with the prior it started from: position 1 verified 1 +
+  # 4 + 2 times, accepted 0.7 + 4 + 0; position 2 verified 2 times,
+  # accepted once. Each row with the counts a row held: the prior's and
+  # half the observations, 1 + 3 and 0 + 1.
   policy = adaptive.Auto.create(max_gamma=2, target_ms=[1.0, 1.1, 1.2])
   state = policy.init(2).replace(
-      verified=jnp.array([[4.0, 2.0], [2.0, 0.0]]),
-      accepted=jnp.array([[4.0, 1.0], [0.0, 0.0]]),
+      seen_verified=jnp.array([[4.0, 2.0], [2.0, 0.0]]),
+      seen_accepted=jnp.array([[4.0, 1.0], [0.0, 0.0]]),
+      verified=jnp.zeros((2, 2)), accepted=jnp.zeros((2, 2)),
       trials=jnp.array([3.0, 1.0]))
   warmed = policy.warm(state)
   warm = warmed.init(3)
-  np.testing.assert_allclose(warm.verified, [[3.0, 1.0]] * 3)
-  a1 = 2.0 / 3.0
+  np.testing.assert_allclose(warm.verified, [[4.0, 1.0]] * 3)
+  a1 = 4.7 / 7.0
   np.testing.assert_allclose(policy.acceptance(warm)[0],
                              [a1, (0.5 + a1) / 2], rtol=1e-6)
   # The batch's pool continues the earlier one: the start counts stand
@@ -407,8 +412,36 @@ def test_warm_policy_starts_from_pooled_estimates():
   pooled, trials = warmed.pooled(warm, jnp.ones((3,), bool))
   np.testing.assert_allclose(pooled, [a1, (1.0 + a1) / 3], rtol=1e-6)
   assert float(trials) == 4.0
+  # A long generation's estimates start with the weight of a steady
+  # decayed count, 1 / rate = 5 observations of position 1, so that the
+  # next rows' own observations move them.
+  long = policy.init(1).replace(seen_verified=jnp.array([[20.0, 10.0]]),
+                                seen_accepted=jnp.array([[16.0, 8.0]]))
+  start = policy.warm(long)
+  np.testing.assert_allclose(start.start_verified, [5.0, 50.0 / 21.0],
+                             rtol=1e-6)
+  np.testing.assert_allclose(start.start_accepted,
+                             [16.7 * 5.0 / 21.0, 40.0 / 21.0], rtol=1e-6)
   heuristic = adaptive.Heuristic(2)
   assert heuristic.warm(heuristic.init(2)) is heuristic
+
+
+def test_a_warm_start_trusts_the_whole_generation_not_its_last_steps():
+  # Machine G's B = 1 costs. A generation whose first 8 four-token steps
+  # were accepted and whose last 4 were rejected at their first draft:
+  # its decayed estimate of position 1 ends at 0.37, about the last five
+  # observations, under which no budget pays; all it saw says (0.7 + 8)
+  # / 13 = 0.67, under which four drafts pay. The next generation starts
+  # from the latter and drafts at once.
+  policy = adaptive.Auto.create(**G_B1)
+  budgets, state = _steps(policy, lambda step, budget: budget * (step < 8),
+                          12)
+  assert budgets == [1] + [4] * 11, budgets
+  assert float(policy.acceptance(state)[0, 0]) < 0.4
+  warm = policy.warm(state)
+  np.testing.assert_allclose(warm.acceptance(warm.init(1))[0, 0],
+                             8.7 / 13.0, rtol=1e-6)
+  assert _steps(warm, lambda step, budget: budget, 3)[0] == [4, 4, 4]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -505,6 +538,9 @@ def test_failed_probes_back_off_until_drafting_pays_again():
 # Costs measured on machine F at B = 1 (ms; targets at T = 1, 2, 3, 5).
 F_B1 = dict(max_gamma=GAMMA, target_ms=[230.0, 342.0, 328.0, 387.0],
             draft_ms=91.0, first_draft_ms=105.0)
+# Machine G's (sixth session, p_b1): verification nearly free.
+G_B1 = dict(max_gamma=GAMMA, target_ms=[229.0, 259.0, 275.0, 300.0],
+            draft_ms=92.0, first_draft_ms=100.0)
 
 
 def test_a_cold_start_tests_its_prior_at_the_first_step():

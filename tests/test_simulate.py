@@ -156,3 +156,21 @@ def test_settled_starts_from_steady_counts():
   np.testing.assert_allclose(state.verified, np.full((2, G), 5.0))
   np.testing.assert_allclose(auto.acceptance(state)[0, 0], 0.8, rtol=1e-6)
   assert int(state.wait) == int(auto.probe_every)
+
+
+def test_a_warm_start_follows_the_generation_before_it():
+  """Nothing accepted, no observation at prefill. A cold start drafts at
+  its first step by its prior (two drafts, 40 + 10 ms, and a 130 ms
+  three-token pass: 20 tokens in 2080 ms, not 2000). Started warm from the
+  state one such generation ended with, it knows that nothing is accepted
+  and its first probe is not due within 20 tokens: exactly
+  autoregressive decoding."""
+  auto = sim.auto_policy(COSTS, G)
+  rate = lambda policy, **kw: sim.simulate(
+      policy, COSTS, alpha=0.0, batch=2, tokens=20, samples=8,
+      observe_first=False, **kw)
+  plain = rate(sim.Fixed(0, G))
+  assert rate(auto) == pytest.approx(plain * 2000 / 2080, rel=1e-6)
+  assert rate(auto, warm_after=1) == pytest.approx(plain, rel=1e-6)
+  with pytest.raises(ValueError, match="warm_after"):
+    rate(auto, warm_after=-1)

@@ -141,32 +141,47 @@ def _step(policy: adaptive.GammaPolicy, costs: SimCosts, alpha: jax.Array,
       key=key)
 
 
-@functools.partial(jax.jit, static_argnames=("costs", "batch", "tokens",
-                                             "samples", "observe_first"))
-def _simulate(policy, costs, alpha, batch, tokens, samples, key,
-              observe_first):
-  def generation(key):
-    key, sub = jax.random.split(key)
-    start = policy.init(batch)
-    if observe_first:
-      start = policy.observe(
-          start, (jax.random.uniform(sub, (batch,)) < alpha[0]).astype(
-              jnp.float32), jnp.ones((batch,), bool))
-    state = _State(policy=start,
-                   generated=jnp.zeros((batch,), jnp.int32),
-                   lag=jnp.int32(0), ms=jnp.float32(0.0), key=key)
-    state = jax.lax.while_loop(
-        lambda s: jnp.any(s.generated < tokens),
-        functools.partial(_step, policy, costs, alpha, tokens), state)
-    return state.ms
+def _generation(policy: adaptive.GammaPolicy, costs: SimCosts,
+                alpha: jax.Array, batch: int, tokens: int,
+                observe_first: bool, key: jax.Array) -> _State:
+  """One simulated generation of `batch` rows, from `policy.init`."""
+  key, sub = jax.random.split(key)
+  start = policy.init(batch)
+  if observe_first:
+    start = policy.observe(
+        start, (jax.random.uniform(sub, (batch,)) < alpha[0]).astype(
+            jnp.float32), jnp.ones((batch,), bool))
+  state = _State(policy=start, generated=jnp.zeros((batch,), jnp.int32),
+                 lag=jnp.int32(0), ms=jnp.float32(0.0), key=key)
+  return jax.lax.while_loop(
+      lambda s: jnp.any(s.generated < tokens),
+      functools.partial(_step, policy, costs, alpha, tokens), state)
 
-  return jax.vmap(generation)(jax.random.split(key, samples))  # [N]
+
+@functools.partial(jax.jit, static_argnames=("costs", "batch", "tokens",
+                                             "samples", "observe_first",
+                                             "warm_after"))
+def _simulate(policy, costs, alpha, batch, tokens, samples, key,
+              observe_first, warm_after):
+  run = functools.partial(_generation, costs=costs, alpha=alpha,
+                          batch=batch, tokens=tokens,
+                          observe_first=observe_first)
+
+  def sample(key):  # [] ms of the last of warm_after + 1 generations
+    current = policy
+    for _ in range(warm_after):
+      key, earlier = jax.random.split(key)
+      current = current.warm(run(current, key=earlier).policy)
+    return run(current, key=key).ms
+
+  return jax.vmap(sample)(jax.random.split(key, samples))  # [N]
 
 
 def simulate(policy: adaptive.GammaPolicy, costs: SimCosts, *,
              alpha: float | Sequence[float], batch: int, tokens: int,
              samples: int = 256, seed: int = 0,
-             observe_first: bool | None = None) -> float:
+             observe_first: bool | None = None,
+             warm_after: int = 0) -> float:
   """Mean predicted tokens/s of `policy` over `samples` generations.
 
   Args:
@@ -192,9 +207,10 @@ def simulate(policy: adaptive.GammaPolicy, costs: SimCosts, *,
       (alpha >= 0) & (alpha <= 1)):
     raise ValueError(f"alpha must be one probability or {max_gamma} (one "
                      f"per draft position), got {alpha.tolist()}.")
-  if batch < 1 or tokens < 1 or samples < 1:
-    raise ValueError(f"batch, tokens and samples must be >= 1, got "
-                     f"{batch}, {tokens} and {samples}.")
+  if batch < 1 or tokens < 1 or samples < 1 or warm_after < 0:
+    raise ValueError(f"batch, tokens and samples must be >= 1 and "
+                     f"warm_after >= 0, got {batch}, {tokens}, {samples} "
+                     f"and {warm_after}.")
   alpha = jnp.broadcast_to(jnp.asarray(alpha), (max_gamma,))
   if len(costs.target_ms) != len(policy.widths):
     raise ValueError(f"costs.target_ms needs one time per width "
@@ -204,7 +220,8 @@ def simulate(policy: adaptive.GammaPolicy, costs: SimCosts, *,
   if observe_first is None:
     observe_first = costs.draft_ms > 0
   ms = _simulate(policy, costs, alpha, batch, tokens, samples,
-                 jax.random.PRNGKey(seed), bool(observe_first))
+                 jax.random.PRNGKey(seed), bool(observe_first),
+                 int(warm_after))
   return batch * tokens / (float(jnp.mean(ms)) / 1e3)
 
 
@@ -240,13 +257,16 @@ def policy_costs(policy: Any) -> SimCosts:
 def over_best(policy: adaptive.GammaPolicy, costs: SimCosts, *,
               alpha: float | Sequence[float], batch: int, tokens: int,
               gammas: Sequence[int] | None = None, samples: int = 256,
-              seed: int = 0, observe_first: bool | None = None) -> float:
+              seed: int = 0, observe_first: bool | None = None,
+              warm_after: int = 0) -> float:
   """`policy`'s simulated tokens/s over the best fixed γ in hindsight.
 
   Args:
     policy: a `GammaPolicy`.
     costs, alpha, batch, tokens, samples, seed, observe_first: as in
       `simulate`.
+    warm_after: as in `simulate`, for `policy` only (a fixed γ learns
+      nothing).
     gammas: the fixed γ to compare with (0: autoregressive decoding);
       default 0 to G.
 
@@ -254,8 +274,8 @@ def over_best(policy: adaptive.GammaPolicy, costs: SimCosts, *,
     simulate(policy) / max over γ of simulate(Fixed(γ, G)).
   """
   gammas = range(policy.max_gamma + 1) if gammas is None else gammas
-  rate = lambda p: simulate(p, costs, alpha=alpha, batch=batch,
-                            tokens=tokens, samples=samples, seed=seed,
-                            observe_first=observe_first)
-  return rate(policy) / max(rate(Fixed(g, policy.max_gamma))
-                            for g in gammas)
+  rate = lambda p, **kw: simulate(p, costs, alpha=alpha, batch=batch,
+                                  tokens=tokens, samples=samples, seed=seed,
+                                  observe_first=observe_first, **kw)
+  return rate(policy, warm_after=warm_after) / max(
+      rate(Fixed(g, policy.max_gamma)) for g in gammas)
