@@ -117,10 +117,14 @@ def _values(text: str, kind=int) -> list:
   return [kind(x) for x in text.split("/") if x]
 
 
-def random_model(name: str, seed: int):
+def random_model(name: str, seed: int, num_layers: int = 0):
   """The model `name` of `SHAPES` with random weights (key `seed`) and this
-  machine's matmul plan, as the random-weight benchmarks run it."""
-  model = models.init_random(SHAPES[name], jax.random.key(seed))
+  machine's matmul plan, as the random-weight benchmarks run it; with
+  `num_layers` > 0, only that many layers."""
+  config = SHAPES[name]
+  if num_layers:
+    config = dataclasses.replace(config, num_layers=num_layers)
+  model = models.init_random(config, jax.random.key(seed))
   return tuning.apply(model, "auto")[0]
 
 

@@ -18,6 +18,10 @@ is subtracted, medians over `--repeats` rounds that interleave the runs.
 COMMAND (random weights at the real pair's shapes):
   PYTHONPATH=. python scripts/bench_plain_step.py --batch=8 --tokens=32 \
     --prompt_tokens=64
+COMMAND (one layer per model: the models' depth no longer hides the
+loop's own per-step work, which grows with B and the vocabulary):
+  PYTHONPATH=. python scripts/bench_plain_step.py --batch=32 --tokens=32 \
+    --prompt_tokens=16 --num_layers=1
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ _BATCH = flags.DEFINE_integer("batch", 8, "Rows B.")
 _FIXED = flags.DEFINE_list("fixed_gammas", [], "Fixed γ runs to add (e.g. 4).")
 _ALPHA = flags.DEFINE_float("alpha", 0.8,
                             "Synthetic acceptance of the fixed-γ runs.")
+_LAYERS = flags.DEFINE_integer(
+    "num_layers", 0, "Layers of both models (0: the pair's own).")
 _POLICY_PATH = flags.DEFINE_bool(
     "policy_path", False, "Also run each fixed γ as Heuristic(γ).")
 # --tokens (new tokens per row), --prompt_tokens and --repeats (timed calls
@@ -68,8 +74,10 @@ def _decode_s(runs: dict, tokens: int, repeats: int) -> dict[str, float]:
 
 def main(argv):
   del argv
-  target = bench_crossover.random_model("qwen2.5-coder-1.5b-instruct", 0)
-  draft = bench_crossover.random_model("qwen2.5-coder-0.5b-instruct", 1)
+  target = bench_crossover.random_model("qwen2.5-coder-1.5b-instruct", 0,
+                                        _LAYERS.value)
+  draft = bench_crossover.random_model("qwen2.5-coder-0.5b-instruct", 1,
+                                       _LAYERS.value)
   batch = _BATCH.value
   prompts = bench_crossover.random_prompts(batch, target.vocab_size)
   size = decode.default_cache_size(_PROMPT_TOKENS.value, _TOKENS.value,
