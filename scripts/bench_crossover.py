@@ -18,8 +18,9 @@ in the same round, which cancels a drift between rounds). Round r draws
 acceptance with key r, so with synthetic α the rounds follow different
 sample paths. Beside the measured ratios, those `specjax.tuning.simulate`
 expects from the same policies and costs over many draws (the policy's
-own loss, without the machine's noise or the cost model's error). The forward costs are measured afresh once per B, at
-its start (`--norefresh_costs` reads the cost cache).
+own loss, without the machine's noise or the cost model's error). The
+forward costs are measured afresh once per B, at its start
+(`--norefresh_costs` reads the cost cache).
 
 COMMAND (the real pair, HumanEval chat prompts, the draft model drafting):
   python scripts/bench_crossover.py --weights=real --batches=1/2/4 \
