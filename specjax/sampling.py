@@ -51,10 +51,49 @@ class SamplingParams:
     return self.temperature == 0.0
 
 
+# Vocabulary blocks of the two-level searches (`argmax`, `sample`). XLA's CPU
+# argmax and cumsum over a whole row are serial: at V = 152k and B = 32 on
+# machine G they take 9 and 22 ms, against under 1 ms for a row's blocks.
+BLOCK = 128
+
+
+def _blocks(x: jax.Array, fill: float) -> jax.Array:
+  """[..., V] -> [..., ceil(V / BLOCK), BLOCK], the tail padded with
+  `fill`."""
+  pad = -x.shape[-1] % BLOCK
+  if pad:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)],
+                constant_values=fill)
+  return x.reshape(x.shape[:-1] + (-1, BLOCK))
+
+
+def _row(blocks: jax.Array, index: jax.Array) -> jax.Array:
+  """[..., N, BLOCK] at [...] block indices -> [..., BLOCK]."""
+  return jnp.take_along_axis(blocks, index[..., None, None], axis=-2)[..., 0, :]
+
+
+def argmax(x: jax.Array) -> jax.Array:
+  """[..., V] -> [...] int32 index of the maximum, the first on ties, as
+  `jnp.argmax`: the block holding it (the first block whose maximum is
+  the row's), then the index within that block."""
+  blocks = _blocks(x, -jnp.inf)
+  block = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)  # [...]
+  inner = jnp.argmax(_row(blocks, block), axis=-1)
+  return (block * BLOCK + inner).astype(jnp.int32)
+
+
+def top_probability(logits: jax.Array) -> jax.Array:
+  """[..., V] -> [...] float32 the largest softmax probability, the raw
+  model's confidence: 1 / Σ exp(logit - max), without the [..., V]
+  softmax."""
+  logits = logits.astype(jnp.float32)
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  return 1.0 / jnp.sum(jnp.exp(logits - top), axis=-1)
+
+
 def greedy_probs(logits: jax.Array) -> jax.Array:
   """[..., V] -> one-hot [..., V] float32 at the argmax (first on ties)."""
-  return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1],
-                        dtype=jnp.float32)
+  return jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
 
 
 def _filtered_logits(scaled: jax.Array, top_k: jax.Array,
@@ -101,13 +140,22 @@ def probabilities(logits: jax.Array, params: SamplingParams) -> jax.Array:
   return jax.lax.cond(params.greedy, greedy_probs, sampled, logits)
 
 
+def _first(mask: jax.Array) -> jax.Array:
+  """[..., N] bool -> [...] int32 index of the first True, N if none."""
+  n = mask.shape[-1]
+  return jnp.min(jnp.where(mask, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+
+
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
   """Draws one token per distribution by inverting its CDF.
 
-  One uniform per row instead of Gumbel noise over the whole vocabulary (3x
-  faster at V = 152k on CPU). Zero-probability tokens have empty CDF
-  intervals and are never drawn, so one-hot (greedy) distributions return
-  their hot index exactly.
+  One uniform u per row instead of Gumbel noise over the whole vocabulary
+  (3x faster at V = 152k on CPU), found in two levels: the first block of
+  `BLOCK` tokens whose cumulative mass exceeds u, then the first token in
+  it whose cumulative mass exceeds what is left of u (at V = 152k on
+  machine G, 1.3 ms at B = 32 against 27 ms for one cumsum over the row).
+  Zero-probability tokens have empty CDF intervals and are never drawn, so
+  one-hot (greedy) distributions return their hot index exactly.
 
   Args:
     key: PRNG key.
@@ -116,10 +164,21 @@ def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
   Returns:
     [...] int32 token ids.
   """
-  cdf = jnp.cumsum(probs.astype(jnp.float32), axis=-1)  # [..., V]
+  blocks = _blocks(probs.astype(jnp.float32), 0.0)  # [..., N, BLOCK]
+  mass = jnp.sum(blocks, axis=-1)  # [..., N]
+  cdf = jnp.cumsum(mass, axis=-1)
   u = jax.random.uniform(key, probs.shape[:-1] + (1,)) * cdf[..., -1:]
-  above = cdf > u
-  # Rounding can leave u at the total mass: fall back to the argmax.
-  token = jnp.where(jnp.any(above, axis=-1), jnp.argmax(above, axis=-1),
-                    jnp.argmax(probs, axis=-1))
-  return token.astype(jnp.int32)
+  # Rounding can leave u at the total mass: the last block then.
+  block = jnp.minimum(_first(cdf > u), mass.shape[-1] - 1)  # [...]
+  # The mass before the block, as `cdf` summed it (not cdf - mass, whose
+  # rounding could exceed u and let a zero-probability token through).
+  before = jnp.take_along_axis(
+      jnp.concatenate([jnp.zeros_like(cdf[..., :1]), cdf[..., :-1]], -1),
+      block[..., None], axis=-1)  # [..., 1]
+  row = _row(blocks, block)  # [..., BLOCK]
+  inner = _first(jnp.cumsum(row, axis=-1) > u - before)
+  token = block * BLOCK + inner
+  # Where rounding leaves u past the block's own sum: the argmax.
+  found = inner < BLOCK
+  return jax.lax.cond(jnp.all(found), lambda: token,
+                      lambda: jnp.where(found, token, argmax(probs)))

@@ -55,6 +55,45 @@ def test_sample_never_draws_zero_probability():
   assert set(np.unique(draws[:, 1])) == {0, 2}
 
 
+@pytest.mark.parametrize("vocab", [5, 128, 300, 1000])
+def test_argmax_is_the_first_maximum(vocab):
+  # Small integers: many ties, across block boundaries and the padded tail.
+  x = np.random.default_rng(vocab).integers(0, 4, (3, 4, vocab))
+  x = x.astype(np.float32)
+  x[0, 0, -1] = 9.0  # the last token, in the padded block
+  x[0, 1, :] = -np.inf
+  np.testing.assert_array_equal(sampling.argmax(jnp.asarray(x)),
+                                np.argmax(x, axis=-1))
+
+
+def test_sample_one_hot_returns_its_index_everywhere():
+  vocab = 300  # three blocks, the last padded
+  draws = sampling.sample(jax.random.key(0), jnp.eye(vocab))
+  np.testing.assert_array_equal(draws, np.arange(vocab))
+
+
+def test_sample_frequencies_match_the_distribution():
+  vocab, n = 300, 60000
+  probs = np.random.default_rng(0).random(vocab)
+  probs[::7] = 0.0
+  probs[128:256] = 0.0  # a whole block without mass
+  probs /= probs.sum()
+  draws = jax.vmap(lambda k: sampling.sample(k, jnp.asarray(probs)))(
+      jax.random.split(jax.random.key(1), n))
+  counts = np.bincount(np.asarray(draws), minlength=vocab)
+  assert counts[probs == 0].sum() == 0
+  # Each token's count within 5 binomial standard deviations of n p.
+  sd = np.sqrt(n * probs * (1 - probs))
+  assert np.all(np.abs(counts - n * probs) <= 5 * sd + 1e-9)
+
+
+def test_top_probability_is_the_softmax_maximum():
+  x = jax.random.normal(jax.random.key(2), (4, 300)) * 5
+  np.testing.assert_allclose(sampling.top_probability(x),
+                             np.max(jax.nn.softmax(x, axis=-1), axis=-1),
+                             rtol=1e-5)
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"temperature": -0.1}, "temperature must be >= 0"),
     ({"temperature": float("nan")}, "temperature must be >= 0"),

@@ -109,7 +109,7 @@ class DraftModel:
       qi = sampling.probabilities(logits, params)
       di = sampling.sample(keys[s.step], qi)  # [B]
       # Confidence from the raw softmax: under greedy decoding q is one-hot.
-      confidence = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
+      confidence = sampling.top_probability(logits)
       drafting = s.drafting & (confidence >= stop_threshold)
       added = drafting.astype(jnp.int32)
       drafting &= s.step + 1 < cap

@@ -172,7 +172,7 @@ class Eagle:
     def draw(i, feature):
       logits = self.target.logits(feature)  # [B, V]
       q = sampling.probabilities(logits, params)
-      confidence = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
+      confidence = sampling.top_probability(logits)
       return sampling.sample(keys[i], q), q, confidence
 
     d0, q0, _ = draw(0, state.feature)

@@ -128,8 +128,7 @@ class Medusa:
     q = sampling.probabilities(logits, params)
     tokens = sampling.sample(key, q)  # [B, K']
     # A row stops at its first head below the confidence threshold.
-    confident = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1) >= (
-        stop_threshold)
+    confident = sampling.top_probability(logits) >= stop_threshold
     leading = jnp.sum(jnp.cumprod(confident, axis=1), axis=1)
     num_drafted = jnp.where(state.ready, jnp.maximum(leading, 1), 0)
     pad = gamma - heads

@@ -49,6 +49,7 @@ import numpy as np
 
 from specjax import decode
 from specjax import hardware
+from specjax import sampling
 from specjax.models.protocol import model_output
 from specjax.tuning import store
 
@@ -65,7 +66,7 @@ def _forward(model, tokens, cache):
   start = cache.lengths
   out, cache = model(tokens, cache)  # [B, T] -> logits [B, T, V]
   logits = model_output(out).logits
-  return jnp.argmax(logits[:, -1], -1), cache.rollback(start)
+  return sampling.argmax(logits[:, -1]), cache.rollback(start)
 
 
 @jax.jit
