@@ -61,7 +61,7 @@ from specjax.tuning import matmul as tuning
 
 __all__ = [
     "Call", "ConfigError", "Pair", "load_pair", "run_and_save",
-    "run_experiment", "timed_call",
+    "run_experiment", "timed_call", "warm_up",
     "validate_config",
 ]
 
@@ -327,23 +327,29 @@ def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
   return statistics.median(times), out
 
 
+def warm_up(fn: Callable[..., Any], key: tuple, seen: set
+            ) -> tuple[Any, float]:
+  """Runs `fn()` and `fn(max_new_tokens=1)` once untimed (compilation) and
+  records `key` in `seen`; returns fn()'s output and the seconds both
+  took."""
+  start = time.perf_counter()
+  out = fn()
+  fn(max_new_tokens=1)
+  seen.add(key)
+  return out, time.perf_counter() - start
+
+
 def timed_call(fn: Callable[..., Any], key: tuple, seen: set,
-                repeats: int) -> Call:
+               repeats: int) -> Call:
   """Times `fn(max_new_tokens=N)` and its prefill, `fn(max_new_tokens=1)`.
 
-  Both shapes run once untimed first (compilation). The prefill call (prompt
-  pass(es) and the first token, the loop exits at once) lets the decoding
-  phase be reported apart from the prompt: the Leviathan et al. prediction
-  models only the decoding phase.
+  Both shapes run once untimed first (`warm_up`) unless `key` is in `seen`.
+  The prefill call (prompt pass(es) and the first token, the loop exits at
+  once) lets the decoding phase be reported apart from the prompt: the
+  Leviathan et al. prediction models only the decoding phase.
   """
   prefill = functools.partial(fn, max_new_tokens=1)
-  warmup = 0.0
-  if key not in seen:
-    start = time.perf_counter()
-    fn()
-    prefill()
-    warmup = time.perf_counter() - start
-    seen.add(key)
+  warmup = 0.0 if key in seen else warm_up(fn, key, seen)[1]
   seconds, out = _median_time(fn, repeats)
   prefill_s, _ = _median_time(prefill, repeats)
   return Call(out, seconds, warmup, prefill_s)

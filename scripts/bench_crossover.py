@@ -225,15 +225,13 @@ def _run_batch(target, drafter, prompts, alpha, gammas, seen,
           decode.speculative_generate, target, drafter, prompts,
           gamma=gamma, synthetic_acceptance=alpha, **kwargs))
   calls = {name: (gamma, make(gamma)) for name, gamma in policies.items()}
-  # Every program compiles and runs once untimed (`bench.timed_call`'s
-  # warm-up), with a key no timed round uses. As a server would, the
-  # estimates the cold `auto` warm-up observed start the next requests
-  # (`Auto.warm`): `auto warm`, the same program, nothing compiles.
-  warmup_key = _REPEATS.value
+  # Every program compiles and runs once untimed (`bench.warm_up`), with a
+  # key no timed round uses. As a server would, the estimates the cold
+  # `auto` warm-up observed start the next requests (`Auto.warm`): `auto
+  # warm`, the same program, nothing compiles.
   for name, (_, fn) in list(calls.items()):
-    warmed = fn(key=warmup_key)
-    fn(key=warmup_key, max_new_tokens=1)
-    seen.add((name, batch))
+    warmed, _ = bench.warm_up(functools.partial(fn, key=_REPEATS.value),
+                              (name, batch), seen)
     if name == "auto":
       warm = policies["auto"].warm(warmed.policy_state)
       calls["auto warm"] = warm, make(warm)
