@@ -77,6 +77,8 @@ def argmax(x: jax.Array) -> jax.Array:
   """[..., V] -> [...] int32 index of the maximum, the first on ties, as
   `jnp.argmax`: the block holding it (the first block whose maximum is
   the row's), then the index within that block."""
+  if x.shape[-1] <= BLOCK:  # one block: nothing to search first
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
   blocks = _blocks(x, -jnp.inf)
   block = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)  # [...]
   inner = jnp.argmax(_row(blocks, block), axis=-1)
@@ -166,21 +168,27 @@ def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
   Returns:
     [...] int32 token ids.
   """
-  blocks = _blocks(probs.astype(jnp.float32), 0.0)  # [..., N, BLOCK]
-  mass = jnp.sum(blocks, axis=-1)  # [..., N]
-  cdf = jnp.cumsum(mass, axis=-1)
-  u = jax.random.uniform(key, probs.shape[:-1] + (1,)) * cdf[..., -1:]
-  # Rounding can leave u at the total mass: the last block then.
-  block = jnp.minimum(_first(cdf > u), mass.shape[-1] - 1)  # [...]
-  # The mass before the block, as `cdf` summed it (not cdf - mass, whose
-  # rounding could exceed u and let a zero-probability token through).
-  before = jnp.take_along_axis(
-      jnp.concatenate([jnp.zeros_like(cdf[..., :1]), cdf[..., :-1]], -1),
-      block[..., None], axis=-1)  # [..., 1]
-  row = _row(blocks, block)  # [..., BLOCK]
-  inner = _first(jnp.cumsum(row, axis=-1) > u - before)
-  token = block * BLOCK + inner
-  # Where rounding leaves u past the block's own sum: the argmax.
-  found = inner < BLOCK
+  probs = probs.astype(jnp.float32)
+  u = jax.random.uniform(key, probs.shape[:-1] + (1,))  # [..., 1]
+  if probs.shape[-1] <= BLOCK:  # one block: the row is the block
+    row, offset = probs, 0
+    u = u * jnp.sum(probs, axis=-1, keepdims=True)
+  else:
+    blocks = _blocks(probs, 0.0)  # [..., N, BLOCK]
+    mass = jnp.sum(blocks, axis=-1)  # [..., N]
+    cdf = jnp.cumsum(mass, axis=-1)
+    u = u * cdf[..., -1:]
+    # Rounding can leave u at the total mass: the last block then.
+    block = jnp.minimum(_first(cdf > u), mass.shape[-1] - 1)  # [...]
+    # The mass before the block, as `cdf` summed it (not cdf - mass, whose
+    # rounding could exceed u and let a zero-probability token through).
+    before = jnp.take_along_axis(
+        jnp.concatenate([jnp.zeros_like(cdf[..., :1]), cdf[..., :-1]], -1),
+        block[..., None], axis=-1)  # [..., 1]
+    row, offset, u = _row(blocks, block), block * BLOCK, u - before
+  inner = _first(jnp.cumsum(row, axis=-1) > u)  # row: [..., BLOCK or V]
+  token = offset + inner
+  # Where rounding leaves u past the row's own sum: the argmax.
+  found = inner < row.shape[-1]
   return jax.lax.cond(jnp.all(found), lambda: token,
                       lambda: jnp.where(found, token, argmax(probs)))
