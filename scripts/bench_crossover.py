@@ -3,12 +3,12 @@ r"""Batch crossover: decoding tokens/s against B for every γ policy.
 For each batch size B, runs autoregressive decoding, speculative decoding at
 each fixed γ, transformers' heuristic schedule and `gamma="auto"`
 (`specjax.adaptive`) on the same prompts (`auto` cold, from its prior, and
-`auto warm`, started from the estimates the cold run ended with, then
-each round from the round before it, as a server carries them from
-request to request), and reports the decoding-phase
-tokens/s of each (the first token's prompt pass timed apart and
-subtracted, as in `experiments.bench`), the ratio of `auto` to the best of
-the others, and the cost model's prediction beside each measurement.
+`auto warm`, started from the estimates the cold run ended with, then each
+round from the round before it, as a server carries them from request to
+request), and reports the decoding-phase tokens/s of each (the first token's
+prompt pass timed apart and subtracted, as in `experiments.bench`), the ratio
+of `auto` to the best of the others, and the cost model's prediction beside
+each measurement.
 Each program first runs once untimed (compilation; the cold `auto` run
 is the generation `auto warm` starts from). Then `--repeats` rounds run
 every policy in an order shuffled by round, so a drift in the machine's
@@ -348,14 +348,14 @@ def _policy_row(gamma, runs, batch, target_costs, draft_costs) -> dict:
 
 
 def _simulated(policies, rows, batch, alpha) -> dict:
-  """`auto`, cold and warm from one generation (`warm_after=1`, as `auto
-  warm`'s first round runs; later rounds start after more: at machine
-  G's B = 4 costs and α = 0.8 the simulator expects 0.990 after one,
-  0.992 after two, 0.995 after four), over the best of autoregressive and the fixed γ <= γ_max
-  as `specjax.tuning.simulate` expects it: the same policies and costs,
-  the mean over many acceptance draws, no timing noise. With real weights
-  the acceptance is the per-position rate the widest fixed γ measured, its
-  last value repeated past its γ."""
+  """`auto`, cold and warm from one generation (`warm_after=1`, as `auto warm`'s
+  first round runs; later rounds start after more: at machine G's B = 4 costs
+  and α = 0.8 the simulator expects 0.990 after one, 0.992 after two, 0.995
+  after four), over the best of autoregressive and the fixed γ <= γ_max as
+  `specjax.tuning.simulate` expects it: the same policies and costs, the mean
+  over many acceptance draws, no timing noise. With real weights the
+  acceptance is the per-position rate the widest fixed γ measured, its last
+  value repeated past its γ."""
   auto = policies["auto"]
   fixed = [g or 0 for g in policies.values()
            if g is None or isinstance(g, int) and g <= auto.max_gamma]
