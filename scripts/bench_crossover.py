@@ -15,9 +15,12 @@ every policy in an order shuffled by round, so a drift in the machine's
 speed, or a program's running faster after itself, reaches all policies
 alike; each figure is the rounds' tokens over their time (`_policy_row`;
 the paired ratio is the median over rounds of `auto` over the best policy
-in the same round, which cancels a drift between rounds). Round r draws
-acceptance with key r, so with synthetic α the rounds follow different
-sample paths. Beside the measured ratios, those `specjax.tuning.simulate`
+in the same round, which cancels a drift between rounds). Round r runs
+every policy with key r: with synthetic α the policies of one round
+decode the same synthetic text (`rejection.Synthetic`: the verdict on a
+draft is a property of its position, as in a real text), so a round's
+ratios compare their choices, not their luck, and the rounds decode
+different texts. Beside the measured ratios, those `specjax.tuning.simulate`
 expects from the same policies and costs over many draws (the policy's
 own loss, without the machine's noise or the cost model's error). The
 forward costs are measured afresh once per B, at its start
@@ -39,7 +42,8 @@ their results into one table and plot:
     --merge=/tmp/bench/cross_b1,/tmp/bench/cross_b2,...
 
 With random weights, acceptance is synthetic (`synthetic_acceptance`: each
-draft accepted with probability α, not distribution-preserving); figures
+draft accepted with probability α by its position's draw in the
+generation's synthetic text, not distribution-preserving); figures
 from such runs must be labelled synthetic. Rows ignore EOS, so every row
 does the same work.
 

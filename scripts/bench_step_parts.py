@@ -75,7 +75,7 @@ def main(argv):
   @jax.jit
   def check(target, params, cache, last_token, proposal, key):
     return verify(target, cache, last_token, proposal, params.sampling, key,
-                  synthetic_rate=params.synthetic_rate)
+                  synthetic=params.synthetic)
 
   for _ in range(2):
     state = step(target, drafter, params, state)

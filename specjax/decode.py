@@ -67,7 +67,7 @@ __all__ = [
     "default_cache_size", "first_acceptance", "generate",
     "gamma_bound", "init_spec_state", "max_new_tokens_cap",
     "prepare_prompts", "prompt_bucket", "resolve_gamma",
-    "speculative_generate", "warmup",
+    "speculative_generate", "synthetic_text", "warmup",
 ]
 
 _MIN_BUCKET = 16
@@ -378,7 +378,7 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
     tokens_cap: N_cap, the static output width (default N, which must then
       be an int).
     policy: an adaptive γ policy (G is then its γ_max), or None.
-    synthetic: acceptance is synthetic (`params.synthetic_rate`).
+    synthetic: acceptance is synthetic (`params.synthetic`).
 
   Returns:
     The `SpecState` that `speculate.speculate_step` advances.
@@ -398,8 +398,8 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
     policy_state = policy.init(prompts.shape[0])
     if guess is not None:
       policy_state = policy.observe(
-          policy_state, first_acceptance(
-              jax.random.fold_in(key, 1), probs, guess, params, synthetic),
+          policy_state, first_acceptance(probs, guess, params, lengths,
+                                         synthetic),
           ~done)
   return SpecState(
       tokens=tokens, num_generated=counts, done=done, last_token=first,
@@ -409,16 +409,25 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
       policy_state=policy_state)
 
 
-def first_acceptance(key: jax.Array, probs: jax.Array, guess: jax.Array,
-                     params: StepParams, synthetic: bool) -> jax.Array:
+def synthetic_text(key: jax.Array | int | None) -> jax.Array:
+  """The PRNG key of the synthetic text (`rejection.Synthetic`) that a
+  generation with `key` decodes: every policy, γ and drafter run with one
+  key meets the same verdicts at each sequence position."""
+  return jax.random.fold_in(_key(key), 2)
+
+
+def first_acceptance(probs: jax.Array, guess: jax.Array, params: StepParams,
+                     positions: jax.Array, synthetic: bool) -> jax.Array:
   """[B] float32 how likely a first draft from the drafter's `guess`
   logits [B, V] was to be accepted against the target's first-token
   distribution `probs` [B, V] (`rejection.acceptance_probability`, 0 or 1
-  under greedy decoding); with synthetic acceptance, a draw at
-  `params.synthetic_rate`, as a verified draft would be."""
+  under greedy decoding); with synthetic acceptance, the verdict of
+  `params.synthetic`'s text on the first token's sequence position
+  (`positions` [B], the prompts' lengths), as a verified draft there
+  would get."""
   if synthetic:
-    return (jax.random.uniform(key, probs.shape[:1])
-            < params.synthetic_rate).astype(jnp.float32)
+    return params.synthetic.accepts(positions[:, None])[:, 0].astype(
+        jnp.float32)
   return rejection.acceptance_probability(
       probs, sampling.probabilities(guess, params.sampling))
 
@@ -428,6 +437,8 @@ def first_acceptance(key: jax.Array, probs: jax.Array, guess: jax.Array,
 def _speculative_generate(target, drafter, prompts, lengths, params, key,
                           max_new_tokens, policy, *, gamma, tokens_cap,
                           cache_size, pad_id, synthetic, num_nodes):
+  if synthetic:
+    params = params.with_text(synthetic_text(key))
   state = init_spec_state(target, drafter, prompts, lengths, params, key,
                           gamma=gamma, max_new_tokens=max_new_tokens,
                           cache_size=cache_size, tokens_cap=tokens_cap,

@@ -22,6 +22,7 @@ renormalised. Nothing of shape [B, G, V] is built for it.
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -151,24 +152,58 @@ def rejection_sample(
                                    draft_tokens, proposed)
 
 
+@flax.struct.dataclass
+class Synthetic:
+  """Synthetic acceptance for system benchmarks: NOT distribution-preserving.
+
+  Each proposed token is accepted with fixed probability `rate` regardless
+  of p and q (like vLLM's synthetic rejection sampler), so random-weight
+  models can be timed at a realistic acceptance rate. The verdicts form a
+  synthetic text: the draft of row b's token at sequence position n is
+  accepted iff one uniform draw u(text, b, n) < rate, whichever step, γ or
+  policy judges it, as in real decoding a text decides which tokens a
+  drafter gets right. A position is judged at most once (a verdict emits
+  the token there), so each policy still sees independent Bernoulli(rate)
+  verdicts, while policies run with one key decode the same text and
+  their throughputs differ by their choices, not by their luck. (A token
+  tree's walk draws each tried child afresh at its rate: siblings at one
+  depth would otherwise share a verdict.) Outputs that used it must be
+  labelled synthetic.
+
+  Attributes:
+    rate: [] float32 acceptance probability per token.
+    text: PRNG key of the text.
+  """
+
+  rate: jax.Array
+  text: jax.Array
+
+  def accepts(self, positions: jax.Array) -> jax.Array:
+    """[B, K] bool: the verdicts on drafts at sequence `positions` [B, K]
+    (int32) of rows 0..B-1."""
+    rows = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None],
+                            positions.shape)
+    draw = lambda b, n: jax.random.uniform(
+        jax.random.fold_in(jax.random.fold_in(self.text, b), n))
+    return jax.vmap(jax.vmap(draw))(rows, positions) < self.rate
+
+
 def synthetic_sample(
     key: jax.Array,
-    rate: jax.Array,
+    synthetic: Synthetic,
+    positions: jax.Array,
     draft_tokens: jax.Array,
     p: jax.Array,
     num_drafted: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Synthetic acceptance for system benchmarks: NOT distribution-preserving.
-
-  Each proposed token is accepted with fixed probability `rate` regardless of
-  p and q (like vLLM's synthetic rejection sampler), so random-weight models
-  can be timed at a realistic acceptance rate. The next token is drawn from p
-  at the first rejected position. Outputs that used it must be labelled
-  synthetic.
+  """`rejection_sample` with `Synthetic` verdicts: the leading drafts the
+  text accepts, then the next token drawn from p at the first rejected
+  position.
 
   Args:
-    key: PRNG key.
-    rate: [] float32 acceptance probability per token.
+    key: PRNG key (the next token's draw).
+    synthetic: the rate and text.
+    positions: [B] int32 sequence position of each row's first draft.
     draft_tokens: [B, G] int32.
     p: [B, G+1, V] target probabilities.
     num_drafted: optional [B] int32, as in `rejection_sample`.
@@ -179,8 +214,7 @@ def synthetic_sample(
   batch, gamma = draft_tokens.shape
   if gamma == 0:
     return _no_drafts(key, p)
-  accept_key, next_key = jax.random.split(key)
-  accept = jax.random.uniform(accept_key, (batch, gamma)) < rate
+  accept = synthetic.accepts(positions[:, None] + jnp.arange(gamma)[None])
   accept &= _proposed(num_drafted, batch, gamma)
   num_accepted = leading_true(accept)
-  return num_accepted, sampling.sample(next_key, _at(p, num_accepted))
+  return num_accepted, sampling.sample(key, _at(p, num_accepted))

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import buffers
+from specjax import rejection
 from specjax import sampling
 from specjax.adaptive import GammaPolicy
 from specjax.drafters.base import capped
@@ -156,14 +157,15 @@ class StepParams:
     eos_ids: [Y] int32 end-of-sequence ids (-1 for none).
     stop_threshold: [] float32, drafting stops when the draft's top
       probability falls below it (0 never stops).
-    synthetic_rate: [] float32 acceptance probability used only by synthetic
-      verification.
+    synthetic: the rate and text of synthetic verification
+      (`rejection.Synthetic`), used only when a step is told to; the text
+      is key 0's until `with_text`.
   """
 
   sampling: sampling.SamplingParams
   eos_ids: jax.Array
   stop_threshold: jax.Array
-  synthetic_rate: jax.Array
+  synthetic: rejection.Synthetic
 
   @classmethod
   def create(cls, *, temperature: float = 0.0, top_k: int = 0,
@@ -181,7 +183,13 @@ class StepParams:
         sampling=sampling.SamplingParams.create(temperature, top_k, top_p),
         eos_ids=buffers.eos_array(eos_id),
         stop_threshold=jnp.float32(draft_stop_threshold),
-        synthetic_rate=jnp.float32(rate))
+        synthetic=rejection.Synthetic(rate=jnp.float32(rate),
+                                      text=jax.random.key(0)))
+
+  def with_text(self, key: jax.Array) -> "StepParams":
+    """These settings with the synthetic text of PRNG `key` (one per
+    generation: the policies run with one key decode the same text)."""
+    return self.replace(synthetic=self.synthetic.replace(text=key))
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -232,7 +240,7 @@ def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
     params: traced settings.
     gamma: G, static (γ_max under a policy).
     max_new_tokens: N, an int or a traced [] int32.
-    synthetic: accept with `params.synthetic_rate` instead of p/q (for system
+    synthetic: accept by `params.synthetic` instead of p/q (for system
       benchmarks on random weights; not distribution-preserving).
     policy: None for a fixed γ = G; else an adaptive policy
       (`specjax.adaptive`) that sets each step's draft budget, drafting
@@ -247,7 +255,7 @@ def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
   """
   key, draft_key, verify_key = jax.random.split(state.key, 3)
   active = state.active
-  synthetic_rate = params.synthetic_rate if synthetic else None
+  verdicts = params.synthetic if synthetic else None
   tree_kw = {} if num_nodes is None else {"num_nodes": num_nodes}
   propose = lambda s, **kw: drafter.propose(
       s, draft_key, params.sampling, gamma, params.stop_threshold,
@@ -257,7 +265,7 @@ def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
     proposal, drafter_state = propose(state.drafter_state)
     verification, target_cache = verify(
         target, state.target_cache, state.last_token, proposal,
-        params.sampling, verify_key, synthetic_rate=synthetic_rate)
+        params.sampling, verify_key, synthetic=verdicts)
     scored = num_nodes or gamma
   else:
     remaining = max_new_tokens - state.num_generated  # [B]
@@ -276,7 +284,7 @@ def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
                     remaining)))
     verification, target_cache, scored = verify_within(
         policy.widths, target, state.target_cache, state.last_token,
-        proposal, params.sampling, verify_key, synthetic_rate=synthetic_rate)
+        proposal, params.sampling, verify_key, synthetic=verdicts)
 
   num_accepted = jnp.where(active, verification.num_accepted, 0)
   verification = verification.replace(num_accepted=num_accepted)

@@ -74,7 +74,7 @@ def emitted_tokens(drafts: jax.Array, num_accepted: jax.Array,
 
 def verify(target: Any, cache: Any, last_token: jax.Array,
            proposal: Proposal, params: sampling.SamplingParams,
-           key: jax.Array, *, synthetic_rate: jax.Array | None = None
+           key: jax.Array, *, synthetic: rejection.Synthetic | None = None
            ) -> tuple[Verification, Any]:
   """Scores a proposal in one target pass and rejection-samples it.
 
@@ -86,8 +86,8 @@ def verify(target: Any, cache: Any, last_token: jax.Array,
     proposal: G drafts per row (a chain: `parents` None).
     params: sampling settings (the same the drafter used for q).
     key: PRNG key.
-    synthetic_rate: if given ([] float32), accept each draft with this fixed
-      probability instead of p/q (system benchmarks on random weights only;
+    synthetic: if given, its text's verdicts instead of p/q
+      (`rejection.Synthetic`: system benchmarks on random weights only;
       not distribution-preserving).
 
   Returns:
@@ -98,16 +98,16 @@ def verify(target: Any, cache: Any, last_token: jax.Array,
   """
   if proposal.parents is not None:
     return verify_tree(target, cache, last_token, proposal, params, key,
-                       synthetic_rate=synthetic_rate)
+                       synthetic=synthetic)
   start = cache.lengths
   verification, _, cache = _score(target, cache, last_token, proposal,
-                                  params, key, synthetic_rate)
+                                  params, key, synthetic)
   return verification, cache.rollback(start + 1 + verification.num_accepted)
 
 
 def _score(target: Any, cache: Any, last_token: jax.Array,
            proposal: Proposal, params: sampling.SamplingParams,
-           key: jax.Array, synthetic_rate: jax.Array | None, **model_kw
+           key: jax.Array, synthetic: rejection.Synthetic | None, **model_kw
            ) -> tuple[Verification, ModelOutput, Any]:
   """`verify`'s target pass over a chain and its rejection sampling.
 
@@ -115,16 +115,17 @@ def _score(target: Any, cache: Any, last_token: jax.Array,
   `write_cache=False` in `model_kw`, its `keys`/`values` are the chunk's,
   for the caller to write) and the cache after the pass (not rolled
   back)."""
+  first = cache.lengths + 1  # [B] the drafts' first sequence position
   chunk = jnp.concatenate([last_token[:, None], proposal.tokens], 1)
   out, cache = target(chunk, cache, **model_kw)  # [B, G+1] -> [B, G+1, V]
   out = model_output(out)
   p = sampling.probabilities(out.logits, params)  # [B, G+1, V]
-  if synthetic_rate is None:
+  if synthetic is None:
     num_accepted, next_token = rejection.rejection_sample(
         key, proposal.tokens, proposal.q, p, proposal.num_drafted)
   else:
     num_accepted, next_token = rejection.synthetic_sample(
-        key, synthetic_rate, proposal.tokens, p, proposal.num_drafted)
+        key, synthetic, first, proposal.tokens, p, proposal.num_drafted)
   verification = Verification(
       num_accepted=num_accepted, next_token=next_token,
       emitted=emitted_tokens(proposal.tokens, num_accepted, next_token),
@@ -134,7 +135,7 @@ def _score(target: Any, cache: Any, last_token: jax.Array,
 
 def verify_tree(target: Any, cache: Any, last_token: jax.Array,
                 proposal: Proposal, params: sampling.SamplingParams,
-                key: jax.Array, *, synthetic_rate: jax.Array | None = None
+                key: jax.Array, *, synthetic: rejection.Synthetic | None = None
                 ) -> tuple[Verification, Any]:
   """Scores a token tree in one target pass and walks it (`specjax.tree`).
 
@@ -167,7 +168,8 @@ def verify_tree(target: Any, cache: Any, last_token: jax.Array,
   out = model_output(out)  # logits [B, T+1, V]
   p = sampling.probabilities(out.logits, params)
   result = tree.walk(key, proposal.tokens, proposal.parents, valid,
-                     proposal.q, p, gamma, synthetic_rate)
+                     proposal.q, p, gamma,
+                     None if synthetic is None else synthetic.rate)
   slots = tree.path_slots(result.path, result.num_accepted)  # [B, G]
   along = jnp.concatenate([jnp.zeros_like(slots[:, :1]), slots], 1)
   take = lambda x: None if x is None else jnp.take_along_axis(
@@ -198,7 +200,7 @@ def _pad_steps(x: jax.Array | None, width: int,
 def verify_within(widths: Sequence[int], target: Any, cache: Any,
                   last_token: jax.Array, proposal: Proposal,
                   params: sampling.SamplingParams, key: jax.Array, *,
-                  synthetic_rate: jax.Array | None = None
+                  synthetic: rejection.Synthetic | None = None
                   ) -> tuple[Verification, Any, jax.Array]:
   """`verify` over the smallest of several compiled widths that holds the
   proposal (`lax.switch`), so a short proposal costs a short pass.
@@ -206,7 +208,7 @@ def verify_within(widths: Sequence[int], target: Any, cache: Any,
   Args:
     widths: T values compiled, ascending, from 1 (a plain autoregressive
       step) to G + 1 (`specjax.adaptive.verify_widths`).
-    target, cache, last_token, params, key, synthetic_rate: as in `verify`.
+    target, cache, last_token, params, key, synthetic: as in `verify`.
     proposal: a chain of G drafts; rows propose `num_drafted` of them.
 
   Returns:
@@ -237,13 +239,13 @@ def verify_within(widths: Sequence[int], target: Any, cache: Any,
           num_drafted=jnp.minimum(proposal.num_drafted, width - 1))
       if deferred:
         v, out, _ = _score(target, cache, last_token, sub, params, key,
-                           synthetic_rate, write_cache=False)
+                           synthetic, write_cache=False)
         # [L, B, T, K, D] -> [L, B, G+1, K, D].
         cache = (_pad_steps(out.keys, gamma + 1, axis=2),
                  _pad_steps(out.values, gamma + 1, axis=2))
       else:
         v, cache = verify(target, cache, last_token, sub, params, key,
-                          synthetic_rate=synthetic_rate)
+                          synthetic=synthetic)
       return (v.num_accepted, v.next_token,
               _pad_steps(v.logits, gamma + 1), _pad_steps(v.probs, gamma + 1),
               _pad_steps(v.hidden, gamma + 1), cache)

@@ -88,12 +88,42 @@ def test_q_zero_at_drafted_token_accepts_when_target_allows():
   np.testing.assert_array_equal(nxt, [0])  # bonus from p at position 1
 
 
+def _synthetic(rate, seed):
+  return rejection.Synthetic(rate=jnp.float32(rate),
+                             text=jax.random.key(seed))
+
+
 def test_synthetic_rate_controls_acceptance():
   p = jnp.full((3, 5), 0.2)
-  keys = jax.random.split(jax.random.key(2), 20000)
-  n, _ = jax.vmap(lambda k: rejection.synthetic_sample(
-      k, jnp.float32(0.7), jnp.array([[1, 2]]), p[None]))(keys)
+  texts = jax.random.split(jax.random.key(2), 20000)
+  n, _ = jax.vmap(lambda text: rejection.synthetic_sample(
+      jax.random.key(0), rejection.Synthetic(rate=jnp.float32(0.7),
+                                             text=text),
+      jnp.array([5]), jnp.array([[1, 2]]), p[None]))(texts)
   n = np.asarray(n[:, 0])
   # P(n=0)=.3, P(n=1)=.7*.3, P(n=2)=.49.
   np.testing.assert_allclose(np.bincount(n, minlength=3) / n.size,
                              [0.3, 0.21, 0.49], atol=0.015)
+
+
+def test_synthetic_verdicts_belong_to_the_text():
+  """A position's verdict is the same whichever step judges it: a step
+  starting later, or with fewer drafts, reads the same leading run."""
+  synthetic = _synthetic(0.6, 3)
+  rows, span = 4, 64
+  positions = jnp.arange(span)[None] + jnp.array([[0], [7], [7], [100]])
+  verdicts = np.asarray(synthetic.accepts(positions))  # [4, 64]
+  # Rows 1 and 2 at the same positions: each row has its own text.
+  assert (verdicts[1] != verdicts[2]).any()
+  assert 0.45 < verdicts.mean() < 0.75
+  p = jnp.full((rows, 5, 3), 1 / 3)
+  for start in range(0, span - 4, 5):
+    for gamma in (1, 2, 4):
+      n, _ = rejection.synthetic_sample(
+          jax.random.key(start), synthetic, positions[:, start],
+          jnp.zeros((rows, gamma), jnp.int32), p[:, :gamma + 1])
+      run = np.cumprod(verdicts[:, start:start + gamma], axis=1).sum(1)
+      np.testing.assert_array_equal(n, run)
+  # Another text gives other verdicts.
+  assert (np.asarray(_synthetic(0.6, 4).accepts(positions))
+          != verdicts).any()

@@ -12,6 +12,7 @@ import pytest
 from specjax import decode
 from specjax import metrics
 from specjax import models
+from specjax import rejection
 from specjax import testing
 
 PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
@@ -123,6 +124,30 @@ def test_early_stop_threshold_limits_drafting(pair, baseline):
   np.testing.assert_array_equal(out.tokens, baseline.tokens)
   np.testing.assert_array_equal(out.stats.proposed_by_position[1:], 0)
   assert out.stats.proposed_by_position[0] > 0
+
+
+def test_synthetic_acceptance_reads_one_text_per_key(pair):
+  """Every step's verdicts are the text's (`decode.synthetic_text`) at
+  the drafts' sequence positions: rebuilt step by step from the prompt
+  lengths, for two γ run with one key."""
+  target, draft = pair
+  prompts = [[3, 1, 4], [1], [5, 9]]
+  for gamma in (1, 3):
+    out = decode.speculative_generate(target, draft, prompts, gamma=gamma,
+                                      max_new_tokens=24, key=5,
+                                      synthetic_acceptance=0.5)
+    text = rejection.Synthetic(rate=jnp.float32(0.5),
+                               text=decode.synthetic_text(5))
+    accepted = np.asarray(out.stats.accepted)  # [B, M]
+    for row, prompt in enumerate(prompts):
+      position = len(prompt) + 1  # the first draft's; the first token's
+      steps = accepted[row][accepted[row] >= 0]  # is len(prompt)
+      assert len(steps) > 3
+      for count in steps:
+        verdicts = text.accepts(jnp.full((len(prompts), 1), position)
+                                + jnp.arange(gamma)[None])[row]
+        assert count == np.cumprod(np.asarray(verdicts)).sum()
+        position += int(count) + 1
 
 
 def test_synthetic_acceptance_is_labelled_and_follows_the_rate(pair):

@@ -8,7 +8,11 @@ gap between two policies, so a measured sweep cannot tell whether a policy
 chooses well. `simulate` runs the policy's own `budget`, `trim` and
 `update` (the functions `speculate_step` calls) on synthetic acceptance:
 each draft position is accepted with probability α, independently, as in
-`speculative_generate(..., synthetic_acceptance=α)`. It prices every step
+`speculative_generate(..., synthetic_acceptance=α)`, and as there the
+verdicts are a synthetic text (`rejection.Synthetic`): the draft of a
+row's n-th token is accepted iff that token's draw is under α, whichever
+step judges it, so the policies simulated with one seed decode the same
+texts and differ by their choices alone. It prices every step
 with the costs the cost model measured, as `speculate_step` would run it:
 the target pass at the smallest compiled width holding the longest
 verified proposal, and, when a row drafts, the draft model's first
@@ -96,14 +100,17 @@ class _State:
     lag: [] int32 tokens the draft model has not seen (emitted by plain
       steps since it last drafted).
     ms: [] float32 time spent.
-    key: PRNG key.
+    text: [B, N + G + 1] float32 uniforms: a draft of row b's output
+      token n is accepted iff text[b, n] < α, whichever step judges it
+      (`rejection.Synthetic`), so that the policies simulated with one
+      key decode the same text.
   """
 
   policy: adaptive.PolicyState
   generated: jax.Array
   lag: jax.Array
   ms: jax.Array
-  key: jax.Array
+  text: jax.Array
 
 
 def _step(policy: adaptive.GammaPolicy, costs: SimCosts, alpha: jax.Array,
@@ -122,8 +129,8 @@ def _step(policy: adaptive.GammaPolicy, costs: SimCosts, alpha: jax.Array,
                                    costs.draft_ms)
               + adaptive.catch_up_ms(state.lag, costs.draft_ms, target_ms,
                                      max_gamma))
-  key, sub = jax.random.split(state.key)
-  accept = jax.random.uniform(sub, (budget.shape[0], max_gamma)) < alpha
+  positions = 1 + state.generated[:, None] + jnp.arange(max_gamma)[None]
+  accept = jnp.take_along_axis(state.text, positions, axis=1) < alpha
   # The first rejected position, at most the drafts verified.
   num_accepted = jnp.minimum(
       jnp.sum(jnp.cumprod(accept, axis=1), axis=1), drafted)  # [B]
@@ -137,22 +144,22 @@ def _step(policy: adaptive.GammaPolicy, costs: SimCosts, alpha: jax.Array,
                            active),
       generated=state.generated + emitted,
       lag=jnp.where(drafting, 0, state.lag + 1),
-      ms=state.ms + target_ms[width] + jnp.where(drafting, draft_ms, 0.0),
-      key=key)
+      ms=state.ms + target_ms[width] + jnp.where(drafting, draft_ms, 0.0))
 
 
 def _generation(policy: adaptive.GammaPolicy, costs: SimCosts,
                 alpha: jax.Array, batch: int, tokens: int,
                 observe_first: bool, key: jax.Array) -> _State:
   """One simulated generation of `batch` rows, from `policy.init`."""
-  key, sub = jax.random.split(key)
+  # Column 0: the first token, emitted at prefill, whose draft guess
+  # `observe` judges; column 1 + n: the n-th token emitted after it.
+  text = jax.random.uniform(key, (batch, tokens + alpha.shape[0] + 1))
   start = policy.init(batch)
   if observe_first:
-    start = policy.observe(
-        start, (jax.random.uniform(sub, (batch,)) < alpha[0]).astype(
-            jnp.float32), jnp.ones((batch,), bool))
+    start = policy.observe(start, (text[:, 0] < alpha[0]).astype(
+        jnp.float32), jnp.ones((batch,), bool))
   state = _State(policy=start, generated=jnp.zeros((batch,), jnp.int32),
-                 lag=jnp.int32(0), ms=jnp.float32(0.0), key=key)
+                 lag=jnp.int32(0), ms=jnp.float32(0.0), text=text)
   return jax.lax.while_loop(
       lambda s: jnp.any(s.generated < tokens),
       functools.partial(_step, policy, costs, alpha, tokens), state)
@@ -192,7 +199,7 @@ def simulate(policy: adaptive.GammaPolicy, costs: SimCosts, *,
     batch: B rows, each generating `tokens` tokens (no EOS).
     tokens: tokens per row.
     samples: N generations simulated.
-    seed: the acceptance draws' seed.
+    seed: the seed of the simulated texts.
     observe_first: the policy observes position 1 once per row before the
       first step (`GammaPolicy.observe`), as `speculative_generate` lets it
       from a draft model's prefill; None: where the costs have a draft
