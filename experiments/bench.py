@@ -317,14 +317,17 @@ class Call:
     return int(np.sum(np.maximum(self.output.lengths - 1, 0)))
 
 
-def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+def _time(fn: Callable[[], Any], repeats: int,
+          summary: Callable[[list[float]], float]) -> tuple[float, Any]:
+  """`summary` of `repeats` timings of fn() (seconds), and its first
+  output."""
   times, out = [], None
   for _ in range(repeats):
     start = time.perf_counter()
     result = fn()  # returns numpy arrays: the device work is done
     times.append(time.perf_counter() - start)
     out = result if out is None else out
-  return statistics.median(times), out
+  return summary(times), out
 
 
 def warm_up(fn: Callable[..., Any], key: tuple, seen: set
@@ -340,8 +343,13 @@ def warm_up(fn: Callable[..., Any], key: tuple, seen: set
 
 
 def timed_call(fn: Callable[..., Any], key: tuple, seen: set,
-               repeats: int) -> Call:
-  """Times `fn(max_new_tokens=N)` and its prefill, `fn(max_new_tokens=1)`.
+               repeats: int,
+               summary: Callable[[list[float]], float] = statistics.median
+               ) -> Call:
+  """Times `fn(max_new_tokens=N)` and its prefill, `fn(max_new_tokens=1)`,
+  each `repeats` times, reduced by `summary` (the median; `min` where
+  every repeat does the same work, so that only interference from
+  elsewhere on the machine tells the timings apart).
 
   Both shapes run once untimed first (`warm_up`) unless `key` is in `seen`.
   The prefill call (prompt pass(es) and the first token, the loop exits at
@@ -350,8 +358,8 @@ def timed_call(fn: Callable[..., Any], key: tuple, seen: set,
   """
   prefill = functools.partial(fn, max_new_tokens=1)
   warmup = 0.0 if key in seen else warm_up(fn, key, seen)[1]
-  seconds, out = _median_time(fn, repeats)
-  prefill_s, _ = _median_time(prefill, repeats)
+  seconds, out = _time(fn, repeats, summary)
+  prefill_s, _ = _time(prefill, repeats, summary)
   return Call(out, seconds, warmup, prefill_s)
 
 

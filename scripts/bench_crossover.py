@@ -13,7 +13,8 @@ Each program first runs once untimed (compilation; the cold `auto` run
 is the generation `auto warm` starts from). Then `--repeats` rounds run
 every policy in an order shuffled by round, so a drift in the machine's
 speed, or a program's running faster after itself, reaches all policies
-alike; each figure is the rounds' tokens over their time (`_policy_row`;
+alike (each call timed `--timings` times over the same work, the fastest
+kept); each figure is the rounds' tokens over their time (`_policy_row`;
 the paired ratio is the median over rounds of `auto` over the best policy
 in the same round, which cancels a drift between rounds). Round r runs
 every policy with key r: with synthetic α the policies of one round
@@ -95,6 +96,10 @@ _ALPHAS = flags.DEFINE_string(
 _TOKENS = flags.DEFINE_integer("tokens", 32, "New tokens per row.")
 _REPEATS = flags.DEFINE_integer(
     "repeats", 3, "Timed rounds over all policies.")
+_TIMINGS = flags.DEFINE_integer(
+    "timings", 1, "Timings of each policy per round, keeping the fastest: "
+    "a round's call does the same work each time (one key, one synthetic "
+    "text), so on a shared machine the fastest is the least disturbed.")
 _REFRESH = flags.DEFINE_bool(
     "refresh_costs", True, "Measure the forward costs afresh instead of "
     "reading them from the cost cache.")
@@ -245,9 +250,9 @@ def _run_batch(target, drafter, prompts, alpha, gammas, seen,
   # during the run reaches them all alike, in an order shuffled by round:
   # a program runs faster right after itself (the same code and buffers
   # hot), which a fixed order would credit to one policy (`auto warm`
-  # after `auto`). Round r runs every policy with the key r: the same
-  # draws for all policies within a round, other acceptance draws (with
-  # synthetic α, another sample path) from round to round.
+  # after `auto`). Round r runs every policy with the key r: with
+  # synthetic α one synthetic text for all policies within a round,
+  # another text from round to round.
   runs = {}
   for round_key in range(_REPEATS.value):
     for name in np.random.default_rng(round_key).permutation(
@@ -255,7 +260,8 @@ def _run_batch(target, drafter, prompts, alpha, gammas, seen,
       gamma, fn = calls[name]
       # α and the key are traced (nothing compiles anew).
       call = bench.timed_call(functools.partial(fn, key=round_key),
-                              (name.split()[0], batch), seen, 1)
+                              (name.split()[0], batch), seen,
+                              _TIMINGS.value, summary=min)
       if not call.decode_s:
         raise app.UsageError(f"{name}: decoding took no longer than the "
                              "prompt pass alone; raise --tokens.")
