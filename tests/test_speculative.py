@@ -132,16 +132,17 @@ def test_synthetic_acceptance_reads_one_text_per_key(pair):
   lengths, for two γ run with one key."""
   target, draft = pair
   prompts = [[3, 1, 4], [1], [5, 9]]
+  text = rejection.Synthetic(rate=jnp.float32(0.5),
+                             text=decode.synthetic_text(5))
   for gamma in (1, 3):
     out = decode.speculative_generate(target, draft, prompts, gamma=gamma,
                                       max_new_tokens=24, key=5,
                                       synthetic_acceptance=0.5)
-    text = rejection.Synthetic(rate=jnp.float32(0.5),
-                               text=decode.synthetic_text(5))
     accepted = np.asarray(out.stats.accepted)  # [B, M]
     for row, prompt in enumerate(prompts):
-      position = len(prompt) + 1  # the first draft's; the first token's
-      steps = accepted[row][accepted[row] >= 0]  # is len(prompt)
+      # The first token sits at len(prompt), the first draft after it.
+      position = len(prompt) + 1
+      steps = accepted[row][accepted[row] >= 0]
       assert len(steps) > 3
       for count in steps:
         verdicts = text.accepts(jnp.full((len(prompts), 1), position)
