@@ -76,11 +76,16 @@ Two policies:
   that guess probes at the first step. A probe is not
   free: beyond a plain step it pays a draft token (the first pass), a
   two-token target pass and the draft model's catch-up on every token it
-  skipped, ⌈wait / (G+1)⌉ passes of G+1 tokens (priced at the draft's
-  one-token cost times the target's width ratio). So the wait is
-  stretched to at least that predicted price in plain steps times
-  `probe_every`, which keeps the probes' share of the time at about
-  1/`probe_every` whatever the batch size; each probe after which the
+  skipped, ⌈idle / (G+1)⌉ passes of G+1 tokens after `idle` plain steps
+  (priced at the draft's one-token cost times the target's width ratio).
+  So the wait is stretched to at least that predicted price, at the steps
+  idle by the time it fires, in plain steps times the wait, which keeps
+  the probes' share of the time at about 1/`probe_every` whatever the
+  batch size. Where the catch-up alone grows by more than 1/wait of a
+  plain step per step skipped, no wait is long enough and no scheduled
+  probe is made (at B = 1 on a 2-core CPU, a draft model a third of the
+  target: its catch-up is 7-9% of a plain step per token skipped, over
+  the 6% that `probe_every` = 16 allows); each probe after which the
   policy still does not draft doubles the wait, up to `probe_max` steps,
   and the first step it drafts of its own accord resets it (exponential
   backoff). A probe is made only where it could pay for itself before the
@@ -602,10 +607,14 @@ class Auto(GammaPolicy):
             - self.target_ms[0])
 
   def _due(self, state: PolicyState) -> jax.Array:
-    """[] bool: enough plain steps for a probe."""
+    """[] bool: enough plain steps for a probe: `wait` of them, stretched
+    to `wait` times the probe's price in plain steps. The price is the
+    catch-up on the steps idle so far, or on `wait` of them before that:
+    the probe fires later than `wait` wherever its price exceeds a plain
+    step, and pays the catch-up on every step skipped by then."""
     plain = self.target_ms[0]
     return state.idle * plain >= state.wait * jnp.maximum(
-        plain, self.probe_ms(state.wait))
+        plain, self.probe_ms(jnp.maximum(state.idle, state.wait)))
 
   def _pays_back(self, state: PolicyState, active: jax.Array,
                  remaining: jax.Array | None) -> jax.Array:

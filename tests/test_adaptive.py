@@ -524,13 +524,30 @@ def test_failed_probes_back_off_until_drafting_pays_again():
   assert int(state.wait) == 2 and int(state.idle) == 0
   # A probe predicted to cost 4.5 plain steps (a 1.0 draft token, one
   # catch-up pass priced 1.0 x 3.0 / 1.0, and 0.5 for the wider target
-  # pass) waits 4.5 times as long: the first comes after 9 plain steps.
+  # pass) waits 4.5 times as long.
   dear = adaptive.Auto.create(max_gamma=GAMMA, target_ms=[1.0, 1.5, 2.0, 3.0],
                               draft_ms=1.0, prior=0.0, probe_every=2,
                               probe_first=False)
   np.testing.assert_allclose(dear.probe_ms(jnp.int32(2)), 4.5)
-  budgets, _ = _steps(dear, lambda step, budget: 0 * budget, 12)
-  assert budgets.index(1) == 9, budgets
+  # By the 9 plain steps that takes, the draft model has fallen 9 tokens
+  # behind: two catch-up passes, a price of 7.5. Every step idle adds 3.0
+  # / 5 = 0.6 to it, 1.2 plain steps at a wait of 2: a probe could never
+  # keep to its share of the time, and none is made.
+  np.testing.assert_allclose(dear.probe_ms(jnp.int32(9)), 7.5)
+  budgets, _ = _steps(dear, lambda step, budget: 0 * budget, 64)
+  assert budgets == [0] * 64, budgets
+  # With a first draft token of 1.0, a further one of 0.25 and a wait of
+  # 3, the first step i with i >= 3 x price(i), price(i) = 1.0 + ceil(i /
+  # 5) x 0.25 x 3.0 + 0.5, is i = 9: by then the draft model needs two
+  # catch-up passes. (Priced at the wait, 3 x 2.25, it would have been 7.)
+  cheaper = adaptive.Auto.create(
+      max_gamma=GAMMA, target_ms=[1.0, 1.5, 2.0, 3.0], draft_ms=0.25,
+      first_draft_ms=1.0, prior=0.0, probe_every=3, probe_first=False)
+  price = lambda i: 1.0 + -(-i // 5) * 0.75 + 0.5
+  first = next(i for i in range(1, 64) if i >= 3 * max(1.0, price(i)))
+  assert first == 9
+  budgets, _ = _steps(cheaper, lambda step, budget: 0 * budget, 12)
+  assert budgets.index(1) == first, budgets
   with pytest.raises(ValueError, match="probe_max"):
     adaptive.Auto.create(**COSTS, probe_every=8, probe_max=4)
 
