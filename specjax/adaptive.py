@@ -60,8 +60,9 @@ Two policies:
   estimate plus `optimism` standard errors, √(a(1 - a) / (n + 1)) with n
   the steps that verified it in any row (not decayed), the deeper
   positions at their estimates; one token at most before any evidence.
-  So a few unlucky rejections near the break-even (two in a row bring a
-  rate-0.2 estimate of 0.8 to 0.51) do not stop drafting for
+  So a few unlucky rejections near the break-even (early in a generation
+  the estimate rests on a few observations: after the prior and one
+  acceptance, 0.85, two in a row bring it to 0.41) do not stop drafting for
   `probe_every` steps, a batch whose first probe was accepted goes on to
   the budget that pays (at B = 8, where one draft never pays, a wide
   one), while an estimate far below it, or one that many steps support,
@@ -356,7 +357,7 @@ class Auto(GammaPolicy):
   @classmethod
   def create(cls, *, max_gamma: int, target_ms: Sequence[float],
              draft_ms: float = 0.0, first_draft_ms: float | None = None,
-             prior: float = 0.7, rate: float = 0.2, probe_every: int = 16,
+             prior: float = 0.7, rate: float = 0.05, probe_every: int = 16,
              probe_max: int = 128, probe_first: bool = True,
              optimism: float = 1.0, horizon: int = 64) -> "Auto":
     """Validates host values.

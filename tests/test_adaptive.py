@@ -328,7 +328,7 @@ def test_pooled_estimates_count_the_start_once():
   # batch saw eight acceptances and one prior: (8 + 0.56) / (8 + 0.8) =
   # 0.973, with 8 trials. A row that ended still counts what it saw; one
   # that saw nothing does not.
-  policy = adaptive.Auto.create(**COSTS)
+  policy = adaptive.Auto.create(**COSTS, rate=0.2)
   batch = 8
   active = jnp.ones((batch,), bool)
   proposal = Proposal(tokens=jnp.zeros((batch, GAMMA), jnp.int32),
@@ -395,7 +395,8 @@ def test_warm_policy_starts_from_pooled_estimates():
   # 4 + 2 times, accepted 0.7 + 4 + 0; position 2 verified 2 times,
   # accepted once. Each row with the counts a row held: the prior's and
   # half the observations, 1 + 3 and 0 + 1.
-  policy = adaptive.Auto.create(max_gamma=2, target_ms=[1.0, 1.1, 1.2])
+  policy = adaptive.Auto.create(max_gamma=2, target_ms=[1.0, 1.1, 1.2],
+                                rate=0.2)
   state = policy.init(2).replace(
       seen_verified=jnp.array([[4.0, 2.0], [2.0, 0.0]]),
       seen_accepted=jnp.array([[4.0, 1.0], [0.0, 0.0]]),
@@ -427,13 +428,14 @@ def test_warm_policy_starts_from_pooled_estimates():
 
 
 def test_a_warm_start_trusts_the_whole_generation_not_its_last_steps():
-  # Machine G's B = 1 costs. A generation whose first 8 four-token steps
-  # were accepted and whose last 4 were rejected at their first draft:
-  # its decayed estimate of position 1 ends at 0.37, about the last five
-  # observations, under which no budget pays; all it saw says (0.7 + 8)
-  # / 13 = 0.67, under which four drafts pay. The next generation starts
-  # from the latter and drafts at once.
-  policy = adaptive.Auto.create(**G_B1)
+  # Machine G's B = 1 costs, and a fast decay (rate 0.2: the default's
+  # estimate would not fall so far in four steps). A generation whose
+  # first 8 four-token steps were accepted and whose last 4 were rejected
+  # at their first draft: its decayed estimate of position 1 ends at 0.37,
+  # about the last five observations, under which no budget pays; all it
+  # saw says (0.7 + 8) / 13 = 0.67, under which four drafts pay. The next
+  # generation starts from the latter and drafts at once.
+  policy = adaptive.Auto.create(**G_B1, rate=0.2)
   budgets, state = _steps(policy, lambda step, budget: budget * (step < 8),
                           12)
   assert budgets == [1] + [4] * 11, budgets
@@ -450,7 +452,8 @@ def test_draft_prefill_observes_the_first_acceptance(pair, temperature):
   # the draft model's prefill guessed the token the target drew first.
   # Expected: Σ min(p, q) of the two models' next-token distributions
   # after each prompt, recomputed here by plain forwards (under greedy,
-  # whether their argmaxes agree), added to the prior's decayed count.
+  # whether their argmaxes agree), added to the prior's count decayed by
+  # 1 - rate = 0.95.
   target, draft = pair
   policy = adaptive.Auto.create(**COSTS)
   prompts, lengths, size = decode.prepare_prompts(
@@ -475,9 +478,9 @@ def test_draft_prefill_observes_the_first_acceptance(pair, temperature):
     seen = np.array([np.minimum(next_probs(target, p),
                                 next_probs(model, p)).sum() for p in PROMPTS])
     state = start(drafters.DraftModel(model))
-    np.testing.assert_allclose(state.accepted[:, 0], 0.8 * 0.7 + seen,
+    np.testing.assert_allclose(state.accepted[:, 0], 0.95 * 0.7 + seen,
                                rtol=1e-5)
-    np.testing.assert_allclose(state.verified[:, 0], 0.8 + 1.0)
+    np.testing.assert_allclose(state.verified[:, 0], 0.95 + 1.0)
     np.testing.assert_array_equal(state.trials, 1.0)
     # The observation replaces the first-step probe.
     assert int(state.wait) == int(policy.probe_every)
@@ -485,7 +488,8 @@ def test_draft_prefill_observes_the_first_acceptance(pair, temperature):
   # Synthetic acceptance draws the observation at its rate.
   for rate in (0.0, 1.0):
     state = start(drafters.DraftModel(draft), synthetic_acceptance=rate)
-    np.testing.assert_allclose(state.accepted[:, 0], 0.56 + rate, rtol=1e-6)
+    np.testing.assert_allclose(state.accepted[:, 0], 0.665 + rate,
+                               rtol=1e-6)
   # A drafter whose prefill guesses nothing (prompt lookup) observes
   # nothing and probes at its first step.
   state = start(drafters.PromptLookup(vocab_size=target.vocab_size))
@@ -572,18 +576,26 @@ def test_a_cold_start_tests_its_prior_at_the_first_step():
   never = adaptive.Auto.create(**F_B1, probe_first=False, optimism=0.0)
   assert _steps(never, all_accepted, 12)[0] == [0] * 12
   hoping = adaptive.Auto.create(**F_B1, probe_first=False)
-  assert _steps(hoping, all_accepted, 3)[0] == [1, 4, 4]
-  # Accepted, every position is estimated at (0.56 + 1) / 1.8 = 0.867, and
-  # four drafts pay best: 3.833 tokens in 387 + 105 + 3 * 91 = 765 ms
-  # (5.011 a second) against two's 2.618 in 524 ms (4.996).
+  assert _steps(hoping, all_accepted, 3)[0] == [1, 2, 4]
+  # Counts decay by 1 - rate = 0.95. Accepted, every position is estimated
+  # at (0.665 + 1) / 1.95 = 0.854, and two drafts pay best: 2.583 tokens
+  # in 328 + 105 + 91 = 524 ms (4.929 a second) against four's 3.737 in
+  # 387 + 105 + 3 * 91 = 765 ms (4.884) and a plain step's 4.348. Both
+  # accepted, position 1 is at 2.582 / 2.853 = 0.905 and the deeper ones
+  # at (1 + 0.905) / 2 = 0.953: four drafts, 4.371 tokens in 765 ms
+  # (5.713) against two's 2.767 in 524 (5.281).
   budgets, state = _steps(adaptive.Auto.create(**F_B1), all_accepted, 6)
-  assert budgets == [1, 4, 4, 4, 4, 4], budgets
-  # Accepted, then the four-token step rejected at its first draft: 0.511,
-  # and its bound 0.511 + 0.289 = 0.80 with the deeper positions at 0.511
-  # predicts no K beats a plain step: back to plain steps.
+  assert budgets == [1, 2, 4, 4, 4, 4], budgets
+  # Accepted, then the two-token step rejected at its first draft: 1.582 /
+  # 2.853 = 0.554 at every position, under which no K beats a plain step
+  # (two drafts: 1.862 tokens in 524 ms, 3.553 a second). Its bound 0.554
+  # + √(0.554 · 0.446 / 3) = 0.842, the deeper positions at 0.554, hopes
+  # for two (2.308 tokens in 524 ms, 4.405): one more try. Rejected again,
+  # 1.503 / 3.710 = 0.405 and a bound of 0.405 + 0.245 = 0.650 hope for
+  # nothing (two drafts 3.653 a second, one 3.692): plain steps.
   budgets, _ = _steps(adaptive.Auto.create(**F_B1),
                       lambda step, budget: budget * (step == 0), 6)
-  assert budgets == [1, 4, 0, 0, 0, 0], budgets
+  assert budgets == [1, 2, 2, 0, 0, 0], budgets
   # Rejected, the first probe leaves plain steps and the usual wait.
   budgets, state = _steps(adaptive.Auto.create(**F_B1),
                           lambda step, budget: 0 * budget, 8)

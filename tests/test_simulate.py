@@ -114,10 +114,11 @@ def test_auto_on_machine_f_costs_is_within_5_percent_of_the_best(alpha):
 def test_optimism_keeps_drafting_through_unlucky_rejections():
   """Machine F's B = 1 costs where verification was cheap (its fourth
   session, t(3) / t(1) = 1.2), α = 0.8, 32 tokens: γ = 2 is 1.23x
-  autoregressive decoding, and two rejections in a row bring a rate-0.2
-  estimate under the break-even. Without the confidence bound the policy
-  then waits 16 plain steps, half the row (0.90x the best in
-  expectation); with it, it probes at once and stays within 5%."""
+  autoregressive decoding, and early in a generation, while the estimate
+  rests on a few observations, two rejections in a row bring it under the
+  break-even (0.85 to 0.41, against 0.553). Without the confidence bound
+  the policy then waits 16 plain steps, half the row (0.91x the best in
+  expectation); with it, it probes at once and stays within 5% (0.97x)."""
   costs = sim.SimCosts(target_ms=(275.0, 318.0, 331.0, 403.0),
                        draft_ms=92.0, first_draft_ms=109.0)
   ratio = lambda optimism: sim.over_best(
@@ -150,10 +151,10 @@ def test_near_the_end_auto_waits_for_the_slowest_row():
 
 
 def test_settled_starts_from_steady_counts():
-  # rate 0.2: 5 decayed observations per position, 0.8 of them accepted.
+  # rate 0.05: 20 decayed observations per position, 0.8 of them accepted.
   auto = sim.settled(sim.auto_policy(COSTS, G), 0.8)
   state = auto.init(2)
-  np.testing.assert_allclose(state.verified, np.full((2, G), 5.0))
+  np.testing.assert_allclose(state.verified, np.full((2, G), 20.0))
   np.testing.assert_allclose(auto.acceptance(state)[0, 0], 0.8, rtol=1e-6)
   assert int(state.wait) == int(auto.probe_every)
 
