@@ -535,12 +535,13 @@ class Auto(GammaPolicy):
     Each row holds a decayed copy of the counts it started from (the
     prior, or what `warm` carried), which in a pool would be counted B
     times and outweigh the batch's first observations: after one
-    accepted one-token probe at B = 8 from a prior of 0.7, 0.867 where
-    the pool says 0.973. So the start counts are counted once, at the
-    rows' mean decay, (1 - rate)^(trials - start_trials) (position 1's;
-    a deeper position decays no faster, so its copy is at least that),
-    times the rows they stand for (`start_rows`: 1 for the prior, an
-    earlier batch's B after `warm`, whose pool they continue).
+    accepted one-token probe at B = 8 from a prior of 0.7, 0.854 where
+    the pool says 0.968 (at the default rate). So the start counts are
+    counted once, at the rows' mean decay, (1 - rate)^(trials -
+    start_trials) (position 1's; a deeper position decays no faster, so
+    its copy is at least that), times the rows they stand for
+    (`start_rows`: 1 for the prior, an earlier batch's B after `warm`,
+    whose pool they continue).
     """
     active = active | (state.trials > self.start_trials)
     decay = (1.0 - self.rate) ** (state.trials - self.start_trials)  # [B]
