@@ -62,6 +62,7 @@ import dataclasses
 import functools
 import json
 import os
+from typing import Any, Callable
 
 from absl import app
 from absl import flags
@@ -189,13 +190,23 @@ def _steps_ms(stats, target_costs, draft_costs) -> float:
 @dataclasses.dataclass(frozen=True)
 class _Setup:
   """What every policy and α at one B share: the cache size S, the target
-  widths timed, and the forward costs measured at S (a forward's cost
-  grows with S)."""
+  widths timed, and how to read the forward costs measured at S (a
+  forward's cost grows with S)."""
 
   cache_size: int
   widths: list[int]
-  target_costs: cost.ForwardCosts
-  draft_costs: cost.ForwardCosts | None
+  measure: Callable[..., cost.ForwardCosts]
+  target: Any
+  draft: Any
+
+  def costs(self) -> tuple[cost.ForwardCosts, cost.ForwardCosts | None]:
+    """The target's and the draft model's (None for prompt lookup) costs,
+    as `gamma="auto"` would read them now: from the cache, timed again
+    when due (`cost.measure`), so a table taken at a bad moment is
+    outvoted while the sweep goes on."""
+    return (self.measure(self.target, chunks=self.widths),
+            self.measure(self.draft, chunks=(1, 2))
+            if _DRAFTER.value == "model" else None)
 
 
 def _setup(target, draft, prompts, gammas) -> _Setup:
@@ -209,17 +220,19 @@ def _setup(target, draft, prompts, gammas) -> _Setup:
   cache_size = decode.default_cache_size(
       max(map(len, prompts)), _TOKENS.value, reserve=widths[-1])
   measure = functools.partial(cost.measure, batch=batch,
-                              cache_size=cache_size, refresh=_REFRESH.value)
-  return _Setup(cache_size, widths, measure(target, chunks=widths),
-                measure(draft, chunks=(1, 2))
-                if _DRAFTER.value == "model" else None)
+                              cache_size=cache_size)
+  setup = _Setup(cache_size, widths, measure, target, draft)
+  if _REFRESH.value:
+    dataclasses.replace(
+        setup, measure=functools.partial(measure, refresh=True)).costs()
+  return setup
 
 
 def _run_batch(target, drafter, prompts, alpha, gammas, seen,
                setup: _Setup):
   batch = len(prompts)
   cache_size, widths = setup.cache_size, setup.widths
-  target_costs, draft_costs = setup.target_costs, setup.draft_costs
+  target_costs, draft_costs = setup.costs()
   policies = {"ar": None, **{f"γ={g}": g for g in gammas},
               "heuristic": adaptive.Heuristic(_MAX_GAMMA.value),
               "auto": adaptive.Auto.create(

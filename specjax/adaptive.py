@@ -422,9 +422,10 @@ class Auto(GammaPolicy):
               max_gamma: int, cache_size: int = 512,
               cache_dir: str | None = None, **kwargs) -> "Auto":
     """`create` with costs measured on this machine (`tuning.cost.measure`,
-    cached on disk per machine, model, B, S and widths, and re-timed at
-    their first use in a process), at the cache size S the generation runs
-    with (a forward's cost grows with S).
+    cached on disk per machine, model, B, S and widths, re-timed at their
+    first use in a process and again from time to time while in use, each
+    table the median of its last passes), at the cache size S the
+    generation runs with (a forward's cost grows with S).
 
     A drafter's per-token cost is one forward of its `cost_model` (the
     draft model; none for prompt lookup), and a two-token forward for a

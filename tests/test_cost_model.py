@@ -129,34 +129,122 @@ def test_measure_caches_per_machine_and_shape(tmp_path):
                         cache_dir=tmp_path).source == "measured"
 
 
-@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
+class _Timings:
+  """Stands in for `hardware.median_ms` and `forward_step`: each timing
+  returns the next scripted pass ({T: ms}) for the chunks it is asked to
+  time, and counts the timings."""
+
+  def __init__(self, monkeypatch, *passes):
+    self.passes = list(passes)
+    self.calls = []
+    monkeypatch.setattr(cost, "forward_step", lambda *a: lambda: None)
+    monkeypatch.setattr(cost.hardware, "median_ms", self)
+    monkeypatch.setattr(cost, "_DUE", {})  # as in a new process
+
+  def __call__(self, steps, repeats):
+    del repeats
+    self.calls.append(sorted(steps))
+    times = self.passes.pop(0)
+    return {t: float(times[t]) for t in steps}
+
+
+_KW = dict(batch=1, chunks=(1, 3), cache_size=64, prompt_tokens=8)
+
+
+def test_a_new_table_takes_a_third_pass_when_two_disagree(tmp_path,
+                                                          monkeypatch):
+  target, _ = testing.tiny_pair()
+  agree = _Timings(monkeypatch, {1: 100, 3: 110}, {1: 104, 3: 112})
+  costs = cost.measure(target, cache_dir=tmp_path / "a", **_KW)
+  assert len(agree.calls) == 2 and costs.source == "measured"
+  assert costs.forward_ms == {1: 102, 3: 111}  # the median of two: the mean
+  # 110 and 120 at T = 3 are 9% apart (more than AGREE): a third pass, and
+  # the median of the three.
+  split = _Timings(monkeypatch, {1: 100, 3: 110}, {1: 100, 3: 120},
+                   {1: 101, 3: 112})
+  costs = cost.measure(target, cache_dir=tmp_path / "b", **_KW)
+  assert len(split.calls) == 3 and costs.forward_ms == {1: 100, 3: 112}
+  (entry,) = json.loads((tmp_path / "b" / "tuning" / "cost.json")
+                        .read_text()).values()
+  assert entry["forward_ms"] == {"1": 100, "3": 112}
+  assert len(entry["passes"]) == 3
+
+
+def test_a_table_taken_at_a_bad_moment_is_outvoted_once_due(tmp_path,
+                                                             monkeypatch):
+  """Two agreeing passes at a bad moment (T = 3 13% dear) make the table;
+  read again before it is due, nothing is timed; once due, a pass that
+  disagrees with it brings another, and the two outvote the bad ones."""
+  target, _ = testing.tiny_pair()
+  kw = dict(_KW, cache_dir=tmp_path)
+  bad, good = {1: 2120, 3: 2400}, {1: 2000, 3: 2060}
+  timings = _Timings(monkeypatch, bad, bad, good, good)
+  assert cost.measure(target, **kw).forward_ms == bad
+  # Due after RECHECK times the last pass's timed calls: 5 repeats of
+  # 2.12 + 2.4 s.
+  (key,) = cost._DUE
+  assert cost._DUE[key] == pytest.approx(
+      cost.time.monotonic() + cost.RECHECK * 5 * 4.52, abs=5.0)
+  assert cost.measure(target, **kw).source == "cache"
+  assert len(timings.calls) == 2
+  cost._DUE[key] = 0.0  # due
+  again = cost.measure(target, **kw)
+  assert len(timings.calls) == 4 and again.source == "measured"
+  assert again.forward_ms == good  # the median of bad, good, good
+
+
+def test_a_due_pass_that_agrees_is_the_only_one(tmp_path, monkeypatch):
+  target, _ = testing.tiny_pair()
+  kw = dict(_KW, cache_dir=tmp_path)
+  timings = _Timings(monkeypatch, {1: 100, 3: 110}, {1: 100, 3: 110},
+                     {1: 103, 3: 113}, {1: 90, 3: 100})
+  cost.measure(target, **kw)
+  cost._DUE.update(dict.fromkeys(cost._DUE, 0.0))
+  assert cost.measure(target, **kw).forward_ms == {1: 100, 3: 110}
+  assert len(timings.calls) == 3  # one pass; the fourth is never taken
+  # Two more passes, 10% apart from the table: only the last PASSES (one
+  # old, two new) are kept, so the new ones carry the median.
+  cost._DUE.update(dict.fromkeys(cost._DUE, 0.0))
+  timings.passes = [{1: 90, 3: 100}, {1: 90, 3: 100}]
+  assert cost.measure(target, **kw).forward_ms == {1: 90, 3: 100}
+
+
 def test_a_cached_cost_that_drifted_is_measured_again(tmp_path,
                                                       monkeypatch):
-  """An entry whose times no longer hold (here 1000x what was measured) is
-  re-timed at its first read in a process and measured again; `check=False`
-  trusts it; a key checked once is read without timing."""
+  """A table whose times no longer hold (a 1000x slower machine) is
+  re-timed at its first read in a process, at its narrowest and widest
+  chunk, and measured anew; `check=False` trusts it; within DRIFT, the
+  check alone is timed and the table kept."""
   target, _ = testing.tiny_pair()
-  kw = dict(batch=1, chunks=(1, 3), cache_size=64, prompt_tokens=8,
-            repeats=2, cache_dir=tmp_path)
-  true = cost.measure(target, **kw)
+  kw = dict(_KW, cache_dir=tmp_path)
+  true = {1: 100, 3: 110}
+  _Timings(monkeypatch, true, true)
+  cost.measure(target, **kw)
+  slow = {1: 100_000, 3: 110_000}
+  timings = _Timings(monkeypatch, slow, slow, slow)  # a new process
+  assert cost.measure(target, check=False, **kw).forward_ms == true
+  assert timings.calls == []
+  again = cost.measure(target, **kw)
+  assert timings.calls == [[1, 3]] * 3 and again.forward_ms == slow
+  timings = _Timings(monkeypatch, {1: 115_000, 3: 100_000})
+  kept = cost.measure(target, **kw)
+  assert len(timings.calls) == 1 and kept.forward_ms == slow
+  assert kept.source == "cache"
+
+
+def test_a_table_written_before_passes_were_kept_is_read(tmp_path,
+                                                         monkeypatch):
+  target, _ = testing.tiny_pair()
+  kw = dict(_KW, cache_dir=tmp_path)
+  _Timings(monkeypatch, {1: 100, 3: 110}, {1: 100, 3: 110})
+  cost.measure(target, **kw)
   path = tmp_path / "tuning" / "cost.json"
   entries = json.loads(path.read_text())
-  (key,) = entries
-  entries[key]["forward_ms"] = {
-      t: 1000 * v for t, v in entries[key]["forward_ms"].items()}
+  for entry in entries.values():
+    del entry["passes"]
   path.write_text(json.dumps(entries))
-  monkeypatch.setattr(cost, "_CHECKED", set())  # as in a new process
-  stale = cost.measure(target, check=False, **kw)
-  assert stale.source == "cache"
-  assert stale.forward_ms[1] == 1000 * true.forward_ms[1]
-  again = cost.measure(target, **kw)
-  assert again.source == "measured"
-  assert again.forward_ms[1] < 10 * true.forward_ms[1]
-  written = json.loads(path.read_text())[key]["forward_ms"]
-  assert written == {str(t): v for t, v in again.forward_ms.items()}
-  monkeypatch.setattr(cost.hardware, "median_ms",
-                      lambda *a, **k: pytest.fail("timed again"))
-  assert cost.measure(target, **kw).source == "cache"
+  assert cost.measure(target, check=False, **kw).forward_ms == {1: 100,
+                                                                 3: 110}
 
 
 def test_extended_prediction_by_hand():
