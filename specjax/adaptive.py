@@ -169,10 +169,9 @@ class PolicyState:
     verified: [B, G] float32 decayed count of steps in which each draft
       position was verified, per row (`Auto`).
     accepted: [B, G] float32 the same count of acceptances (`Auto`).
-    trials: [B] float32 steps in which draft position 1 was verified, not
-      decayed: the evidence behind `Auto.hoped`'s confidence bound.
     seen_verified: [B, G] float32 the steps of this generation in which
-      each draft position was verified, not decayed (`Auto.warm`).
+      each draft position was verified, not decayed (`Auto.warm`; position
+      1's are the evidence behind `Auto.hoped`'s confidence bound).
     seen_accepted: [B, G] float32 the same count of acceptances.
     idle: [] int32 consecutive steps without drafting (`Auto`).
     wait: [] int32 steps without drafting before the next probe (`Auto`).
@@ -181,7 +180,6 @@ class PolicyState:
   budget: jax.Array
   verified: jax.Array
   accepted: jax.Array
-  trials: jax.Array
   seen_verified: jax.Array
   seen_accepted: jax.Array
   idle: jax.Array
@@ -283,7 +281,6 @@ class Heuristic(GammaPolicy):
     none = jnp.zeros((batch, 0), jnp.float32)
     return PolicyState(budget=jnp.full((batch,), start, jnp.int32),
                        verified=none, accepted=none,
-                       trials=jnp.zeros((batch,), jnp.float32),
                        seen_verified=none, seen_accepted=none,
                        idle=jnp.int32(0), wait=jnp.int32(0))
 
@@ -459,7 +456,6 @@ class Auto(GammaPolicy):
         budget=jnp.zeros((batch,), jnp.int32),
         verified=jnp.broadcast_to(self.start_verified, shape),
         accepted=jnp.broadcast_to(self.start_accepted, shape),
-        trials=jnp.broadcast_to(self.start_trials, (batch,)),
         seen_verified=jnp.zeros(shape, jnp.float32),
         seen_accepted=jnp.zeros(shape, jnp.float32),
         idle=jnp.int32(0), wait=self.first_wait)
@@ -482,13 +478,14 @@ class Auto(GammaPolicy):
     observations, up to a steady decayed count (1 / `rate` observations
     of position 1), so that its own observations move them as fast as
     any decayed estimate. The batch's pool counts them as the evidence of
-    all the rows that learned them (`start_rows`), not of one; `trials`
-    carries the steps behind position 1, for `hoped`'s bound. The
+    all the rows that learned them (`start_rows`), not of one, and
+    `start_trials` carries a row's steps behind position 1, for `hoped`'s
+    bound. The
     estimates rest on observations, so there is no probe at the first
     step. Same shapes, so nothing recompiles.
     """
     state = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), state)
-    rows = state.trials.shape[0]
+    rows = state.seen_verified.shape[0]
     # [G] all the earlier batch knew: its start counts (as its pool
     # counted them) and what its rows observed.
     known = lambda start, seen: start * self.start_rows + jnp.sum(seen, 0)
@@ -502,7 +499,8 @@ class Auto(GammaPolicy):
                                         * jnp.maximum(verified[0], 1e-6)))
     return self.replace(start_verified=verified,
                         start_accepted=verified * ratio,
-                        start_trials=jnp.mean(state.trials),
+                        start_trials=self.start_trials
+                        + jnp.mean(state.seen_verified[:, 0]),
                         start_rows=jnp.float32(rows),
                         first_wait=self.probe_every)
 
@@ -538,15 +536,15 @@ class Auto(GammaPolicy):
     times and outweigh the batch's first observations: after one
     accepted one-token probe at B = 8 from a prior of 0.7, 0.854 where
     the pool says 0.968 (at the default rate). So the start counts are
-    counted once, at the rows' mean decay, (1 - rate)^(trials -
-    start_trials) (position 1's; a deeper position decays no faster, so
+    counted once, at the rows' mean decay, (1 - rate)^n for a row that
+    verified position 1 n times (a deeper position decays no faster, so
     its copy is at least that), times the rows they stand for
     (`start_rows`: 1 for the prior, an earlier batch's B after `warm`,
     whose pool they continue).
     """
-    active = active | (state.trials > self.start_trials)
-    decay = (1.0 - self.rate) ** (state.trials - self.start_trials)  # [B]
-    decay = jnp.where(active, decay, 0.0)
+    seen = state.seen_verified[:, 0]  # [B] position 1's verifications
+    active = active | (seen > 0)
+    decay = jnp.where(active, (1.0 - self.rate) ** seen, 0.0)  # [B]
     rows = jnp.sum(active)
     # The start counts' weight in the pool: the rows' mean decay, times the
     # rows they stand for.
@@ -557,8 +555,7 @@ class Auto(GammaPolicy):
       return (jnp.sum(jnp.where(active[:, None], own, 0.0), 0)
               + start * weight)
 
-    trials = (jnp.sum(jnp.where(active, state.trials - self.start_trials,
-                                0.0))
+    trials = (jnp.sum(jnp.where(active, seen, 0.0))
               + self.start_trials * self.start_rows * (rows > 0))
     estimates = self._estimates(pool(state.verified, self.start_verified),
                                 pool(state.accepted, self.start_accepted))
@@ -775,13 +772,11 @@ class Auto(GammaPolicy):
     """`state` with the decayed counts of the positions `judged` [B, G]
     (bool) each verified once and accepted by `accepted` ([B, G] or
     broadcastable, float32), the same in the undecayed counts of the
-    generation (`seen_verified`, `seen_accepted`), and a trial for each
-    row that judged position 1."""
+    generation (`seen_verified`, `seen_accepted`)."""
     keep = 1.0 - self.rate
     decay = lambda count, new: jnp.where(judged, keep * count + new, count)
     accepted = jnp.where(judged, accepted, 0.0)
-    return state.replace(trials=state.trials + judged[:, 0],
-                         verified=decay(state.verified, 1.0),
+    return state.replace(verified=decay(state.verified, 1.0),
                          accepted=decay(state.accepted, accepted),
                          seen_verified=state.seen_verified + judged,
                          seen_accepted=state.seen_accepted + accepted)

@@ -299,7 +299,7 @@ def test_near_the_end_auto_chooses_by_when_the_batch_ends():
       state = policy.init(batch).replace(
           verified=jnp.ones((batch, GAMMA)),
           accepted=jnp.full((batch, GAMMA), acceptance),
-          trials=jnp.full((batch,), 1000.0))
+          seen_verified=jnp.full((batch, GAMMA), 1000.0))
       np.testing.assert_allclose(policy.pooled(state, active)[0],
                                  acceptance, rtol=1e-6)
       chosen[acceptance, horizon] = int(policy.budget(
@@ -400,8 +400,7 @@ def test_warm_policy_starts_from_pooled_estimates():
   state = policy.init(2).replace(
       seen_verified=jnp.array([[4.0, 2.0], [2.0, 0.0]]),
       seen_accepted=jnp.array([[4.0, 1.0], [0.0, 0.0]]),
-      verified=jnp.zeros((2, 2)), accepted=jnp.zeros((2, 2)),
-      trials=jnp.array([3.0, 1.0]))
+      verified=jnp.zeros((2, 2)), accepted=jnp.zeros((2, 2)))
   warmed = policy.warm(state)
   warm = warmed.init(3)
   np.testing.assert_allclose(warm.verified, [[4.0, 1.0]] * 3)
@@ -409,10 +408,10 @@ def test_warm_policy_starts_from_pooled_estimates():
   np.testing.assert_allclose(policy.acceptance(warm)[0],
                              [a1, (0.5 + a1) / 2], rtol=1e-6)
   # The batch's pool continues the earlier one: the start counts stand
-  # for both rows that learned them, 3 + 1 trials (not one row's 2).
+  # for both rows that learned them, 4 + 2 trials (not one row's 3).
   pooled, trials = warmed.pooled(warm, jnp.ones((3,), bool))
   np.testing.assert_allclose(pooled, [a1, (1.0 + a1) / 3], rtol=1e-6)
-  assert float(trials) == 4.0
+  assert float(trials) == 6.0
   # A long generation's estimates start with the weight of a steady
   # decayed count, 1 / rate = 5 observations of position 1, so that the
   # next rows' own observations move them.
@@ -481,7 +480,7 @@ def test_draft_prefill_observes_the_first_acceptance(pair, temperature):
     np.testing.assert_allclose(state.accepted[:, 0], 0.95 * 0.7 + seen,
                                rtol=1e-5)
     np.testing.assert_allclose(state.verified[:, 0], 0.95 + 1.0)
-    np.testing.assert_array_equal(state.trials, 1.0)
+    np.testing.assert_array_equal(state.seen_verified[:, 0], 1.0)
     # The observation replaces the first-step probe.
     assert int(state.wait) == int(policy.probe_every)
   np.testing.assert_allclose(seen, 1.0, rtol=1e-5)
@@ -493,7 +492,7 @@ def test_draft_prefill_observes_the_first_acceptance(pair, temperature):
   # A drafter whose prefill guesses nothing (prompt lookup) observes
   # nothing and probes at its first step.
   state = start(drafters.PromptLookup(vocab_size=target.vocab_size))
-  np.testing.assert_array_equal(state.trials, 0.0)
+  np.testing.assert_array_equal(state.seen_verified[:, 0], 0.0)
   assert int(state.wait) == 0
 
 
@@ -626,7 +625,7 @@ def test_an_optimistic_bound_probes_near_the_break_even():
     state = policy.init(1).replace(
         verified=jnp.array([[4.0, 0.0, 0.0, 0.0]]),
         accepted=jnp.array([[4.0 * a, 0.0, 0.0, 0.0]]),
-        trials=jnp.array([trials]))
+        seen_verified=jnp.array([[trials, 0.0, 0.0, 0.0]]))
     return int(policy.budget(state, active)[0])
 
   assert budget(policy, 0.5, 2.0) == 1
@@ -641,8 +640,9 @@ def test_an_optimistic_bound_probes_near_the_break_even():
   # a warm start carries them.
   budgets, state = _steps(policy, lambda step, budget: 0 * budget, 4)
   assert budgets == [2, 1, 0, 0], budgets
-  assert float(state.trials[0]) == 2.0
-  np.testing.assert_allclose(policy.warm(state).init(2).trials, [2.0, 2.0])
+  assert float(state.seen_verified[0, 0]) == 2.0
+  warm = policy.warm(state)
+  assert float(warm.pooled(warm.init(2), jnp.ones((2,), bool))[1]) == 2.0
   with pytest.raises(ValueError, match="optimism"):
     adaptive.Auto.create(**F_CHEAP, optimism=-1.0)
 

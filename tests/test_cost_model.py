@@ -173,8 +173,9 @@ def test_a_new_table_takes_a_third_pass_when_two_disagree(tmp_path,
 def test_a_table_taken_at_a_bad_moment_is_outvoted_once_due(tmp_path,
                                                              monkeypatch):
   """Two agreeing passes at a bad moment (T = 3 13% dear) make the table;
-  read again before it is due, nothing is timed; once due, a pass that
-  disagrees with it brings another, and the two outvote the bad ones."""
+  read again before it is due, nothing is timed. Once due, one pass: it
+  disagrees, so the table (the median of bad, bad, good) holds, and the
+  next pass is due within RECHECK_MIN_S; that one outvotes the bad."""
   target, _ = testing.tiny_pair()
   kw = dict(_KW, cache_dir=tmp_path)
   bad, good = {1: 2120, 3: 2400}, {1: 2000, 3: 2060}
@@ -188,25 +189,46 @@ def test_a_table_taken_at_a_bad_moment_is_outvoted_once_due(tmp_path,
   assert cost.measure(target, **kw).source == "cache"
   assert len(timings.calls) == 2
   cost._DUE[key] = 0.0  # due
+  assert cost.measure(target, **kw).forward_ms == bad
+  assert len(timings.calls) == 3
+  assert cost._DUE[key] == pytest.approx(
+      cost.time.monotonic() + cost.RECHECK_MIN_S, abs=5.0)
+  cost._DUE[key] = 0.0
   again = cost.measure(target, **kw)
   assert len(timings.calls) == 4 and again.source == "measured"
   assert again.forward_ms == good  # the median of bad, good, good
 
 
-def test_a_due_pass_that_agrees_is_the_only_one(tmp_path, monkeypatch):
+def test_one_bad_pass_moves_no_table(tmp_path, monkeypatch):
   target, _ = testing.tiny_pair()
   kw = dict(_KW, cache_dir=tmp_path)
-  timings = _Timings(monkeypatch, {1: 100, 3: 110}, {1: 100, 3: 110},
-                     {1: 103, 3: 113}, {1: 90, 3: 100})
+  good, slow = {1: 100, 3: 110}, {1: 107, 3: 118}
+  timings = _Timings(monkeypatch, good, good, slow, good)
+  cost.measure(target, **kw)
+  for _ in range(2):
+    cost._DUE.update(dict.fromkeys(cost._DUE, 0.0))
+    assert cost.measure(target, **kw).forward_ms == good
+  assert len(timings.calls) == 4  # one pass each time it was due
+
+
+def test_due_passes_one_at_a_time_and_the_last_three_kept(tmp_path,
+                                                         monkeypatch):
+  target, _ = testing.tiny_pair()
+  kw = dict(_KW, cache_dir=tmp_path)
+  timings = _Timings(monkeypatch, {1: 1000, 3: 1100}, {1: 1000, 3: 1100},
+                     {1: 1030, 3: 1130})
   cost.measure(target, **kw)
   cost._DUE.update(dict.fromkeys(cost._DUE, 0.0))
-  assert cost.measure(target, **kw).forward_ms == {1: 100, 3: 110}
-  assert len(timings.calls) == 3  # one pass; the fourth is never taken
+  assert cost.measure(target, **kw).forward_ms == {1: 1000, 3: 1100}
+  assert len(timings.calls) == 3  # one pass
+  (due,) = cost._DUE.values()  # it agrees: due after RECHECK times it
+  assert due > cost.time.monotonic() + cost.RECHECK_MIN_S
   # Two more passes, 10% apart from the table: only the last PASSES (one
   # old, two new) are kept, so the new ones carry the median.
-  cost._DUE.update(dict.fromkeys(cost._DUE, 0.0))
-  timings.passes = [{1: 90, 3: 100}, {1: 90, 3: 100}]
-  assert cost.measure(target, **kw).forward_ms == {1: 90, 3: 100}
+  for expected in ({1: 1000, 3: 1100}, {1: 900, 3: 1000}):
+    cost._DUE.update(dict.fromkeys(cost._DUE, 0.0))
+    timings.passes = [{1: 900, 3: 1000}]
+    assert cost.measure(target, **kw).forward_ms == expected
 
 
 def test_a_cached_cost_that_drifted_is_measured_again(tmp_path,

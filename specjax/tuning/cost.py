@@ -179,7 +179,7 @@ def _check_entry(entry: Any) -> None:
 # machine changed, and its passes are discarded. A table in use is timed
 # again (one more pass) once the process has run `RECHECK` times as long
 # as its last timing's calls took, and at least `RECHECK_MIN_S` seconds,
-# since.
+# since; only `RECHECK_MIN_S` after a pass that disagreed with it.
 PASSES = 3
 AGREE = 0.05
 DRIFT = 0.2
@@ -237,10 +237,14 @@ def measure(model: Any, *, batch: int, chunks: Sequence[int],
     the machine has changed: the table is measured anew;
   - with `check`, a table read again in a process once it is due (`RECHECK`
     times its last timing's calls after it, at least `RECHECK_MIN_S`
-    seconds) gets one more pass, and another when that one does not agree
-    with the table. So a table taken at a bad moment is outvoted by later
-    passes while a long run (a server, a benchmark sweep) goes on, at a
-    cost of about 1/`RECHECK` of its time.
+    seconds) gets one more pass. Where that pass does not agree with the
+    table, the next is due after `RECHECK_MIN_S` only, not at once: two
+    passes of one bad moment agree with each other (on machine B at B =
+    32, a due pass 7% dear and another right after it, while the
+    generations around them ran at the table's old speed). So a table
+    taken at a bad moment is outvoted by passes of two later moments, and
+    one bad pass moves no table, while a long run (a server, a benchmark
+    sweep) goes on, at a cost of about 1/`RECHECK` of its time.
 
   Attention reads all S slots of the static cache whatever the rows'
   lengths, so a forward's cost grows with S (on machine C, B = 8 at the
@@ -276,10 +280,11 @@ def measure(model: Any, *, batch: int, chunks: Sequence[int],
     if all(abs(now[t] / cached.forward_ms[t] - 1) <= DRIFT for t in ends):
       return cached
     passes = []  # the machine has changed
-  if passes:  # due again: one pass, and another if it differs from the table
+  if passes:  # due again: one pass
     new = [timed()]
     if not _agree(new[0], _median(passes)):
-      new.append(timed())
+      # The next is due soon: two moments decide, not two passes of one.
+      _DUE[key] = time.monotonic() + RECHECK_MIN_S
   else:  # a new table: two passes, and a third if they differ
     new = [timed(), timed()]
     if not _agree(*new):
