@@ -480,9 +480,8 @@ class Auto(GammaPolicy):
     any decayed estimate. The batch's pool counts them as the evidence of
     all the rows that learned them (`start_rows`), not of one, and
     `start_trials` carries a row's steps behind position 1, for `hoped`'s
-    bound. The
-    estimates rest on observations, so there is no probe at the first
-    step. Same shapes, so nothing recompiles.
+    bound. The estimates rest on observations, so there is no probe at the
+    first step. Same shapes, so nothing recompiles.
     """
     state = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), state)
     rows = state.seen_verified.shape[0]
