@@ -194,8 +194,10 @@ def _median(passes: Sequence[dict[int, float]]) -> dict[int, float]:
   return {t: float(np.median([p[t] for p in passes])) for t in passes[0]}
 
 
-def _agree(a: dict[int, float], b: dict[int, float]) -> bool:
-  return all(abs(a[t] / b[t] - 1) <= AGREE for t in a)
+def _agree(a: dict[int, float], b: dict[int, float],
+           tolerance: float = AGREE) -> bool:
+  """Whether every T of `a` is within `tolerance` of `b`'s."""
+  return all(abs(a[t] / b[t] - 1) <= tolerance for t in a)
 
 
 def _timed(key: str, steps: dict[int, Callable[[], Any]],
@@ -276,13 +278,12 @@ def measure(model: Any, *, batch: int, chunks: Sequence[int],
   timed = lambda ts=chunks: _timed(key, {t: step(t) for t in ts}, repeats)
   if passes and key not in _DUE:  # the first read in this process
     ends = (chunks[0], chunks[-1])
-    now = timed(ends)
-    if all(abs(now[t] / cached.forward_ms[t] - 1) <= DRIFT for t in ends):
+    if _agree(timed(ends), cached.forward_ms, DRIFT):
       return cached
     passes = []  # the machine has changed
   if passes:  # due again: one pass
     new = [timed()]
-    if not _agree(new[0], _median(passes)):
+    if not _agree(new[0], cached.forward_ms):
       # The next is due soon: two moments decide, not two passes of one.
       _DUE[key] = time.monotonic() + RECHECK_MIN_S
   else:  # a new table: two passes, and a third if they differ
