@@ -334,6 +334,9 @@ class Auto(GammaPolicy):
     horizon: static, the most tokens a row may have left for the budget to
       be chosen by when the batch ends (`score`); 0 for the steady state
       only.
+    serial_finish: static, how `finish.expected_steps` computes the
+      batch's end: in a loop (True), all at once (False), or by the
+      backend (None).
   """
 
   target_ms: jax.Array
@@ -350,13 +353,16 @@ class Auto(GammaPolicy):
   optimism: jax.Array
   max_gamma: int = flax.struct.field(pytree_node=False)
   horizon: int = flax.struct.field(pytree_node=False, default=64)
+  serial_finish: bool | None = flax.struct.field(pytree_node=False,
+                                                 default=None)
 
   @classmethod
   def create(cls, *, max_gamma: int, target_ms: Sequence[float],
              draft_ms: float = 0.0, first_draft_ms: float | None = None,
              prior: float = 0.7, rate: float = 0.05, probe_every: int = 16,
              probe_max: int = 128, probe_first: bool = True,
-             optimism: float = 1.0, horizon: int = 64) -> "Auto":
+             optimism: float = 1.0, horizon: int = 64,
+             serial_finish: bool | None = None) -> "Auto":
     """Validates host values.
 
     Args:
@@ -379,6 +385,7 @@ class Auto(GammaPolicy):
         the scheduled probes).
       horizon: choose by when the batch ends once no row has more than
         this many tokens left, >= 0 (0: by the steady state throughout).
+      serial_finish: see the attribute (None: by the backend).
     """
     widths = verify_widths(max_gamma)
     costs = np.asarray(target_ms, np.float32).reshape(-1)
@@ -399,6 +406,9 @@ class Auto(GammaPolicy):
       raise ValueError(f"optimism must be >= 0, got {optimism}.")
     if isinstance(horizon, bool) or int(horizon) != horizon or horizon < 0:
       raise ValueError(f"horizon must be an integer >= 0, got {horizon!r}.")
+    if serial_finish is not None and not isinstance(serial_finish, bool):
+      raise ValueError(f"serial_finish must be True, False or None, got "
+                       f"{serial_finish!r}.")
     if int(probe_max) < int(probe_every):
       raise ValueError(f"probe_max must be >= probe_every={probe_every}, "
                        f"got {probe_max}.")
@@ -412,7 +422,7 @@ class Auto(GammaPolicy):
                probe_max=jnp.int32(probe_max),
                first_wait=jnp.int32(0 if probe_first else probe_every),
                optimism=jnp.float32(optimism), max_gamma=int(max_gamma),
-               horizon=int(horizon))
+               horizon=int(horizon), serial_finish=serial_finish)
 
   @classmethod
   def measure(cls, target: Any, drafter: Any, *, batch: int,
@@ -638,7 +648,8 @@ class Auto(GammaPolicy):
     `score`)."""
     # Every row alike: one distribution carried, [1, G+1, G+1].
     steps = finish.expected_steps(finish.emit_probabilities(pooled[None]),
-                                  remaining, active, self.horizon)  # [G+1]
+                                  remaining, active, self.horizon,
+                                  self.serial_finish)  # [G+1]
     k = jnp.arange(self.max_gamma + 1)
     target = self.target_ms[width_index(self.widths, k + 1)]
     step_ms = target + drafting_ms(k, self.first_draft_ms, self.draft_ms)

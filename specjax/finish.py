@@ -26,12 +26,13 @@ row has emitted after s steps, in one of two ways (`serial`):
   1): log2(horizon) products of a [.., 2^j, horizon] table by a
   [horizon, horizon] Toeplitz matrix, with no loop.
 
-On CPU an executed op costs about a microsecond, and the loop's few small
-ops an iteration cost less than the dense products (tiny pair, B = 1, 64
-tokens left: 34-62 µs against about 120, BENCHMARKS). On a GPU each op of
-an iteration is a kernel launch and each iteration reads the loop's
-condition back to the host, ~30 launches and a round trip per token left
-for every decision, where the products are ~20 launches in all.
+On the CPU an executed operation costs about a microsecond, and the
+loop's ~16 small operations an iteration cost less time than the dense
+products (jitted alone, rows alike, B = 1: 28-59 µs against 140-157,
+BENCHMARKS). On a GPU each operation is a kernel launch and each
+iteration reads the loop's condition back to the host: ~16 launches and
+a round trip per token left, for each of the two or three decisions of a
+step, where the doubling is ~40 launches in all.
 """
 
 from __future__ import annotations

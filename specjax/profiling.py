@@ -16,6 +16,10 @@ instructions it fuses. The classes are:
 
 Thunks of different threads overlap, so class totals are CPU time (summed
 over threads) per call, and `wall_ms` is the step's own wall time.
+
+`executed_ops(step)` counts the XLA operations a call executes, every
+iteration of its loops included: the per-operation overhead that
+dominates where operations are small (a GPU's kernel launches).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any, Callable
 
 import jax
 
-__all__ = ["CLASSES", "classify_hlo", "profile_step"]
+__all__ = ["CLASSES", "classify_hlo", "executed_ops", "profile_step"]
 
 CLASSES = ("weight products", "lm head", "attention", "cache", "norms",
            "rope", "embedding", "other")
@@ -127,6 +131,34 @@ def profile_step(step: Callable[[], Any], hlo_text: str,
     `{"wall_ms": ..., "classes_ms": {class: CPU ms per call}}`.
   """
   classes = classify_hlo(hlo_text)
+  events, wall = _trace(step, repeats)
+  totals = collections.Counter()
+  for event in events:
+    cls = classes.get(event.get("name"))
+    if cls is not None:
+      totals[cls] += event.get("dur", 0.0) / 1e3 / repeats  # us -> ms
+  return {"wall_ms": 1e3 * wall,
+          "classes_ms": {c: totals.get(c, 0.0) for c in CLASSES}}
+
+
+def executed_ops(step: Callable[[], Any], repeats: int = 3) -> float:
+  """XLA operations executed per call of `step` (compiled and warm).
+
+  The trace events that name an HLO instruction (`hlo_op`): a thunk each
+  on the CPU, a kernel launch or more on a GPU, every iteration of a loop
+  counted. Where operations are small, a step pays per operation (about a
+  microsecond on the CPU runtime, a launch on a GPU) whatever it computes,
+  so the count shows a step's fixed overhead that wall time on a CPU at
+  large shapes hides.
+  """
+  events, _ = _trace(step, repeats)
+  return sum("hlo_op" in (e.get("args") or {}) for e in events) / repeats
+
+
+def _trace(step: Callable[[], Any], repeats: int
+           ) -> tuple[list[dict[str, Any]], float]:
+  """The complete ("X") Perfetto trace events of `repeats` calls of
+  `step`, and the wall seconds per call."""
   with tempfile.TemporaryDirectory() as tmp:
     start = time.perf_counter()
     with jax.profiler.trace(tmp, create_perfetto_trace=True):
@@ -139,10 +171,4 @@ def profile_step(step: Callable[[], Any], hlo_text: str,
       events = json.load(f)
   if isinstance(events, dict):
     events = events.get("traceEvents", [])
-  totals = collections.Counter()
-  for event in events:
-    cls = classes.get(event.get("name"))
-    if event.get("ph") == "X" and cls is not None:
-      totals[cls] += event.get("dur", 0.0) / 1e3 / repeats  # us -> ms
-  return {"wall_ms": 1e3 * wall,
-          "classes_ms": {c: totals.get(c, 0.0) for c in CLASSES}}
+  return [e for e in events if e.get("ph") == "X"], wall

@@ -290,11 +290,13 @@ def test_near_the_end_auto_chooses_by_when_the_batch_ends():
   active = jnp.ones((batch,), bool)
   chosen = {}
   for acceptance in (0.5, 0.8, 0.95):
-    for horizon in (0, 64):
+    # The batch's end computed in a loop and all at once (`finish`).
+    for horizon, serial in ((0, None), (64, True), (64, False)):
       # Every position seen at `acceptance`, over so many steps that the
       # confidence bound hopes for nothing more; no probe due.
       policy = adaptive.Auto.create(max_gamma=GAMMA, target_ms=target_ms,
                                     horizon=horizon, probe_first=False,
+                                    serial_finish=serial,
                                     **adaptive.Auto.draft_costs(draft))
       state = policy.init(batch).replace(
           verified=jnp.ones((batch, GAMMA)),
@@ -302,7 +304,7 @@ def test_near_the_end_auto_chooses_by_when_the_batch_ends():
           seen_verified=jnp.full((batch, GAMMA), 1000.0))
       np.testing.assert_allclose(policy.pooled(state, active)[0],
                                  acceptance, rtol=1e-6)
-      chosen[acceptance, horizon] = int(policy.budget(
+      chosen[acceptance, horizon, serial] = int(policy.budget(
           state, active, jnp.full((batch,), left))[0])
 
     def predicted(g, tokens):
@@ -313,13 +315,16 @@ def test_near_the_end_auto_chooses_by_when_the_batch_ends():
                                        tokens=tokens)
 
     # A row with r tokens left uses at most r - 1 drafts either way.
-    assert chosen[acceptance, 64] == max(
-        range(GAMMA + 1), key=lambda g: predicted(g, left)), acceptance
-    assert chosen[acceptance, 0] == max(
+    for serial in (True, False):
+      assert chosen[acceptance, 64, serial] == max(
+          range(GAMMA + 1), key=lambda g: predicted(g, left)), acceptance
+    assert chosen[acceptance, 0, None] == max(
         range(GAMMA + 1), key=lambda g: predicted(g, None)), acceptance
-  assert chosen[0.5, 0] == 1 and chosen[0.5, 64] == 0, chosen
+  assert chosen[0.5, 0, None] == 1 and chosen[0.5, 64, False] == 0, chosen
   with pytest.raises(ValueError, match="horizon"):
     adaptive.Auto.create(**COSTS, horizon=-1)
+  with pytest.raises(ValueError, match="serial_finish"):
+    adaptive.Auto.create(**COSTS, serial_finish=1)
 
 
 def test_pooled_estimates_count_the_start_once():
