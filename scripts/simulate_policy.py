@@ -16,20 +16,32 @@ when the batch ends, on the costs of sweep runs, cold and warm):
     --horizon=0/64 --warm
 COMMAND (the costs a `bench_crossover.py` run measured, each B and α row):
   python scripts/simulate_policy.py --runs=/tmp/bench/e_b1,/tmp/bench/e_b2
+COMMAND (`Auto.margin` against a table whose drafting steps are 10% off,
+either way, the worst and mean cell of each margin at the end):
+  python scripts/simulate_policy.py --runs=/tmp/bench/r19_b2 \
+    --margin=0/0.03/0.05 --error=0.9/1/1.1 --samples=128
 
 A cost set is NAME=t(1)/t(2)/t(3)/t(5):d(1)/d(2): the target's ms at the
 widths of `--max_gamma` (`adaptive.verify_widths`; 1, 2, 3, 5 for 4) and
 the draft model's ms at 1 and 2 tokens.
+
+With `--error`, the policy still chooses by the cost set while the
+simulation prices its drafting steps (the draft forwards and every target
+pass wider than one token) at that factor times the set's: how a policy
+fares on a table whose error it cannot see.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
 
 from absl import app
 from absl import flags
+
+import numpy as np
 
 from specjax.tuning import simulate
 
@@ -42,6 +54,10 @@ _BATCH = flags.DEFINE_integer(
 _TOKENS = flags.DEFINE_integer("tokens", 32, "New tokens per row.")
 _OPTIMISM = flags.DEFINE_string("optimism", "1", "`Auto` optimism values.")
 _HORIZON = flags.DEFINE_string("horizon", "64", "`Auto` horizon values.")
+_MARGIN = flags.DEFINE_string("margin", "0.03", "`Auto` margin values.")
+_ERROR = flags.DEFINE_string(
+    "error", "1", "Factors by which the drafting steps' true costs differ "
+    "from the cost set the policy chooses by.")
 _WARM = flags.DEFINE_boolean(
     "warm", False, "Also score each policy started warm, as cold / settled "
     "/ after one: from steady estimates at α (`simulate.settled`), and "
@@ -89,6 +105,16 @@ def cost_sets() -> list[tuple[str, int, int, simulate.SimCosts]]:
   return sets
 
 
+def scaled(costs: simulate.SimCosts, factor: float) -> simulate.SimCosts:
+  """`costs` with the draft forwards and every target pass wider than
+  one token `factor` times as dear."""
+  target = list(costs.target_ms)
+  return dataclasses.replace(
+      costs, target_ms=target[:1] + [t * factor for t in target[1:]],
+      draft_ms=costs.draft_ms * factor,
+      first_draft_ms=costs.first_draft_ms * factor)
+
+
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -96,30 +122,45 @@ def main(argv) -> None:
   if not sets:
     raise app.UsageError("Give --costs or --runs.")
   alphas = _floats(_ALPHAS.value)
-  print("costs | B | optimism | horizon | observe | "
+  print("costs | B | optimism | horizon | observe | margin | error | "
         + " | ".join(f"α = {a}" for a in alphas))
-  print(" | ".join("---" for _ in range(5 + len(alphas))))
+  print(" | ".join("---" for _ in range(7 + len(alphas))))
+  # (optimism, horizon, observe, margin) -> every ratio it scored.
+  scores = {}
   for name, batch, max_gamma, costs in sets:
     batch = _BATCH.value or batch
-    for optimism in _floats(_OPTIMISM.value):
-      for horizon, observe in itertools.product(
-          _floats(_HORIZON.value), _floats(_OBSERVE.value)):
-        policy = simulate.auto_policy(costs, max_gamma, optimism=optimism,
-                                      horizon=int(horizon))
-        observe = bool(observe) and costs.draft_ms > 0
-        cells = []
-        for a in alphas:
-          starts = [(policy, 0)] + ([(simulate.settled(policy, a), 0),
-                                     (policy, 1)] if _WARM.value else [])
-          ratios = [simulate.over_best(p, costs, alpha=a, batch=batch,
-                                       tokens=_TOKENS.value,
-                                       samples=_SAMPLES.value,
-                                       observe_first=observe,
-                                       warm_after=after)
-                    for p, after in starts]
-          cells.append(" / ".join(f"{r:.3f}" for r in ratios))
-        print(f"{name} | {batch} | {optimism:g} | {horizon:g} | "
-              f"{int(observe)} | " + " | ".join(cells), flush=True)
+    for optimism, horizon, observe, margin, error in itertools.product(
+        _floats(_OPTIMISM.value), _floats(_HORIZON.value),
+        _floats(_OBSERVE.value), _floats(_MARGIN.value),
+        _floats(_ERROR.value)):
+      policy = simulate.auto_policy(costs, max_gamma, optimism=optimism,
+                                    horizon=int(horizon), margin=margin)
+      observe = bool(observe) and costs.draft_ms > 0
+      cells = []
+      for a in alphas:
+        starts = [(policy, 0)] + ([(simulate.settled(policy, a), 0),
+                                   (policy, 1)] if _WARM.value else [])
+        # A policy that can never draft runs `generate` (no draft prefill).
+        ratios = [simulate.over_best(
+            p if policy.may_draft() else simulate.Fixed(0, max_gamma),
+            scaled(costs, error), alpha=a, batch=batch,
+            tokens=_TOKENS.value, samples=_SAMPLES.value,
+            observe_first=observe and policy.may_draft(), warm_after=after)
+                  for p, after in starts]
+        scores.setdefault((optimism, horizon, observe, margin),
+                          []).append(ratios)
+        cells.append(" / ".join(f"{r:.3f}" for r in ratios))
+      print(f"{name} | {batch} | {optimism:g} | {horizon:g} | "
+            f"{int(observe)} | {margin:g} | {error:g} | "
+            + " | ".join(cells), flush=True)
+  print("\noptimism | horizon | observe | margin | worst cell | mean cell")
+  print(" | ".join("---" for _ in range(6)))
+  for (optimism, horizon, observe, margin), ratios in scores.items():
+    ratios = np.asarray(ratios)  # [cells, starts]
+    worst, mean = (" / ".join(f"{r:.3f}" for r in f(ratios, 0))
+                   for f in (np.min, np.mean))
+    print(f"{optimism:g} | {horizon:g} | {int(observe)} | {margin:g} | "
+          f"{worst} | {mean}")
 
 
 if __name__ == "__main__":

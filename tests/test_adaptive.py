@@ -563,6 +563,9 @@ def test_failed_probes_back_off_until_drafting_pays_again():
 # Costs measured on machine F at B = 1 (ms; targets at T = 1, 2, 3, 5).
 F_B1 = dict(max_gamma=GAMMA, target_ms=[230.0, 342.0, 328.0, 387.0],
             draft_ms=91.0, first_draft_ms=105.0)
+# Machine F's at B = 4: even certain acceptance gains 2.6%.
+F_B4 = dict(max_gamma=GAMMA, target_ms=[348.0, 526.0, 709.0, 1188.0],
+            draft_ms=120.0, first_draft_ms=189.0)
 # Machine G's (sixth session, p_b1): verification nearly free.
 G_B1 = dict(max_gamma=GAMMA, target_ms=[229.0, 259.0, 275.0, 300.0],
             draft_ms=92.0, first_draft_ms=100.0)
@@ -575,12 +578,19 @@ def test_a_cold_start_tests_its_prior_at_the_first_step():
   # From the prior alone the policy never drafted, so it never learned
   # that drafts are accepted; now its first step drafts one token. (With
   # no evidence, the confidence bound on the prior alone, 0.7 + 0.46,
-  # also hopes for a draft: `test_an_optimistic_bound_probes_...`.)
+  # capped at 1, also hopes for a draft where no margin is asked for:
+  # `test_an_optimistic_bound_probes_...`. It hopes for one token, 2 in
+  # 342 + 105 ms, 4.474 a second against a plain step's 4.348: 2.9% more,
+  # under the default margin of 3%, so by default it does not.)
   all_accepted = lambda step, budget: budget
   never = adaptive.Auto.create(**F_B1, probe_first=False, optimism=0.0)
   assert _steps(never, all_accepted, 12)[0] == [0] * 12
-  hoping = adaptive.Auto.create(**F_B1, probe_first=False)
+  hoping = adaptive.Auto.create(**F_B1, probe_first=False, margin=0.0)
   assert _steps(hoping, all_accepted, 3)[0] == [1, 2, 4]
+  careful = adaptive.Auto.create(**F_B1, probe_first=False)
+  assert _steps(careful, all_accepted, 3)[0] == [0, 0, 0]
+  assert _steps(careful.replace(margin=jnp.float32(0.028)), all_accepted,
+                1)[0] == [1]
   # Counts decay by 1 - rate = 0.95. Accepted, every position is estimated
   # at (0.665 + 1) / 1.95 = 0.854, and two drafts pay best: 2.583 tokens
   # in 328 + 105 + 91 = 524 ms (4.929 a second) against four's 3.737 in
@@ -593,12 +603,17 @@ def test_a_cold_start_tests_its_prior_at_the_first_step():
   # Accepted, then the two-token step rejected at its first draft: 1.582 /
   # 2.853 = 0.554 at every position, under which no K beats a plain step
   # (two drafts: 1.862 tokens in 524 ms, 3.553 a second). Its bound 0.554
-  # + √(0.554 · 0.446 / 3) = 0.842, the deeper positions at 0.554, hopes
-  # for two (2.308 tokens in 524 ms, 4.405): one more try. Rejected again,
-  # 1.503 / 3.710 = 0.405 and a bound of 0.405 + 0.245 = 0.650 hope for
-  # nothing (two drafts 3.653 a second, one 3.692): plain steps.
-  budgets, _ = _steps(adaptive.Auto.create(**F_B1),
-                      lambda step, budget: budget * (step == 0), 6)
+  # + √(0.554 · 0.446 / 3) = 0.842, the deeper positions at 0.554, puts
+  # two drafts first (2.308 tokens in 524 ms, 4.405), 1.3% over a plain
+  # step: under the default margin, plain steps. Without a margin it is
+  # one more try; rejected again, 1.503 / 3.710 = 0.405 and a bound of
+  # 0.405 + 0.245 = 0.650 hope for nothing (two drafts 3.653 a second,
+  # one 3.692): plain steps.
+  first_only = lambda step, budget: budget * (step == 0)
+  budgets, _ = _steps(adaptive.Auto.create(**F_B1), first_only, 6)
+  assert budgets == [1, 2, 0, 0, 0, 0], budgets
+  budgets, _ = _steps(adaptive.Auto.create(**F_B1, margin=0.0), first_only,
+                      6)
   assert budgets == [1, 2, 2, 0, 0, 0], budgets
   # Rejected, the first probe leaves plain steps and the usual wait.
   budgets, state = _steps(adaptive.Auto.create(**F_B1),
@@ -652,6 +667,25 @@ def test_an_optimistic_bound_probes_near_the_break_even():
     adaptive.Auto.create(**F_CHEAP, optimism=-1.0)
 
 
+def test_a_gain_under_the_margin_is_not_drafted():
+  # `choose` takes the best K >= 1 only where it beats K = 0 by more than
+  # the margin: 1.025 does not beat 1 by 3%, 1.04 does.
+  policy = adaptive.Auto.create(**F_B1)
+  choose = lambda rate, **kw: int(policy.choose(jnp.array(rate), **kw))
+  assert choose([1.0, 1.02, 1.025, 0.9, 0.8]) == 0
+  assert choose([1.0, 1.02, 1.04, 0.9, 1.035]) == 2
+  assert choose([1.0, 1.02, 1.04, 0.9, 1.035], most=1) == 0
+  assert int(policy.replace(margin=jnp.float32(0.0)).choose(
+      jnp.array([1.0, 1.02, 1.025, 0.9, 0.8]))) == 2
+  # Where even certain acceptance gains less (machine F at B = 4, 2.6%:
+  # 3 tokens in 709 + 189 + 120 = 1018 ms against 1 in 348), no step can
+  # draft, and `speculative_generate` decodes autoregressively.
+  assert not adaptive.Auto.create(**F_B4).may_draft()
+  assert adaptive.Auto.create(**F_B4, margin=0.02).may_draft()
+  with pytest.raises(ValueError, match="margin"):
+    adaptive.Auto.create(**F_B1, margin=-0.01)
+
+
 def test_no_probe_that_the_tokens_left_cannot_repay():
   # Machine F at B = 4: even certain acceptance saves 2.6% of a plain
   # step's time per token (K = 2: 3 tokens in 1018 ms against 1 in 348),
@@ -659,12 +693,12 @@ def test_no_probe_that_the_tokens_left_cannot_repay():
   # 367 ms beyond a plain step: it can pay for itself only with over 42
   # tokens left. With the F B = 1 costs (a 217 ms probe; with 4 tokens
   # left, 3 drafts at certain acceptance save 61.5 ms a token, with 3
-  # left 2 save 55.3) it can with 4.
-  f_b4 = dict(max_gamma=GAMMA, target_ms=[348.0, 526.0, 709.0, 1188.0],
-              draft_ms=120.0, first_draft_ms=189.0)
+  # left 2 save 55.3) it can with 4. (No margin here: a 2.6% gain is
+  # under the default one, which alone would stop every draft at F's
+  # B = 4: `test_a_gain_under_the_margin_is_not_drafted`.)
   accepted = lambda step, budget: budget
-  for costs, short, long in ((f_b4, 42, 43), (F_B1, 3, 4)):
-    policy = adaptive.Auto.create(**costs)
+  for costs, short, long in ((F_B4, 42, 43), (F_B1, 3, 4)):
+    policy = adaptive.Auto.create(**costs, margin=0.0)
     assert policy.may_draft()
     assert _steps(policy, accepted, 1, tokens=short)[0] == [0]
     assert _steps(policy, accepted, 1, tokens=long)[0] == [1]
