@@ -136,16 +136,17 @@ def main(argv) -> None:
       policy = simulate.auto_policy(costs, max_gamma, optimism=optimism,
                                     horizon=int(horizon), margin=margin)
       observe = bool(observe) and costs.draft_ms > 0
+      # A policy that can never draft runs `generate` (no draft prefill).
+      drafts = policy.may_draft()
       cells = []
       for a in alphas:
         starts = [(policy, 0)] + ([(simulate.settled(policy, a), 0),
                                    (policy, 1)] if _WARM.value else [])
-        # A policy that can never draft runs `generate` (no draft prefill).
         ratios = [simulate.over_best(
-            p if policy.may_draft() else simulate.Fixed(0, max_gamma),
+            p if drafts else simulate.Fixed(0, max_gamma),
             scaled(costs, error), alpha=a, batch=batch,
             tokens=_TOKENS.value, samples=_SAMPLES.value,
-            observe_first=observe and policy.may_draft(), warm_after=after)
+            observe_first=observe and drafts, warm_after=after)
                   for p, after in starts]
         scores.setdefault((optimism, horizon, observe, margin),
                           []).append(ratios)

@@ -57,8 +57,8 @@ Two policies:
   (`trim`); a drafter that costs nothing (prompt lookup) always drafts
   γ_max and is only trimmed, so a row without a match costs a plain
   step. After `probe_every` steps without drafting it tries one token,
-  so the estimates follow a text that becomes predictable again. It also tries,
-  without waiting, the budget that an upper confidence bound on position
+  so the estimates follow a text that becomes predictable again. It also
+  tries, without waiting, the budget that an upper confidence bound on position
   1's acceptance predicts best (`Auto.hoped`): the batch's pooled
   estimate plus `optimism` standard errors, √(a(1 - a) / (n + 1)) with n
   the steps that verified it in any row (not decayed), the deeper
@@ -667,8 +667,9 @@ class Auto(GammaPolicy):
                  remaining: jax.Array | None) -> jax.Array:
     """[] bool: drafting every step with certain acceptance would save
     more time over the tokens the active rows have left (`remaining` [B],
-    None for no end) than a probe now costs beyond a plain step. Where it
-    would not, no probe can pay for itself before the generation ends."""
+    None for no end) than a probe now costs beyond a plain step, and
+    would be drafted at all (`choose`, the margin). Where it would not, no
+    probe can pay for itself before the generation ends."""
     if remaining is None:
       return jnp.bool_(True)
     certain = jnp.ones_like(state.accepted)
@@ -676,7 +677,6 @@ class Auto(GammaPolicy):
     tokens = jnp.sum(jnp.where(active, remaining, 0)).astype(jnp.float32)
     saved = tokens * (1.0 / jnp.maximum(rate[0], 1e-9)
                       - 1.0 / jnp.maximum(jnp.max(rate[1:]), 1e-9))
-    # A probe is also wasted where no estimate could make `choose` draft.
     return (self.choose(rate) > 0) & (saved > self.probe_ms(state.idle))
 
   def finish_rate(self, pooled: jax.Array, active: jax.Array,
@@ -743,13 +743,13 @@ class Auto(GammaPolicy):
             remaining: jax.Array | None = None) -> jax.Array:
     """[] the budget K that `score` predicts best at an upper confidence
     bound on position 1's acceptance (deeper positions at their
-    estimates), 0 where none beats a plain step: a + `optimism` ·
-    √(a(1 - a) / (n + 1)), with a and n the batch's estimate and the
-    steps that verified position 1 in its rows (`pooled`; not decayed;
-    the 1 is the prior's pseudo-observation). The estimate follows recent
-    steps (decayed counts); the bound's width falls with all the
-    evidence, so a policy that keeps seeing a low acceptance stops
-    hoping. Before any evidence it hopes for one token at most.
+    estimates), 0 where none beats a plain step by more than `margin`
+    (`choose`): a + `optimism` · √(a(1 - a) / (n + 1)), with a and n the
+    batch's estimate and the steps that verified position 1 in its rows
+    (`pooled`; not decayed; the 1 is the prior's pseudo-observation). The
+    estimate follows recent steps (decayed counts); the bound's width
+    falls with all the evidence, so a policy that keeps seeing a low
+    acceptance stops hoping. Before any evidence it hopes for one token at most.
 
     Args:
       state: the policy state.
@@ -801,7 +801,7 @@ class Auto(GammaPolicy):
     if usable is not None:
       num_drafted = jnp.minimum(num_drafted, usable)
 
-    def choose():
+    def pick():
       k = self.choose(self.score(self.acceptance(state),
                                  self.pooled(state, active)[0], active,
                                  remaining, num_drafted, drafting=False))
@@ -809,7 +809,7 @@ class Auto(GammaPolicy):
                          remaining).astype(jnp.int32)
 
     # Without drafts (a plain step) there is nothing to choose.
-    k = jax.lax.cond(jnp.any(active & (num_drafted > 0)), choose,
+    k = jax.lax.cond(jnp.any(active & (num_drafted > 0)), pick,
                      lambda: jnp.int32(0))
     return jnp.where(active, k, 0).astype(jnp.int32)
 
