@@ -13,8 +13,8 @@ Each program first runs once untimed (compilation; the cold `auto` run
 is the generation `auto warm` starts from). Then `--repeats` rounds run
 every policy in an order shuffled by round, so a drift in the machine's
 speed, or a program's running faster after itself, reaches all policies
-alike (each call timed `--timings` times over the same work, the fastest
-kept); each figure is the rounds' tokens over their time (`_policy_row`;
+alike (each call timed `--timings` times over the same work, in as many
+passes over the policies, the fastest kept); each figure is the rounds' tokens over their time (`_policy_row`;
 the paired ratio is the median over rounds of `auto` over the best policy
 in the same round, which cancels a drift between rounds). Round r runs
 every policy with key r: with synthetic α the policies of one round
@@ -98,9 +98,10 @@ _TOKENS = flags.DEFINE_integer("tokens", 32, "New tokens per row.")
 _REPEATS = flags.DEFINE_integer(
     "repeats", 3, "Timed rounds over all policies.")
 _TIMINGS = flags.DEFINE_integer(
-    "timings", 1, "Timings of each policy per round, keeping the fastest: "
-    "a round's call does the same work each time (one key, one synthetic "
-    "text), so on a shared machine the fastest is the least disturbed.")
+    "timings", 1, "Timings of each policy per round, one pass over the "
+    "policies each, keeping the fastest: a round's call does the same work "
+    "each time (one key, one synthetic text), so on a shared machine the "
+    "fastest is the least disturbed.")
 _REFRESH = flags.DEFINE_bool(
     "refresh_costs", True, "Measure the forward costs afresh instead of "
     "reading them from the cost cache.")
@@ -260,7 +261,7 @@ def _run_batch(target, drafter, prompts, alpha, gammas, seen,
       warm = policies["auto"].warm(warmed.policy_state)
       calls["auto warm"] = warm, make(warm)
   # Rounds interleave the policies, so a drift of the machine's speed
-  # during the run reaches them all alike, in an order shuffled by round:
+  # during the run reaches them all alike, in an order shuffled by pass:
   # a program runs faster right after itself (the same code and buffers
   # hot), which a fixed order would credit to one policy (`auto warm`
   # after `auto`). Round r runs every policy with the key r: with
@@ -268,23 +269,32 @@ def _run_batch(target, drafter, prompts, alpha, gammas, seen,
   # another text from round to round.
   runs = {}
   for round_key in range(_REPEATS.value):
-    for name in np.random.default_rng(round_key).permutation(
-        list(calls)).tolist():
-      gamma, fn = calls[name]
-      # α and the key are traced (nothing compiles anew).
-      call = bench.timed_call(functools.partial(fn, key=round_key),
-                              (name.split()[0], batch), seen,
-                              _TIMINGS.value, summary=min)
+    fastest = {}
+    # A round times every policy `--timings` times, one pass over them
+    # all per timing, each pass in its own order, and keeps each one's
+    # fastest: a policy's timings lie a whole pass apart, so a slow
+    # moment of the machine shorter than a pass reaches one of them, not
+    # both (timed back to back, both would fall in it).
+    for timing in range(_TIMINGS.value):
+      for name in np.random.default_rng((round_key, timing)).permutation(
+          list(calls)).tolist():
+        # α and the key are traced (nothing compiles anew).
+        call = bench.timed_call(
+            functools.partial(calls[name][1], key=round_key),
+            (name.split()[0], batch), seen, 1)
+        fastest[name] = call if name not in fastest else dataclasses.replace(
+            call, seconds=min(call.seconds, fastest[name].seconds),
+            prefill_s=min(call.prefill_s, fastest[name].prefill_s))
+    for name, call in fastest.items():
       if not call.decode_s:
         raise app.UsageError(f"{name}: decoding took no longer than the "
                              "prompt pass alone; raise --tokens.")
       runs.setdefault(name, []).append(call)
-      if name == "auto warm":
-        # As a server: the next request starts from all this one learned
-        # too, so each round is another warm start (round r after r + 1
-        # generations), not the warm-up's one start R times over.
-        warm = gamma.warm(call.output.policy_state)
-        calls[name] = warm, make(warm)
+    # As a server: the next request starts from all this one learned too,
+    # so each round is another warm start (round r after r + 1
+    # generations), not the warm-up's one start R times over.
+    warm = calls["auto warm"][0].warm(fastest["auto warm"].output.policy_state)
+    calls["auto warm"] = warm, make(warm)
   rows = {name: _policy_row(gamma, runs[name], batch, target_costs,
                             draft_costs)
           for name, (gamma, _) in calls.items()}
