@@ -69,7 +69,12 @@ Two policies:
   `probe_every` steps, a batch whose first probe was accepted goes on to
   the budget that pays (at B = 8, where one draft never pays, a wide
   one), while an estimate far below it, or one that many steps support,
-  does not probe. A generation
+  does not probe. Deeper positions get the same bound while it drafts: a
+  position is observed only when a step drafts that deep, so where the
+  bound on the position past the chosen budget (its own verifications,
+  not decayed) predicts one more draft beats it, it drafts one more
+  (`Auto.deepen`); a few early rejections then cannot hold it at one
+  draft for good. A generation
   that starts from the prior tests it at once, so that where the prior
   alone does not pay (a draft model dear next to the target, as on a CPU
   without wide vector units) the estimates still come to rest on
@@ -764,6 +769,60 @@ class Auto(GammaPolicy):
                       active, remaining, available)  # [G+1]
     return self.choose(rate, jnp.where(trials > 0, self.max_gamma, 1))
 
+  def deepen(self, state: PolicyState, k: jax.Array, active: jax.Array,
+             available: jax.Array | None = None,
+             remaining: jax.Array | None = None,
+             drafting: bool = True) -> jax.Array:
+    """[] the budget `k`, or k + 1 where an upper confidence bound on the
+    acceptance of position k + 1 predicts it beats `k` by more than
+    `margin` (`score` at the batch's pooled estimates, position k + 1 at
+    a + `optimism` · √(a(1 - a) / (n + 1)), n its verifications in the
+    batch, not decayed, and those its start counts stand for); only
+    where `k` > 0 and position k has been verified at least once.
+
+    A deeper position is observed only when a step drafts that deep, so an
+    estimate that a few early rejections pulled under its break-even
+    would otherwise never be tested again: at B = 2, α = 0.8 and machine
+    B's costs, replayed on the tiny pair, `auto` warm-started from a
+    generation whose position 2 was rejected once drafted one token a step
+    for four generations where two pay (BENCHMARKS.md). Drafting one token
+    deeper costs a draft forward and a slightly wider target pass, and the
+    bound narrows as the position is observed, so a position whose
+    acceptance is really low stops being tried.
+
+    Args:
+      state: the policy state.
+      k: [] the budget chosen at the estimates.
+      active: [B] rows that count.
+      available, remaining: [B] as in `score`, or None.
+      drafting: as in `predicted_rate`.
+    """
+    pooled, _ = self.pooled(state, active)  # [G]
+    evidence = self.evidence(state, active)  # [G]
+    deeper = jnp.minimum(k + 1, self.max_gamma)
+    at = jnp.arange(self.max_gamma) == deeper - 1
+    error = jnp.sqrt(pooled * (1.0 - pooled) / (evidence + 1.0))
+    bound = jnp.where(at, jnp.minimum(pooled + self.optimism * error, 1.0),
+                      pooled)
+    rate = self.score(jnp.broadcast_to(bound, state.verified.shape), bound,
+                      active, remaining, available, drafting)  # [G+1]
+    tested = evidence[jnp.maximum(k - 1, 0)] > 0
+    return jnp.where((k > 0) & (deeper > k) & tested
+                     & (rate[deeper] > rate[k] * (1.0 + self.margin)),
+                     deeper, k).astype(jnp.int32)
+
+  def evidence(self, state: PolicyState, active: jax.Array) -> jax.Array:
+    """[G] the verifications behind each position's pooled estimate, not
+    decayed: those of the batch's rows (active, or ended after verifying
+    something, as in `pooled`) and, past position 1, the start counts'
+    (`start_verified`, for each of the `start_rows` rows they stand for;
+    position 1's are `start_trials`, as `pooled` counts them)."""
+    seen = state.seen_verified  # [B, G]
+    counts = active | (seen[:, 0] > 0)
+    start = self.start_verified.at[0].set(self.start_trials)
+    return (jnp.sum(jnp.where(counts[:, None], seen, 0.0), 0)
+            + start * self.start_rows * jnp.any(counts))
+
   def _probe(self, state: PolicyState, k: jax.Array, active: jax.Array,
              available: jax.Array | None,
              remaining: jax.Array | None) -> jax.Array:
@@ -788,7 +847,7 @@ class Auto(GammaPolicy):
     rate = self.score(self.acceptance(state),
                       self.pooled(state, active)[0], active, remaining,
                       usable)  # [G+1]
-    k = self.choose(rate)
+    k = self.deepen(state, self.choose(rate), active, usable, remaining)
     k = jnp.where(self.draft_ms > 0,
                   self._probe(state, k, active, usable, remaining),
                   self.max_gamma)
@@ -805,6 +864,8 @@ class Auto(GammaPolicy):
       k = self.choose(self.score(self.acceptance(state),
                                  self.pooled(state, active)[0], active,
                                  remaining, num_drafted, drafting=False))
+      k = self.deepen(state, k, active, num_drafted, remaining,
+                      drafting=False)
       return self._probe(state, k, active, num_drafted,
                          remaining).astype(jnp.int32)
 

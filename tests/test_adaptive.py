@@ -667,6 +667,30 @@ def test_an_optimistic_bound_probes_near_the_break_even():
     adaptive.Auto.create(**F_CHEAP, optimism=-1.0)
 
 
+def test_a_deeper_position_rejected_early_is_tried_again():
+  # F_CHEAP, position 1 accepted (a1 near 1): two drafts beat one by the
+  # 3% margin where (1 + a1 + a1 a2) / (331 + 109 + 92) > 1.03 (1 + a1) /
+  # (318 + 109), a2 > 0.60 at a1 = 0.9 and 0.53 at 1. Position 2 rejected
+  # at the first step: its estimate (0 + a1) / (1 + 1) <= 0.5, one draft a
+  # step from then on at the estimates alone (optimism 0), although every
+  # later draft would be accepted. Its bound after one verification,
+  # 0.45 + sqrt(0.45 * 0.55 / 2) = 0.80 at a1 = 0.9, tries two at once.
+  accept_later = lambda step, budget: jnp.where(step == 0, 1, budget)
+  budgets, _ = _steps(adaptive.Auto.create(**F_CHEAP, optimism=0.0),
+                      accept_later, 12)
+  assert budgets == [2] + [1] * 11, budgets
+  budgets, state = _steps(adaptive.Auto.create(**F_CHEAP), accept_later, 12)
+  assert budgets[1] == 2 and min(budgets[1:]) >= 2, budgets
+  assert float(state.seen_verified[0, 1]) == 12.0
+  # Where position 2 is always rejected, the bound narrows with its
+  # verifications (after 3: about 0.27 + sqrt(0.27 * 0.73 / 4) = 0.49)
+  # and the policy stops trying it.
+  budgets, state = _steps(adaptive.Auto.create(**F_CHEAP),
+                          lambda step, budget: jnp.minimum(budget, 1), 40)
+  assert float(state.seen_verified[0, 1]) <= 4.0, budgets
+  assert budgets[-30:] == [1] * 30, budgets
+
+
 def test_a_gain_under_the_margin_is_not_drafted():
   # `choose` takes the best K >= 1 only where it beats K = 0 by more than
   # the margin: 1.025 does not beat 1 by 3%, 1.04 does.
