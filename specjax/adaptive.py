@@ -580,8 +580,7 @@ class Auto(GammaPolicy):
       return (jnp.sum(jnp.where(active[:, None], own, 0.0), 0)
               + start * weight)
 
-    trials = (jnp.sum(jnp.where(active, seen, 0.0))
-              + self.start_trials * self.start_rows * (rows > 0))
+    trials = self.evidence(state, active)[0]
     estimates = self._estimates(pool(state.verified, self.start_verified),
                                 pool(state.accepted, self.start_accepted))
     return jnp.clip(estimates, 0.0, 1.0), trials
@@ -797,26 +796,33 @@ class Auto(GammaPolicy):
       available, remaining: [B] as in `score`, or None.
       drafting: as in `predicted_rate`.
     """
-    pooled, _ = self.pooled(state, active)  # [G]
-    evidence = self.evidence(state, active)  # [G]
-    deeper = jnp.minimum(k + 1, self.max_gamma)
-    at = jnp.arange(self.max_gamma) == deeper - 1
-    error = jnp.sqrt(pooled * (1.0 - pooled) / (evidence + 1.0))
-    bound = jnp.where(at, jnp.minimum(pooled + self.optimism * error, 1.0),
-                      pooled)
-    rate = self.score(jnp.broadcast_to(bound, state.verified.shape), bound,
-                      active, remaining, available, drafting)  # [G+1]
-    tested = evidence[jnp.maximum(k - 1, 0)] > 0
-    return jnp.where((k > 0) & (deeper > k) & tested
-                     & (rate[deeper] > rate[k] * (1.0 + self.margin)),
-                     deeper, k).astype(jnp.int32)
+    k = jnp.asarray(k, jnp.int32)
+
+    def deeper():
+      pooled, _ = self.pooled(state, active)  # [G]
+      evidence = self.evidence(state, active)  # [G]
+      more = jnp.minimum(k + 1, self.max_gamma)
+      at = jnp.arange(self.max_gamma) == more - 1
+      error = jnp.sqrt(pooled * (1.0 - pooled) / (evidence + 1.0))
+      bound = jnp.where(
+          at, jnp.minimum(pooled + self.optimism * error, 1.0), pooled)
+      rate = self.score(jnp.broadcast_to(bound, state.verified.shape),
+                        bound, active, remaining, available,
+                        drafting)  # [G+1]
+      tested = evidence[k - 1] > 0
+      return jnp.where((more > k) & tested
+                       & (rate[more] > rate[k] * (1.0 + self.margin)),
+                       more, k)
+
+    # A plain step (k = 0) has no deeper position to try.
+    return jax.lax.cond(k > 0, deeper, lambda: k)
 
   def evidence(self, state: PolicyState, active: jax.Array) -> jax.Array:
     """[G] the verifications behind each position's pooled estimate, not
     decayed: those of the batch's rows (active, or ended after verifying
-    something, as in `pooled`) and, past position 1, the start counts'
-    (`start_verified`, for each of the `start_rows` rows they stand for;
-    position 1's are `start_trials`, as `pooled` counts them)."""
+    something, as in `pooled`) and the start counts', for each of the
+    `start_rows` rows they stand for: `start_trials` for position 1 (the
+    steps behind it, `hoped`'s n), `start_verified` past it."""
     seen = state.seen_verified  # [B, G]
     counts = active | (seen[:, 0] > 0)
     start = self.start_verified.at[0].set(self.start_trials)
