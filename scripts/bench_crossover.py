@@ -14,12 +14,13 @@ is the generation `auto warm` starts from). Then `--repeats` rounds run
 every policy in an order shuffled by round, so a drift in the machine's
 speed, or a program's running faster after itself, reaches all policies
 alike (each call timed `--timings` times over the same work, in as many
-passes over the policies, the fastest kept); each figure is the rounds' tokens over their time (`_policy_row`;
-the paired ratio is the median over rounds of `auto` over the best policy
-in the same round, which cancels a drift between rounds). Round r runs
-every policy with key r: with synthetic α the policies of one round
-decode the same synthetic text (`rejection.Synthetic`: the verdict on a
-draft is a property of its position, as in a real text), so a round's
+passes over the policies, the fastest kept); each figure is the rounds'
+tokens over their time (`_policy_row`; the paired ratio is the median
+over rounds of `auto` over the best policy in the same round, which
+cancels a drift between rounds). Round r runs every policy with key r:
+with synthetic α the policies of one round decode the same synthetic
+text (`rejection.Synthetic`: the verdict on a draft is a property of
+its position, as in a real text), so a round's
 ratios compare their choices, not their luck, and the rounds decode
 different texts. Beside the measured ratios, those `specjax.tuning.simulate`
 expects from the same policies and costs over many draws (the policy's

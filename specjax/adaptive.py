@@ -753,7 +753,8 @@ class Auto(GammaPolicy):
     (`pooled`; not decayed; the 1 is the prior's pseudo-observation). The
     estimate follows recent steps (decayed counts); the bound's width
     falls with all the evidence, so a policy that keeps seeing a low
-    acceptance stops hoping. Before any evidence it hopes for one token at most.
+    acceptance stops hoping. Before any evidence it hopes for one token
+    at most.
 
     Args:
       state: the policy state.
@@ -761,12 +762,25 @@ class Auto(GammaPolicy):
       available, remaining: [B] as in `score`, or None.
     """
     pooled, trials = self.pooled(state, active)  # [G], []
-    error = jnp.sqrt(pooled[0] * (1.0 - pooled[0]) / (trials + 1.0))
-    hope = pooled.at[0].set(jnp.minimum(pooled[0] + self.optimism * error,
-                                        1.0))
-    rate = self.score(jnp.broadcast_to(hope, state.verified.shape), hope,
-                      active, remaining, available)  # [G+1]
+    rate = self._score_bound(state, pooled, trials, 0, active, remaining,
+                             available)  # [G+1]
     return self.choose(rate, jnp.where(trials > 0, self.max_gamma, 1))
+
+  def _score_bound(self, state: PolicyState, pooled: jax.Array,
+                   evidence: jax.Array, position: jax.Array | int,
+                   active: jax.Array, remaining: jax.Array | None,
+                   available: jax.Array | None,
+                   drafting: bool = True) -> jax.Array:
+    """[G+1] `score` for every row at the batch's estimates `pooled` [G],
+    with the one at `position` (0-based) raised to its upper confidence
+    bound a + `optimism` · √(a(1 - a) / (n + 1)), n its `evidence`
+    ([G], or [] for that position's alone)."""
+    error = jnp.sqrt(pooled * (1.0 - pooled) / (evidence + 1.0))
+    bound = jnp.where(jnp.arange(self.max_gamma) == position,
+                      jnp.minimum(pooled + self.optimism * error, 1.0),
+                      pooled)
+    return self.score(jnp.broadcast_to(bound, state.verified.shape), bound,
+                      active, remaining, available, drafting)
 
   def deepen(self, state: PolicyState, k: jax.Array, active: jax.Array,
              available: jax.Array | None = None,
@@ -802,13 +816,8 @@ class Auto(GammaPolicy):
       pooled, _ = self.pooled(state, active)  # [G]
       evidence = self.evidence(state, active)  # [G]
       more = jnp.minimum(k + 1, self.max_gamma)
-      at = jnp.arange(self.max_gamma) == more - 1
-      error = jnp.sqrt(pooled * (1.0 - pooled) / (evidence + 1.0))
-      bound = jnp.where(
-          at, jnp.minimum(pooled + self.optimism * error, 1.0), pooled)
-      rate = self.score(jnp.broadcast_to(bound, state.verified.shape),
-                        bound, active, remaining, available,
-                        drafting)  # [G+1]
+      rate = self._score_bound(state, pooled, evidence, more - 1, active,
+                               remaining, available, drafting)  # [G+1]
       tested = evidence[k - 1] > 0
       return jnp.where((more > k) & tested
                        & (rate[more] > rate[k] * (1.0 + self.margin)),
