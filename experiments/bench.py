@@ -28,6 +28,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import time
 from typing import Any, Callable, Sequence
 
@@ -539,6 +540,21 @@ def num_cores() -> int:
     return os.cpu_count() or 1
 
 
+def source_version(path: str | None = None) -> str | None:
+  """The commit the code at `path` (default: this package) came from, as
+  `git describe --always --dirty` writes it ("-dirty" when the tree has
+  uncommitted changes), or None outside a git checkout (an installed
+  wheel)."""
+  try:
+    out = subprocess.run(
+        ["git", "describe", "--always", "--dirty"], capture_output=True,
+        text=True, check=True, timeout=10,
+        cwd=path or os.path.dirname(os.path.abspath(__file__)))
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out.stdout.strip() or None
+
+
 def device_info() -> dict[str, Any]:
   """What ran the experiment (results.json `device`)."""
   devices = jax.devices()
@@ -551,6 +567,7 @@ def device_info() -> dict[str, Any]:
       "cpu_cores": num_cores(),
       "machine": platform.machine(),
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      "source": source_version(),
   }
 
 

@@ -461,6 +461,7 @@ def _plot(results, path: str) -> None:
 def _write(results: list[dict], gammas: list[int], **fields) -> None:
   os.makedirs(_OUTPUT.value, exist_ok=True)
   out = {"machine": hardware.machine(), "jax": jax.__version__,
+         "source": bench.source_version(),
          "weights": _WEIGHTS.value, "drafter": _DRAFTER.value,
          "gammas": gammas,
          "max_gamma": _MAX_GAMMA.value, **fields, "results": results}
@@ -473,7 +474,8 @@ def _merge(dirs: list[str]) -> None:
   machine with the same policies; each result keeps its own tokens per row
   and repeats, shorter at large B) into one, sorted by α then B, with its
   table and plot. Where several runs hold the same α and B (a cell rerun
-  with more rounds), the one listed last is kept."""
+  with more rounds), the one listed last is kept. Each cell keeps the
+  commit it ran on (`source`); the merged file lists them all."""
   runs = []
   for path in dirs:
     with open(os.path.join(path, "crossover.json")) as f:
@@ -484,13 +486,14 @@ def _merge(dirs: list[str]) -> None:
     if differ:
       raise app.UsageError(f"{path} was run with other {differ} than "
                            f"{dirs[0]}; only like runs can be merged.")
-  cells = {(r["alpha"], r["batch"]): r for run in runs
-           for r in run["results"]}
+  cells = {(r["alpha"], r["batch"]): {"source": run.get("source"), **r}
+           for run in runs for r in run["results"]}
   results = sorted(cells.values(),
                    key=lambda r: (r["alpha"] or 0, r["batch"]))
   first = runs[0]
   _write(results, first["gammas"], **{k: first[k] for k in settings
-                                      if k != "gammas"}, merged=dirs)
+                                      if k != "gammas"}, merged=dirs,
+         source=sorted({str(r["source"]) for r in results}))
   _plot(results, os.path.join(_OUTPUT.value, "crossover.png"))
   print(_table(results))
   print(f"wrote {_OUTPUT.value}/crossover.json, crossover.png")

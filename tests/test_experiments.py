@@ -89,6 +89,7 @@ def test_tiny_end_to_end(tiny_results):
       saved["spec_tokens_per_s"] / saved["baseline_tokens_per_s"])
   assert saved["config"]["target"] == "tiny"
   assert saved["device"]["platform"] == jax.default_backend()
+  assert saved["device"]["source"] == bench.source_version()
   assert saved["prompts"]["source"] == "builtin:code"
   for name in ("acceptance_by_position.png", "speedup_vs_gamma.png"):
     assert (out / name).stat().st_size > 1000, name
@@ -134,6 +135,23 @@ def _simulate_greedy(last: int, target_next, draft_next, gamma: int,
     emitted += k + 1
     x = target_next(d)
   return accepted, proposed
+
+
+def test_source_version_names_the_commit(tmp_path):
+  assert bench.source_version(str(tmp_path)) is None  # not a checkout
+  git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
+  run = lambda *args: subprocess.run(
+      git + list(args), cwd=tmp_path, check=True, capture_output=True,
+      text=True).stdout.strip()
+  run("init", "-q")
+  (tmp_path / "a.py").write_text("x = 1\n")
+  run("add", "a.py")
+  run("commit", "-q", "-m", "one")
+  head = run("rev-parse", "HEAD")
+  clean = bench.source_version(str(tmp_path))
+  assert clean and head.startswith(clean)
+  (tmp_path / "a.py").write_text("x = 2\n")
+  assert bench.source_version(str(tmp_path)) == clean + "-dirty"
 
 
 def test_fixed_logits_acceptance_matches_simulation(tmp_path):
