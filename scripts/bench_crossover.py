@@ -328,6 +328,34 @@ def _paired(rows: dict, name: str, best: str) -> float:
                                     rows[best]["tokens_per_s_rounds"])))
 
 
+def _interval(result: dict, name: str, level: float = 0.9,
+              samples: int = 4000) -> tuple[float, float]:
+  """A bootstrap interval of `name`'s tokens/s over the best of
+  autoregressive decoding and every fixed γ: the rounds resampled with
+  replacement, the same rounds for every policy (a round runs them all on
+  one synthetic text), each policy's rate pooled over them as
+  `_policy_row` pools it, the best chosen again in each resample. How far
+  the run's own rounds leave the measured ratio uncertain; a cell whose
+  whole interval lies under 0.95 is a loss beyond the run's scatter."""
+  policies = result["policies"]
+  rates = {k: np.asarray(v["tokens_per_s_rounds"])
+           for k, v in policies.items()}
+  # Runs written before the tokens were kept: every round decoded the
+  # same tokens (random weights run every row to its length).
+  tokens = {k: np.asarray(v.get("decode_tokens_rounds",
+                                np.ones_like(rates[k])), float)
+            for k, v in policies.items()}
+  n = len(rates[name])
+  rounds = np.random.default_rng(0).integers(0, n, (samples, n))  # [S, n]
+  pooled = lambda k: (tokens[k][rounds].sum(1)  # [S]
+                      / (tokens[k][rounds] / rates[k][rounds]).sum(1))
+  best = np.max([pooled(k) for k in policies
+                 if k not in ("auto", "auto warm", "heuristic")], 0)
+  low, high = np.quantile(pooled(name) / best,
+                          [(1 - level) / 2, (1 + level) / 2])
+  return float(low), float(high)
+
+
 def _predicted(gamma, call, target_costs, draft_costs) -> float:
   """The cost model's tokens/s for one run of a policy."""
   emitted = np.maximum(call.output.lengths - 1, 0)  # [B] decoding phase
@@ -363,6 +391,7 @@ def _policy_row(gamma, runs, batch, target_costs, draft_costs) -> dict:
       _predicted(gamma, call, target_costs, draft_costs) for call in runs]))
   row = {"tokens_per_s": measured, "tokens_per_s_median": float(
       np.median(rates)), "tokens_per_s_rounds": rates,
+         "decode_tokens_rounds": [int(call.decode_tokens) for call in runs],
          "predicted_tokens_per_s": predicted,
          "predicted_over_measured": predicted / measured}
   if gamma is not None:
@@ -406,8 +435,8 @@ def _simulated(policies, rows, batch, alpha) -> dict:
 def _table(results) -> str:
   names = list(results[0]["policies"])
   head = ["α", "B", "N"] + names + [
-      "auto/best", "auto warm/best", "paired", "auto/best simulated",
-      "auto warm/best simulated"]
+      "auto/best", "auto warm/best", "90% interval", "paired",
+      "auto/best simulated", "auto warm/best simulated"]
   lines = [" | ".join(head), " | ".join("---" for _ in head)]
   for r in results:
     alpha = "real" if r["alpha"] is None else f"{r['alpha']:.2f}"
@@ -415,6 +444,8 @@ def _table(results) -> str:
     lines.append(" | ".join([alpha, str(r["batch"]), str(r["tokens"])]
                             + cells + [f"{r['auto_over_best']:.2f}x",
                                f"{r['auto_warm_over_best']:.2f}x",
+                               " / ".join("%.2f-%.2f" % _interval(r, n)
+                                          for n in ("auto", "auto warm")),
                                _optional_cell(r, "auto_over_best_paired"),
                                _optional_cell(r, "auto_over_best_simulated"),
                                _optional_cell(
