@@ -113,6 +113,10 @@ _MERGE = flags.DEFINE_list(
     "merge", [], "Output dirs of earlier runs (e.g. one per B) whose "
     "results to join into one table and plot in --output_dir; runs nothing.")
 
+# The policies that choose γ as they go; the others (`ar`, each fixed γ)
+# are what `auto` is measured against.
+_ADAPTIVE = ("auto", "auto warm", "heuristic")
+
 # The real pair's shapes, for random weights where no checkpoint is at hand
 # (Qwen2.5-Coder-1.5B/0.5B-Instruct, from their config.json).
 SHAPES = {
@@ -299,8 +303,7 @@ def _run_batch(target, drafter, prompts, alpha, gammas, seen,
   rows = {name: _policy_row(gamma, runs[name], batch, target_costs,
                             draft_costs)
           for name, (gamma, _) in calls.items()}
-  best = max((k for k in rows if k not in ("auto", "auto warm",
-                                           "heuristic")),
+  best = max((k for k in rows if k not in _ADAPTIVE),
              key=lambda k: rows[k]["tokens_per_s"])
   best_other = rows[best]["tokens_per_s"]
   return {"batch": batch, "alpha": alpha, "tokens": _TOKENS.value,
@@ -350,7 +353,7 @@ def _interval(result: dict, name: str, level: float = 0.9,
   pooled = lambda k: (tokens[k][rounds].sum(1)  # [S]
                       / (tokens[k][rounds] / rates[k][rounds]).sum(1))
   best = np.max([pooled(k) for k in policies
-                 if k not in ("auto", "auto warm", "heuristic")], 0)
+                 if k not in _ADAPTIVE], 0)
   low, high = np.quantile(pooled(name) / best,
                           [(1 - level) / 2, (1 + level) / 2])
   return float(low), float(high)

@@ -547,8 +547,9 @@ class Auto(GammaPolicy):
 
   def pooled(self, state: PolicyState, active: jax.Array
              ) -> tuple[jax.Array, jax.Array]:
-    """The batch's estimates, [G], from its rows' counts summed, and its
-    evidence, [] steps that verified position 1 in some row.
+    """The batch's estimates, [G], from its rows' counts summed, and the
+    verifications behind them, [G] (`evidence`; position 1's: the steps
+    that verified it in some row).
 
     The rows are the active ones and those that have ended after
     verifying something: the rows still running near the end are the
@@ -580,10 +581,9 @@ class Auto(GammaPolicy):
       return (jnp.sum(jnp.where(active[:, None], own, 0.0), 0)
               + start * weight)
 
-    trials = self.evidence(state, active)[0]
     estimates = self._estimates(pool(state.verified, self.start_verified),
                                 pool(state.accepted, self.start_accepted))
-    return jnp.clip(estimates, 0.0, 1.0), trials
+    return jnp.clip(estimates, 0.0, 1.0), self.evidence(state, active)
 
   def predicted_rate(self, acceptance: jax.Array, active: jax.Array,
                      available: jax.Array | None = None,
@@ -761,10 +761,10 @@ class Auto(GammaPolicy):
       active: [B] rows that count.
       available, remaining: [B] as in `score`, or None.
     """
-    pooled, trials = self.pooled(state, active)  # [G], []
-    rate = self._score_bound(state, pooled, trials, 0, active, remaining,
+    pooled, evidence = self.pooled(state, active)  # [G], [G]
+    rate = self._score_bound(state, pooled, evidence, 0, active, remaining,
                              available)  # [G+1]
-    return self.choose(rate, jnp.where(trials > 0, self.max_gamma, 1))
+    return self.choose(rate, jnp.where(evidence[0] > 0, self.max_gamma, 1))
 
   def _score_bound(self, state: PolicyState, pooled: jax.Array,
                    evidence: jax.Array, position: jax.Array | int,
@@ -773,8 +773,7 @@ class Auto(GammaPolicy):
                    drafting: bool = True) -> jax.Array:
     """[G+1] `score` for every row at the batch's estimates `pooled` [G],
     with the one at `position` (0-based) raised to its upper confidence
-    bound a + `optimism` · √(a(1 - a) / (n + 1)), n its `evidence`
-    ([G], or [] for that position's alone)."""
+    bound a + `optimism` · √(a(1 - a) / (n + 1)), n its `evidence` [G]."""
     error = jnp.sqrt(pooled * (1.0 - pooled) / (evidence + 1.0))
     bound = jnp.where(jnp.arange(self.max_gamma) == position,
                       jnp.minimum(pooled + self.optimism * error, 1.0),
@@ -813,8 +812,7 @@ class Auto(GammaPolicy):
     k = jnp.asarray(k, jnp.int32)
 
     def deeper():
-      pooled, _ = self.pooled(state, active)  # [G]
-      evidence = self.evidence(state, active)  # [G]
+      pooled, evidence = self.pooled(state, active)  # [G], [G]
       more = jnp.minimum(k + 1, self.max_gamma)
       rate = self._score_bound(state, pooled, evidence, more - 1, active,
                                remaining, available, drafting)  # [G+1]

@@ -345,7 +345,7 @@ def test_pooled_estimates_count_the_start_once():
                              rtol=1e-6)
   pooled, trials = policy.pooled(state, active)
   np.testing.assert_allclose(pooled[0], 8.56 / 8.8, rtol=1e-6)
-  assert float(trials) == 8.0
+  assert float(trials[0]) == 8.0
   # Row 0 rejected a second probe: its counts (1.44 + 1, 1.248); the other
   # rows' own counts (1, 1) and the prior's (0.8, 0.56) at their decay;
   # row 0's prior copy is at 0.64, so the prior counts once at the mean
@@ -357,16 +357,16 @@ def test_pooled_estimates_count_the_start_once():
   accepted = (1.248 - 0.448) + 7 * 1.0 + 0.7 * once
   pooled, trials = policy.pooled(state, active)
   np.testing.assert_allclose(pooled[0], accepted / verified, rtol=1e-5)
-  assert float(trials) == 9.0
+  assert float(trials[0]) == 9.0
   pooled, trials = policy.pooled(state, ~row0)
   np.testing.assert_allclose(pooled[0], accepted / verified, rtol=1e-5)
-  assert float(trials) == 9.0
+  assert float(trials[0]) == 9.0
   # Row 0 ended before its first probe: only rows 1-7's evidence, and the
   # prior at their decay.
   state = policy.update(policy.init(batch), ones, proposal, ones, ~row0)
   pooled, trials = policy.pooled(state, ~row0)
   np.testing.assert_allclose(pooled[0], (7 + 0.56) / (7 + 0.8), rtol=1e-6)
-  assert float(trials) == 7.0
+  assert float(trials[0]) == 7.0
 
 
 def test_auto_estimates_follow_observed_acceptance():
@@ -416,7 +416,7 @@ def test_warm_policy_starts_from_pooled_estimates():
   # for both rows that learned them, 4 + 2 trials (not one row's 3).
   pooled, trials = warmed.pooled(warm, jnp.ones((3,), bool))
   np.testing.assert_allclose(pooled, [a1, (1.0 + a1) / 3], rtol=1e-6)
-  assert float(trials) == 6.0
+  assert float(trials[0]) == 6.0
   # A long generation's estimates start with the weight of a steady
   # decayed count, 1 / rate = 5 observations of position 1, so that the
   # next rows' own observations move them.
@@ -662,7 +662,7 @@ def test_an_optimistic_bound_probes_near_the_break_even():
   assert budgets == [2, 1, 0, 0], budgets
   assert float(state.seen_verified[0, 0]) == 2.0
   warm = policy.warm(state)
-  assert float(warm.pooled(warm.init(2), jnp.ones((2,), bool))[1]) == 2.0
+  assert float(warm.pooled(warm.init(2), jnp.ones((2,), bool))[1][0]) == 2.0
   with pytest.raises(ValueError, match="optimism"):
     adaptive.Auto.create(**F_CHEAP, optimism=-1.0)
 
