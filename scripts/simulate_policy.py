@@ -23,7 +23,12 @@ either way, the worst and mean cell of each margin at the end):
 
 A cost set is NAME=t(1)/t(2)/t(3)/t(5):d(1)/d(2): the target's ms at the
 widths of `--max_gamma` (`adaptive.verify_widths`; 1, 2, 3, 5 for 4) and
-the draft model's ms at 1 and 2 tokens.
+the draft model's ms at 1 and 2 tokens; d = 0 is a drafter that runs no
+model (prompt lookup).
+
+An α is one acceptance for every draft position, or one per position
+(`--alphas=0.44:0.95:0.95:0.95`, prompt lookup's shape: its first draft
+is often wrong, and once it is right the rest of the match follows).
 
 With `--error`, the policy still chooses by the cost set while the
 simulation prices its drafting steps (the draft forwards and every target
@@ -48,7 +53,9 @@ from specjax.tuning import simulate
 _COSTS = flags.DEFINE_list("costs", [], "Cost sets, NAME=T/T/T/T:D/D.")
 _RUNS = flags.DEFINE_list(
     "runs", [], "bench_crossover output dirs whose measured costs to use.")
-_ALPHAS = flags.DEFINE_string("alphas", "0.05/0.5/0.8/0.95", "α values.")
+_ALPHAS = flags.DEFINE_string(
+    "alphas", "0.05/0.5/0.8/0.95", "/-separated α values: one for every "
+    "draft position, or a:b:... one per position (γ_max of them).")
 _BATCH = flags.DEFINE_integer(
     "batch", 0, "B simulated; 0: each run's own (1 for --costs).")
 _TOKENS = flags.DEFINE_integer("tokens", 32, "New tokens per row.")
@@ -73,6 +80,12 @@ _MAX_GAMMA = flags.DEFINE_integer(
 
 def _floats(text: str) -> list[float]:
   return [float(x) for x in text.split("/") if x]
+
+
+def _alphas(text: str) -> list[float | tuple[float, ...]]:
+  """--alphas: each entry one α, or a:b:... one per draft position."""
+  return [tuple(float(a) for a in x.split(":")) if ":" in x else float(x)
+          for x in text.split("/") if x]
 
 
 def cost_sets() -> list[tuple[str, int, int, simulate.SimCosts]]:
@@ -121,9 +134,10 @@ def main(argv) -> None:
   sets = cost_sets()
   if not sets:
     raise app.UsageError("Give --costs or --runs.")
-  alphas = _floats(_ALPHAS.value)
+  alphas = _alphas(_ALPHAS.value)
+  label = lambda a: ":".join(map(str, a)) if isinstance(a, tuple) else a
   print("costs | B | optimism | horizon | observe | margin | error | "
-        + " | ".join(f"α = {a}" for a in alphas))
+        + " | ".join(f"α = {label(a)}" for a in alphas))
   print(" | ".join("---" for _ in range(7 + len(alphas))))
   # (optimism, horizon, observe, margin) -> every ratio it scored.
   scores = {}

@@ -159,6 +159,14 @@ def test_settled_starts_from_steady_counts():
   assert int(state.wait) == int(auto.probe_every)
 
 
+def test_settled_takes_one_acceptance_per_position():
+  # Position 1 at its own 0.4; position 2 its 20 observations at 0.9 and
+  # position 1's estimate as one more: (18 + 0.4) / 21.
+  auto = sim.settled(sim.auto_policy(COSTS, G), (0.4, 0.9, 0.9, 0.9))
+  estimates = auto.acceptance(auto.init(1))[0]
+  np.testing.assert_allclose(estimates[:2], [0.4, 18.4 / 21], rtol=1e-6)
+
+
 def test_a_warm_start_follows_the_generation_before_it():
   """Nothing accepted, no observation at prefill. A cold start drafts at
   its first step by its prior (two drafts, 40 + 10 ms, and a 130 ms

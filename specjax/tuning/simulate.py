@@ -242,14 +242,16 @@ def auto_policy(costs: SimCosts, max_gamma: int,
       **kwargs)
 
 
-def settled(policy: adaptive.Auto, alpha: float,
+def settled(policy: adaptive.Auto, alpha: float | Sequence[float],
             trials: float = 32.0) -> adaptive.Auto:
   """`policy` as `Auto.warm` starts it after a long generation at
-  acceptance `alpha`: every position at its steady decayed count, 1 /
-  rate observations, `alpha` of them accepted, and `trials` steps behind
-  position 1 (a warm start in simulation, knowing α)."""
+  acceptance `alpha` (one value, or G, one per draft position): every
+  position at its steady decayed count, 1 / rate observations, its α of
+  them accepted, and `trials` steps behind position 1 (a warm start in
+  simulation, knowing α)."""
   count = jnp.full((policy.max_gamma,), 1.0 / policy.rate, jnp.float32)
-  return policy.replace(start_verified=count, start_accepted=alpha * count,
+  accepted = jnp.asarray(alpha, jnp.float32) * count  # [G]
+  return policy.replace(start_verified=count, start_accepted=accepted,
                         start_trials=jnp.float32(trials),
                         first_wait=policy.probe_every)
 
