@@ -165,6 +165,8 @@ def test_settled_takes_one_acceptance_per_position():
   auto = sim.settled(sim.auto_policy(COSTS, G), (0.4, 0.9, 0.9, 0.9))
   estimates = auto.acceptance(auto.init(1))[0]
   np.testing.assert_allclose(estimates[:2], [0.4, 18.4 / 21], rtol=1e-6)
+  with pytest.raises(ValueError, match="alpha must be one probability"):
+    sim.settled(sim.auto_policy(COSTS, G), (0.4, 0.9))
 
 
 def test_a_warm_start_follows_the_generation_before_it():

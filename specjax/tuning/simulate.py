@@ -184,6 +184,18 @@ def _simulate(policy, costs, alpha, batch, tokens, samples, key,
   return jax.vmap(sample)(jax.random.split(key, samples))  # [N]
 
 
+def _per_position(alpha: float | Sequence[float], max_gamma: int
+                  ) -> np.ndarray:
+  """[G] float32 acceptance per draft position from one probability or G
+  of them; a ValueError names any other."""
+  alpha = np.asarray(alpha, np.float32)
+  if alpha.shape not in ((), (max_gamma,)) or not np.all(
+      (alpha >= 0) & (alpha <= 1)):
+    raise ValueError(f"alpha must be one probability or {max_gamma} (one "
+                     f"per draft position), got {alpha.tolist()}.")
+  return np.broadcast_to(alpha, (max_gamma,))
+
+
 def simulate(policy: adaptive.GammaPolicy, costs: SimCosts, *,
              alpha: float | Sequence[float], batch: int, tokens: int,
              samples: int = 256, seed: int = 0,
@@ -209,16 +221,12 @@ def simulate(policy: adaptive.GammaPolicy, costs: SimCosts, *,
     B · tokens / (mean time of a generation), in tokens per second.
   """
   max_gamma = policy.max_gamma
-  alpha = np.asarray(alpha, np.float32)
-  if alpha.shape not in ((), (max_gamma,)) or not np.all(
-      (alpha >= 0) & (alpha <= 1)):
-    raise ValueError(f"alpha must be one probability or {max_gamma} (one "
-                     f"per draft position), got {alpha.tolist()}.")
+  alpha = _per_position(alpha, max_gamma)  # [G]
   if batch < 1 or tokens < 1 or samples < 1 or warm_after < 0:
     raise ValueError(f"batch, tokens and samples must be >= 1 and "
                      f"warm_after >= 0, got {batch}, {tokens}, {samples} "
                      f"and {warm_after}.")
-  alpha = jnp.broadcast_to(jnp.asarray(alpha), (max_gamma,))
+  alpha = jnp.asarray(alpha)
   if len(costs.target_ms) != len(policy.widths):
     raise ValueError(f"costs.target_ms needs one time per width "
                      f"{policy.widths}, got {len(costs.target_ms)}.")
@@ -250,7 +258,7 @@ def settled(policy: adaptive.Auto, alpha: float | Sequence[float],
   them accepted, and `trials` steps behind position 1 (a warm start in
   simulation, knowing α)."""
   count = jnp.full((policy.max_gamma,), 1.0 / policy.rate, jnp.float32)
-  accepted = jnp.asarray(alpha, jnp.float32) * count  # [G]
+  accepted = jnp.asarray(_per_position(alpha, policy.max_gamma)) * count
   return policy.replace(start_verified=count, start_accepted=accepted,
                         start_trials=jnp.float32(trials),
                         first_wait=policy.probe_every)
