@@ -1,5 +1,6 @@
 """Traced settings never recompile the generation."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -100,6 +101,28 @@ def _loop_copies(hlo: str, config, batch: int, size: int) -> int:
   return count
 
 
+_LOOP = dict(batch=3, size=64, gamma=4)
+_GREEDY = decode.StepParams.create(
+    temperature=0.0, top_k=0, top_p=1.0, eos_id=None,
+    draft_stop_threshold=0.0, synthetic_acceptance=None)
+
+
+def _speculative_hlo(target, drafter, policy, synthetic: bool) -> str:
+  """The optimized HLO of `_speculative_generate` at `_LOOP`'s shapes,
+  greedy, 16 new tokens from 8-token prompts."""
+  batch, size, gamma = _LOOP["batch"], _LOOP["size"], _LOOP["gamma"]
+  return decode._speculative_generate.lower(
+      target, drafter, jnp.ones((batch, 8), jnp.int32),
+      jnp.full((batch,), 8, jnp.int32), _GREEDY, jax.random.key(0),
+      jnp.int32(16), policy, gamma=gamma, tokens_cap=16, cache_size=size,
+      pad_id=0, synthetic=synthetic, num_nodes=None).compile().as_text()
+
+
+def _auto() -> adaptive.Auto:
+  return adaptive.Auto.create(max_gamma=_LOOP["gamma"],
+                              target_ms=[1.0, 1.1, 1.2, 1.5], draft_ms=0.2)
+
+
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 @pytest.mark.parametrize("policy,synthetic",
                          [(None, False), ("auto", False), ("auto", True)])
@@ -110,27 +133,32 @@ def test_decoding_loops_update_caches_in_place(policy, synthetic):
   # every drafting loop; a `lax.cond` that passes a cache through one
   # branch copies it too. No compiled loop may copy either model's cache.
   target, draft = testing.tiny_pair(seed=4)
-  batch, size, gamma = 3, 64, 4
-  prompts = jnp.ones((batch, 8), jnp.int32)
-  lengths = jnp.full((batch,), 8, jnp.int32)
-  params = decode.StepParams.create(
-      temperature=0.0, top_k=0, top_p=1.0, eos_id=None,
-      draft_stop_threshold=0.0, synthetic_acceptance=None)
+  batch, size = _LOOP["batch"], _LOOP["size"]
   if policy is None:
     hlo = decode._generate.lower(
-        target, prompts, lengths, params.sampling, jnp.array([-1]),
+        target, jnp.ones((batch, 8), jnp.int32),
+        jnp.full((batch,), 8, jnp.int32), _GREEDY.sampling, jnp.array([-1]),
         jax.random.key(0), jnp.int32(16), tokens_cap=16, cache_size=size,
         pad_id=0).compile().as_text()
     assert _loop_copies(hlo, testing.TINY_TARGET, batch, size) == 0
-  policy = None if policy is None else adaptive.Auto.create(
-      max_gamma=gamma, target_ms=[1.0, 1.1, 1.2, 1.5], draft_ms=0.2)
-  hlo = decode._speculative_generate.lower(
-      target, drafters.DraftModel(draft), prompts, lengths, params,
-      jax.random.key(0), jnp.int32(16), policy, gamma=gamma, tokens_cap=16,
-      cache_size=size, pad_id=0, synthetic=synthetic,
-      num_nodes=None).compile().as_text()
+  hlo = _speculative_hlo(target, drafters.DraftModel(draft),
+                         None if policy is None else _auto(), synthetic)
   assert _loop_copies(hlo, testing.TINY_TARGET, batch, size) == 0
   assert _loop_copies(hlo, testing.TINY_DRAFT, batch, size) == 0
+
+
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
+def test_eagle_updates_its_layer_cache_in_place():
+  # EAGLE's one-layer cache, [1, B, S, K, D] at the target's heads, is read
+  # and written by every drafted token and every commit; under an adaptive
+  # policy its drafting loop and the outer loop copied it (4 copies).
+  target, _ = testing.tiny_pair(seed=4)
+  hlo = _speculative_hlo(target, testing.random_eagle(target), _auto(),
+                         synthetic=False)
+  layer = dataclasses.replace(testing.TINY_TARGET, num_layers=1)
+  assert _loop_copies(hlo, layer, _LOOP["batch"], _LOOP["size"]) == 0
+  assert _loop_copies(hlo, testing.TINY_TARGET, _LOOP["batch"],
+                      _LOOP["size"]) == 0
 
 
 _SECOND_PROCESS = """

@@ -223,21 +223,6 @@ class Block(nn.Module):
     return x, k, v
 
 
-def _after(output: jax.Array, *arrays: jax.Array) -> tuple[jax.Array, ...]:
-  """`arrays` unchanged, but computed only once `output` is.
-
-  Every layer reads the old cache and the pass then writes it. Without a
-  data dependence from the last read to the write, XLA cannot prove the
-  write comes last and copies the whole cache (twice, on CPU) to keep the
-  old values readable, on every decode step. Adding min(|x|, 0), which is
-  0 for any non-NaN x, of one element of the pass's output orders the
-  write after every read, so the cache is updated in place.
-  (`lax.optimization_barrier` does not survive to XLA's copy insertion.)
-  """
-  zero = jnp.minimum(jnp.abs(output.reshape(-1)[0]), 0)
-  return tuple(a + zero.astype(a.dtype) for a in arrays)
-
-
 class Transformer(nn.Module):
   """The decoder. `__call__` returns hidden states; `logits` projects them.
 
@@ -349,7 +334,7 @@ class Transformer(nn.Module):
           hidden=hidden, residual=x,
           cache=cache.rollback(offsets + num_tokens),
           layer_hidden=layer_hidden, keys=keys, values=values)
-    keys, values = _after(hidden, keys, values)
+    keys, values = cache_lib.after(hidden, keys, values)
     return TransformerOutput(
         hidden=hidden, residual=x,
         cache=cache.write(keys, values, offsets, first),
