@@ -86,7 +86,7 @@ class EagleLayer(nn.Module):
     else:
       x, k, v = layer(x, cache.k[0], cache.v[0], positions, cache_mask,
                       chunk_mask)
-    k, v = cache_lib.after(x, k, v)  # written in place (`cache_lib.after`)
+    k, v = cache_lib.after(x, k, v)  # the write after the read: no copy
     return x, cache.replace(
         k=cache_lib.write_rows(cache.k[0], k, offsets)[None],
         v=cache_lib.write_rows(cache.v[0], v, offsets)[None],
