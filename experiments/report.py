@@ -97,9 +97,13 @@ def _roofline_lines(results: dict[str, Any]) -> list[str]:
     lines.append(table(["model", "GB", "roofline ms", "forward ms",
                         "of roofline", "verify (γ+1 tokens) / forward"],
                        rows))
+    # None where the decode phase was too short to time (prefill's median
+    # at or above the whole call's, as tiny models on a noisy machine give).
+    efficiency = base["roofline_efficiency"]
     lines.append(
-        f"autoregressive decoding: {base['decode_tokens_per_s']:.2f} tok/s "
-        f"after the first token = {100 * base['roofline_efficiency']:.0f}% "
+        f"autoregressive decoding: {_f(base['decode_tokens_per_s'])} tok/s "
+        "after the first token = "
+        f"{_f(None if efficiency is None else 100 * efficiency, '.0f', '%')} "
         "of the target's roofline")
   return lines
 

@@ -97,6 +97,11 @@ def test_tiny_end_to_end(tiny_results):
                                    "speedup_vs_gamma.png"}
   text = report.format_report(saved)
   assert "speedup" in text and "code/3" in text
+  # A decode phase too short to time is saved as null and printed as '-'.
+  for base in saved["baselines"].values():
+    base["decode_tokens_per_s"] = base["roofline_efficiency"] = None
+  assert "decoding: - tok/s after the first token = - of" in (
+      report.format_report(saved))
 
 
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
