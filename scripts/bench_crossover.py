@@ -42,6 +42,10 @@ their results into one table and plot:
     --weights=random --batches=$b --output_dir=/tmp/bench/cross_b$b; done
   python scripts/bench_crossover.py --output_dir=/tmp/bench/cross_all \
     --merge=/tmp/bench/cross_b1,/tmp/bench/cross_b2,...
+Reruns of one B on the same policy can be pooled, every round of each
+counted, instead of the last one kept (`--pool`):
+  python scripts/bench_crossover.py --output_dir=/tmp/bench/b1_pooled \
+    --merge=/tmp/bench/cross_b1,/tmp/bench/cross_b1_again --pool
 
 With random weights, acceptance is synthetic (`synthetic_acceptance`: each
 draft accepted with probability α by its position's draw in the
@@ -112,6 +116,10 @@ _OUTPUT = flags.DEFINE_string("output_dir", "/tmp/specjax/crossover", "")
 _MERGE = flags.DEFINE_list(
     "merge", [], "Output dirs of earlier runs (e.g. one per B) whose "
     "results to join into one table and plot in --output_dir; runs nothing.")
+_POOL = flags.DEFINE_bool(
+    "pool", False, "With --merge, join the rounds of runs that hold the "
+    "same α and B (reruns of one policy) into one cell, instead of keeping "
+    "the last run's: its ratios and interval then rest on all their rounds.")
 
 # The policies that choose γ as they go; the others (`ar`, each fixed γ)
 # are what `auto` is measured against.
@@ -303,24 +311,37 @@ def _run_batch(target, drafter, prompts, alpha, gammas, seen,
   rows = {name: _policy_row(gamma, runs[name], batch, target_costs,
                             draft_costs)
           for name, (gamma, _) in calls.items()}
-  best = max((k for k in rows if k not in _ADAPTIVE),
-             key=lambda k: rows[k]["tokens_per_s"])
-  best_other = rows[best]["tokens_per_s"]
   return {"batch": batch, "alpha": alpha, "tokens": _TOKENS.value,
           "repeats": _REPEATS.value, "prompt_tokens": (
               _PROMPT_TOKENS.value if _WEIGHTS.value == "random" else None),
-          "policies": rows,
-          "auto_over_best": rows["auto"]["tokens_per_s"] / best_other,
-          "auto_warm_over_best": (rows["auto warm"]["tokens_per_s"]
-                                  / best_other),
-          "best": best,
-          "auto_over_best_paired": _paired(rows, "auto", best),
-          "auto_warm_over_best_paired": _paired(rows, "auto warm", best),
+          "policies": rows, **_over_best(rows),
           **_simulated(policies, rows, batch, alpha),
           "cache_size": cache_size,
           "target_ms": {str(w): target_costs.at(w) for w in widths},
           "draft_ms": ({str(t): draft_costs.at(t) for t in (1, 2)}
                        if draft_costs else {})}
+
+
+def _over_best(rows: dict) -> dict:
+  """`auto` and `auto warm` over the best of autoregressive decoding and
+  every fixed γ (`rows`: `_policy_row`s by name), pooled and paired."""
+  best = max((k for k in rows if k not in _ADAPTIVE),
+             key=lambda k: rows[k]["tokens_per_s"])
+  ratio = lambda name: rows[name]["tokens_per_s"] / rows[best][
+      "tokens_per_s"]
+  return {"auto_over_best": ratio("auto"),
+          "auto_warm_over_best": ratio("auto warm"), "best": best,
+          "auto_over_best_paired": _paired(rows, "auto", best),
+          "auto_warm_over_best_paired": _paired(rows, "auto warm", best)}
+
+
+def _round_tokens(result: dict, name: str) -> list[float]:
+  """The decoding tokens of each of a policy's rounds. Runs written before
+  they were kept had random weights, which run every row to its length."""
+  row = result["policies"][name]
+  return row.get("decode_tokens_rounds", [
+      (result["tokens"] - 1) * result["batch"]] * len(
+          row["tokens_per_s_rounds"]))
 
 
 def _paired(rows: dict, name: str, best: str) -> float:
@@ -343,11 +364,8 @@ def _interval(result: dict, name: str, level: float = 0.9,
   policies = result["policies"]
   rates = {k: np.asarray(v["tokens_per_s_rounds"])
            for k, v in policies.items()}
-  # Runs written before the tokens were kept: every round decoded the
-  # same tokens (random weights run every row to its length).
-  tokens = {k: np.asarray(v.get("decode_tokens_rounds",
-                                np.ones_like(rates[k])), float)
-            for k, v in policies.items()}
+  tokens = {k: np.asarray(_round_tokens(result, k), float)
+            for k in policies}
   n = len(rates[name])
   rounds = np.random.default_rng(0).integers(0, n, (samples, n))  # [S, n]
   pooled = lambda k: (tokens[k][rounds].sum(1)  # [S]
@@ -503,12 +521,50 @@ def _write(results: list[dict], gammas: list[int], **fields) -> None:
     json.dump(out, f, indent=1)
 
 
+def _pooled(like: list[dict]) -> dict:
+  """One cell from several runs' cells at one α and B (`--pool`): each
+  policy's rounds joined, its tokens/s their decoding tokens over their
+  decoding time as `_policy_row` pools one run's, the ratios to the best
+  taken again (a round of any run still runs every policy back to back,
+  so `_paired` and `_interval` hold). Predicted over measured is the
+  rounds-weighted mean of the runs'; the simulated ratios, each from its
+  own run's cost table, are left out."""
+  if len(like) == 1:
+    return like[0]
+  if len({r["tokens"] for r in like}) > 1:
+    raise app.UsageError(
+        f"--pool: the runs at α = {like[0]['alpha']}, B = "
+        f"{like[0]['batch']} decoded {[r['tokens'] for r in like]} tokens "
+        "per row; only cells of one length can be pooled.")
+  rows = {}
+  for name in like[0]["policies"]:
+    rates = [x for r in like for x in r["policies"][name][
+        "tokens_per_s_rounds"]]
+    tokens = [x for r in like for x in _round_tokens(r, name)]
+    rows[name] = {
+        "tokens_per_s": sum(tokens) / sum(np.divide(tokens, rates)),
+        "tokens_per_s_median": float(np.median(rates)),
+        "tokens_per_s_rounds": rates, "decode_tokens_rounds": tokens,
+        "predicted_over_measured": float(np.average(
+            [r["policies"][name]["predicted_over_measured"] for r in like],
+            weights=[len(r["policies"][name]["tokens_per_s_rounds"])
+                     for r in like]))}
+  first = like[0]
+  return {"batch": first["batch"], "alpha": first["alpha"],
+          "tokens": first["tokens"],
+          "repeats": sum(r["repeats"] for r in like),
+          "prompt_tokens": first.get("prompt_tokens"), "policies": rows,
+          **_over_best(rows), "pooled": len(like),
+          "source": "+".join(str(r["source"]) for r in like)}
+
+
 def _merge(dirs: list[str]) -> None:
   """Joins the crossover.json of several runs (one B per process, on one
   machine with the same policies; each result keeps its own tokens per row
   and repeats, shorter at large B) into one, sorted by α then B, with its
   table and plot. Where several runs hold the same α and B (a cell rerun
-  with more rounds), the one listed last is kept. Each cell keeps the
+  with more rounds), the one listed last is kept, or with `--pool`
+  all of them are joined (`_pooled`). Each cell keeps the
   commit it ran on (`source`); the merged file lists them all."""
   runs = []
   for path in dirs:
@@ -520,9 +576,13 @@ def _merge(dirs: list[str]) -> None:
     if differ:
       raise app.UsageError(f"{path} was run with other {differ} than "
                            f"{dirs[0]}; only like runs can be merged.")
-  cells = {(r["alpha"], r["batch"]): {"source": run.get("source"), **r}
-           for run in runs for r in run["results"]}
-  results = sorted(cells.values(),
+  cells = {}
+  for run in runs:
+    for r in run["results"]:
+      cells.setdefault((r["alpha"], r["batch"]), []).append(
+          {"source": run.get("source"), **r})
+  join = _pooled if _POOL.value else lambda like: like[-1]
+  results = sorted(map(join, cells.values()),
                    key=lambda r: (r["alpha"] or 0, r["batch"]))
   first = runs[0]
   _write(results, first["gammas"], **{k: first[k] for k in settings
