@@ -344,6 +344,14 @@ def _round_tokens(result: dict, name: str) -> list[float]:
           row["tokens_per_s_rounds"]))
 
 
+def _pooled_rate(tokens, rates) -> np.ndarray:
+  """Rounds' decoding tokens over their decoding time, over the last axis
+  (`tokens`, `rates`: [..., n] per round): their throughput together, as
+  `_policy_row` pools one run's calls."""
+  tokens = np.asarray(tokens, float)
+  return tokens.sum(-1) / (tokens / np.asarray(rates, float)).sum(-1)
+
+
 def _paired(rows: dict, name: str, best: str) -> float:
   """The median over rounds of `name`'s tokens/s over `best`'s in the same
   round: a round runs them back to back, so the machine's drift between
@@ -368,8 +376,8 @@ def _interval(result: dict, name: str, level: float = 0.9,
             for k in policies}
   n = len(rates[name])
   rounds = np.random.default_rng(0).integers(0, n, (samples, n))  # [S, n]
-  pooled = lambda k: (tokens[k][rounds].sum(1)  # [S]
-                      / (tokens[k][rounds] / rates[k][rounds]).sum(1))
+  pooled = lambda k: _pooled_rate(tokens[k][rounds],  # [S]
+                                  rates[k][rounds])
   best = np.max([pooled(k) for k in policies
                  if k not in _ADAPTIVE], 0)
   low, high = np.quantile(pooled(name) / best,
@@ -542,7 +550,7 @@ def _pooled(like: list[dict]) -> dict:
         "tokens_per_s_rounds"]]
     tokens = [x for r in like for x in _round_tokens(r, name)]
     rows[name] = {
-        "tokens_per_s": sum(tokens) / sum(np.divide(tokens, rates)),
+        "tokens_per_s": float(_pooled_rate(tokens, rates)),
         "tokens_per_s_median": float(np.median(rates)),
         "tokens_per_s_rounds": rates, "decode_tokens_rounds": tokens,
         "predicted_over_measured": float(np.average(
