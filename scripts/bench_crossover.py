@@ -25,8 +25,9 @@ ratios compare their choices, not their luck, and the rounds decode
 different texts. Beside the measured ratios, those `specjax.tuning.simulate`
 expects from the same policies and costs over many draws (the policy's
 own loss, without the machine's noise or the cost model's error). The
-forward costs are measured afresh once per B, at its start
-(`--norefresh_costs` reads the cost cache).
+forward costs are read as `gamma="auto"` reads them, before each round:
+from the cost cache, timed at the first read and again when due
+(`cost.measure`); `--refresh_costs` first discards the cached passes.
 
 COMMAND (the real pair, HumanEval chat prompts, the draft model drafting):
   python scripts/bench_crossover.py --weights=real --batches=1/2/4 \
@@ -108,8 +109,8 @@ _TIMINGS = flags.DEFINE_integer(
     "each time (one key, one synthetic text), so on a shared machine the "
     "fastest is the least disturbed.")
 _REFRESH = flags.DEFINE_bool(
-    "refresh_costs", True, "Measure the forward costs afresh instead of "
-    "reading them from the cost cache.")
+    "refresh_costs", False, "Discard the cost cache's passes and measure "
+    "the forward costs afresh at each B's start.")
 _PROMPT_TOKENS = flags.DEFINE_integer(
     "prompt_tokens", 128, "Prompt length with random weights.")
 _OUTPUT = flags.DEFINE_string("output_dir", "/tmp/specjax/crossover", "")
@@ -222,12 +223,19 @@ class _Setup:
             self.measure(self.draft, chunks=(1, 2))
             if _DRAFTER.value == "model" else None)
 
+  def auto_costs(self) -> dict[str, Any]:
+    """`adaptive.Auto.create`'s cost arguments from `costs`."""
+    target_costs, draft_costs = self.costs()
+    return {"target_ms": [target_costs.at(w) for w in
+                          adaptive.verify_widths(_MAX_GAMMA.value)],
+            **(adaptive.Auto.draft_costs(draft_costs)
+               if draft_costs else {})}
+
 
 def _setup(target, draft, prompts, gammas) -> _Setup:
-  """Measures the costs once per B, afresh unless `--norefresh_costs`: a
-  cost cache keyed by machine cannot tell that the machine itself has
-  changed speed since, and the predictions beside the measurements would
-  then be stale."""
+  """One B's `_Setup`; with `--refresh_costs`, its cost tables measured
+  anew (else `cost.measure` times them at their first read, and discards
+  them itself where the machine has changed)."""
   batch = len(prompts)
   widths = sorted({1, *(g + 1 for g in gammas),
                    *adaptive.verify_widths(_MAX_GAMMA.value)})
@@ -246,15 +254,10 @@ def _run_batch(target, drafter, prompts, alpha, gammas, seen,
                setup: _Setup):
   batch = len(prompts)
   cache_size, widths = setup.cache_size, setup.widths
-  target_costs, draft_costs = setup.costs()
   policies = {"ar": None, **{f"γ={g}": g for g in gammas},
               "heuristic": adaptive.Heuristic(_MAX_GAMMA.value),
-              "auto": adaptive.Auto.create(
-                  max_gamma=_MAX_GAMMA.value,
-                  target_ms=[target_costs.at(w) for w in
-                             adaptive.verify_widths(_MAX_GAMMA.value)],
-                  **(adaptive.Auto.draft_costs(draft_costs)
-                     if draft_costs else {}))}
+              "auto": adaptive.Auto.create(max_gamma=_MAX_GAMMA.value,
+                                           **setup.auto_costs())}
   kwargs = dict(max_new_tokens=_TOKENS.value, cache_size=cache_size)
   make = lambda gamma: (
       functools.partial(decode.generate, target, prompts, **kwargs)
@@ -282,6 +285,14 @@ def _run_batch(target, drafter, prompts, alpha, gammas, seen,
   # another text from round to round.
   runs = {}
   for round_key in range(_REPEATS.value):
+    # Both `auto`s price their steps by the cost table as it is now, as
+    # `gamma="auto"` reads it at each call: timed again when due, so the
+    # table comes to stand for the machine over the run, not the moment
+    # it was first timed (`cost.measure`).
+    costs = setup.auto_costs()
+    for name in ("auto", "auto warm"):
+      policy = calls[name][0].priced(**costs)
+      calls[name] = policy, make(policy)
     fastest = {}
     # A round times every policy `--timings` times, one pass over them
     # all per timing, each pass in its own order, and keeps each one's
@@ -308,6 +319,10 @@ def _run_batch(target, drafter, prompts, alpha, gammas, seen,
     # generations), not the warm-up's one start R times over.
     warm = calls["auto warm"][0].warm(fastest["auto warm"].output.policy_state)
     calls["auto warm"] = warm, make(warm)
+  # The predictions and the simulation price by the table the rounds
+  # ended with.
+  target_costs, draft_costs = setup.costs()
+  policies["auto"] = calls["auto"][0]
   rows = {name: _policy_row(gamma, runs[name], batch, target_costs,
                             draft_costs)
           for name, (gamma, _) in calls.items()}

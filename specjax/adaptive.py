@@ -447,7 +447,7 @@ class Auto(GammaPolicy):
     """`create` with costs measured on this machine (`tuning.cost.measure`,
     cached on disk per machine, model, B, S and widths, re-timed at their
     first use in a process and again from time to time while in use, each
-    table the median of its last passes), at the cache size S the
+    table the mean of its last passes), at the cache size S the
     generation runs with (a forward's cost grows with S).
 
     A drafter's per-token cost is one forward of its `cost_model` (the
@@ -469,6 +469,17 @@ class Auto(GammaPolicy):
     return cls.create(max_gamma=max_gamma,
                       target_ms=[target_costs.at(w) for w in widths],
                       **draft, **kwargs)
+
+  def priced(self, target_ms: Sequence[float], draft_ms: float = 0.0,
+             first_draft_ms: float | None = None) -> "Auto":
+    """This policy (cold or `warm`) with other costs, as `create` takes
+    them: e.g. a cost table timed again since (`tuning.cost.measure`),
+    for a server that keeps a warm policy from request to request. Same
+    shapes, so nothing recompiles."""
+    new = Auto.create(max_gamma=self.max_gamma, target_ms=target_ms,
+                      draft_ms=draft_ms, first_draft_ms=first_draft_ms)
+    return self.replace(target_ms=new.target_ms, draft_ms=new.draft_ms,
+                        first_draft_ms=new.first_draft_ms)
 
   @staticmethod
   def draft_costs(costs: Any) -> dict[str, float]:
@@ -628,7 +639,7 @@ class Auto(GammaPolicy):
     K = 0..G) puts first among K = 1..`most` (default G), or 0 where its
     rate does not beat a plain step's by more than `margin`.
 
-    The costs are medians of standalone forwards timed at other moments
+    The costs are means of standalone forwards timed at other moments
     than the steps they price, on a machine whose speed drifts by several
     percent between minutes; and the acceptance estimates rest on few
     observations. A predicted gain of a few percent is within both

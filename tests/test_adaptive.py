@@ -431,6 +431,24 @@ def test_warm_policy_starts_from_pooled_estimates():
   assert heuristic.warm(heuristic.init(2)) is heuristic
 
 
+def test_a_warm_policy_priced_anew_keeps_what_it_learned():
+  policy = adaptive.Auto.create(max_gamma=2, target_ms=[1.0, 1.1, 1.2],
+                                draft_ms=0.3, rate=0.2)
+  state = policy.init(1).replace(seen_verified=jnp.array([[4.0, 2.0]]),
+                                 seen_accepted=jnp.array([[3.0, 1.0]]))
+  warm = policy.warm(state)
+  priced = warm.priced([2.0, 2.1, 2.5], draft_ms=0.5, first_draft_ms=0.6)
+  np.testing.assert_allclose(priced.target_ms, [2.0, 2.1, 2.5])
+  assert (float(priced.draft_ms), float(priced.first_draft_ms)) == (
+      pytest.approx(0.5), pytest.approx(0.6))
+  for name in ("start_verified", "start_accepted", "start_trials",
+               "start_rows", "rate", "margin"):
+    np.testing.assert_array_equal(getattr(priced, name),
+                                  getattr(warm, name))
+  with pytest.raises(ValueError, match="target_ms"):
+    warm.priced([2.0, 2.1])
+
+
 def test_a_warm_start_trusts_the_whole_generation_not_its_last_steps():
   # Machine G's B = 1 costs, and a fast decay (rate 0.2: the default's
   # estimate would not fall so far in four steps). A generation whose
@@ -763,6 +781,7 @@ def test_changing_regime_and_settings_compiles_nothing(pair):
   out = run(policy)
   compiled = decode._speculative_generate._cache_size()
   run(policy.warm(out.policy_state), temperature=0.8, top_k=5)
+  run(policy.warm(out.policy_state).priced([1.0, 5.0, 6.0, 7.0], 2.0))
   run(adaptive.Auto.create(max_gamma=GAMMA, target_ms=[1.0, 5.0, 6.0, 7.0],
                            draft_ms=2.0, prior=0.1), temperature=1.2, key=3)
   assert decode._speculative_generate._cache_size() == compiled

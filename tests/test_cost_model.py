@@ -151,92 +151,91 @@ class _Timings:
 _KW = dict(batch=1, chunks=(1, 3), cache_size=64, prompt_tokens=8)
 
 
+def _due_now():
+  """Makes every table due, as once `cost._DUE`'s times have passed."""
+  cost._DUE.update(dict.fromkeys(cost._DUE, 0.0))
+
+
 def test_a_new_table_takes_a_third_pass_when_two_disagree(tmp_path,
                                                           monkeypatch):
   target, _ = testing.tiny_pair()
   agree = _Timings(monkeypatch, {1: 100, 3: 110}, {1: 104, 3: 112})
   costs = cost.measure(target, cache_dir=tmp_path / "a", **_KW)
   assert len(agree.calls) == 2 and costs.source == "measured"
-  assert costs.forward_ms == {1: 102, 3: 111}  # the median of two: the mean
+  assert costs.forward_ms == {1: 102, 3: 111}
   # 110 and 120 at T = 3 are 9% apart (more than AGREE): a third pass, and
-  # the median of the three.
+  # the mean of the three.
   split = _Timings(monkeypatch, {1: 100, 3: 110}, {1: 100, 3: 120},
-                   {1: 101, 3: 112})
+                   {1: 103, 3: 112})
   costs = cost.measure(target, cache_dir=tmp_path / "b", **_KW)
-  assert len(split.calls) == 3 and costs.forward_ms == {1: 100, 3: 112}
+  assert len(split.calls) == 3 and costs.forward_ms == {1: 101, 3: 114}
   (entry,) = json.loads((tmp_path / "b" / "tuning" / "cost.json")
                         .read_text()).values()
-  assert entry["forward_ms"] == {"1": 100, "3": 112}
+  assert entry["forward_ms"] == {"1": 101, "3": 114}
   assert len(entry["passes"]) == 3
 
 
-def test_a_table_taken_at_a_bad_moment_is_outvoted_once_due(tmp_path,
-                                                             monkeypatch):
-  """Two agreeing passes at a bad moment (T = 3 13% dear) make the table;
-  read again before it is due, nothing is timed. Once due, one pass: it
-  disagrees, so the table (the median of bad, bad, good) holds, and the
-  next pass is due within RECHECK_MIN_S; that one outvotes the bad."""
+def test_a_two_state_machine_is_priced_by_its_mean(tmp_path, monkeypatch):
+  """Machine B at B = 1: the one-token forward is 141 ms a third of the
+  time and 196 ms otherwise, the three-token one 183 and 206 ms. A table
+  taken in the fast state puts t(3)/t(1) at 1.30; passes due a minute
+  apart, one in three fast, bring it to the mean over time, and a pass
+  in the other state (39% apart at T = 1) is no drift."""
   target, _ = testing.tiny_pair()
   kw = dict(_KW, cache_dir=tmp_path)
-  bad, good = {1: 2120, 3: 2400}, {1: 2000, 3: 2060}
-  timings = _Timings(monkeypatch, bad, bad, good, good)
-  assert cost.measure(target, **kw).forward_ms == bad
-  # Due after RECHECK times the last pass's timed calls: 5 repeats of
-  # 2.12 + 2.4 s.
+  fast, slow = {1: 141, 3: 183}, {1: 196, 3: 206}
+  timings = _Timings(monkeypatch, fast, fast)
+  young = cost.measure(target, **kw)
+  assert young.forward_ms == fast and len(timings.calls) == 2
+  # While the table is young, the next pass is due after RECHECK_MIN_S,
+  # not RECHECK times a pass (it reads nothing before then).
   (key,) = cost._DUE
   assert cost._DUE[key] == pytest.approx(
-      cost.time.monotonic() + cost.RECHECK * 5 * 4.52, abs=5.0)
+      cost.time.monotonic() + cost.RECHECK_MIN_S, abs=5.0)
   assert cost.measure(target, **kw).source == "cache"
-  assert len(timings.calls) == 2
-  cost._DUE[key] = 0.0  # due
-  assert cost.measure(target, **kw).forward_ms == bad
-  assert len(timings.calls) == 3
+  timings.passes = [slow, fast, slow, slow, fast, slow, slow, fast]
+  for _ in range(8):
+    _due_now()
+    costs = cost.measure(target, **kw)
+  assert len(timings.calls) == 10
+  # The last PASSES passes: three fast, five slow.
+  mean = {t: (3 * fast[t] + 5 * slow[t]) / 8 for t in fast}
+  assert costs.forward_ms == pytest.approx(mean)
+  assert costs.at(3) / costs.at(1) == pytest.approx(1.13, abs=0.01)
+
+
+def test_a_full_table_that_agrees_is_timed_in_proportion(tmp_path,
+                                                         monkeypatch):
+  """Once a table has PASSES passes, a pass that agrees with it makes the
+  next due after RECHECK times its calls' time (5 repeats of 2.0 + 2.2
+  s); one that does not, after RECHECK_MIN_S. A pass moves the table by
+  its difference over PASSES."""
+  target, _ = testing.tiny_pair()
+  kw = dict(_KW, cache_dir=tmp_path)
+  good, slow = {1: 2000, 3: 2200}, {1: 2160, 3: 2376}
+  timings = _Timings(monkeypatch, *[good] * cost.PASSES)
+  cost.measure(target, **kw)
+  for _ in range(cost.PASSES - 2):
+    _due_now()
+    cost.measure(target, **kw)
+  (key,) = cost._DUE
+  assert len(timings.calls) == cost.PASSES
+  assert cost._DUE[key] == pytest.approx(
+      cost.time.monotonic() + cost.RECHECK * 5 * 4.2, abs=5.0)
+  _due_now()
+  timings.passes = [slow]  # 8% dear: disagrees
+  moved = cost.measure(target, **kw)
+  assert moved.forward_ms == pytest.approx(
+      {t: good[t] + (slow[t] - good[t]) / cost.PASSES for t in good})
   assert cost._DUE[key] == pytest.approx(
       cost.time.monotonic() + cost.RECHECK_MIN_S, abs=5.0)
-  cost._DUE[key] = 0.0
-  again = cost.measure(target, **kw)
-  assert len(timings.calls) == 4 and again.source == "measured"
-  assert again.forward_ms == good  # the median of bad, good, good
-
-
-def test_one_bad_pass_moves_no_table(tmp_path, monkeypatch):
-  target, _ = testing.tiny_pair()
-  kw = dict(_KW, cache_dir=tmp_path)
-  good, slow = {1: 100, 3: 110}, {1: 107, 3: 118}
-  timings = _Timings(monkeypatch, good, good, slow, good)
-  cost.measure(target, **kw)
-  for _ in range(2):
-    cost._DUE.update(dict.fromkeys(cost._DUE, 0.0))
-    assert cost.measure(target, **kw).forward_ms == good
-  assert len(timings.calls) == 4  # one pass each time it was due
-
-
-def test_due_passes_one_at_a_time_and_the_last_three_kept(tmp_path,
-                                                         monkeypatch):
-  target, _ = testing.tiny_pair()
-  kw = dict(_KW, cache_dir=tmp_path)
-  timings = _Timings(monkeypatch, {1: 1000, 3: 1100}, {1: 1000, 3: 1100},
-                     {1: 1030, 3: 1130})
-  cost.measure(target, **kw)
-  cost._DUE.update(dict.fromkeys(cost._DUE, 0.0))
-  assert cost.measure(target, **kw).forward_ms == {1: 1000, 3: 1100}
-  assert len(timings.calls) == 3  # one pass
-  (due,) = cost._DUE.values()  # it agrees: due after RECHECK times it
-  assert due > cost.time.monotonic() + cost.RECHECK_MIN_S
-  # Two more passes, 10% apart from the table: only the last PASSES (one
-  # old, two new) are kept, so the new ones carry the median.
-  for expected in ({1: 1000, 3: 1100}, {1: 900, 3: 1000}):
-    cost._DUE.update(dict.fromkeys(cost._DUE, 0.0))
-    timings.passes = [{1: 900, 3: 1000}]
-    assert cost.measure(target, **kw).forward_ms == expected
 
 
 def test_a_cached_cost_that_drifted_is_measured_again(tmp_path,
                                                       monkeypatch):
-  """A table whose times no longer hold (a 1000x slower machine) is
-  re-timed at its first read in a process, at its narrowest and widest
-  chunk, and measured anew; `check=False` trusts it; within DRIFT, the
-  check alone is timed and the table kept."""
+  """A table whose times no longer hold (a 1000x slower machine) is timed
+  at its first read in a process, every chunk, and measured anew;
+  `check=False` trusts it; within DRIFT, that pass joins the table."""
   target, _ = testing.tiny_pair()
   kw = dict(_KW, cache_dir=tmp_path)
   true = {1: 100, 3: 110}
@@ -247,11 +246,11 @@ def test_a_cached_cost_that_drifted_is_measured_again(tmp_path,
   assert cost.measure(target, check=False, **kw).forward_ms == true
   assert timings.calls == []
   again = cost.measure(target, **kw)
-  assert timings.calls == [[1, 3]] * 3 and again.forward_ms == slow
-  timings = _Timings(monkeypatch, {1: 115_000, 3: 100_000})
+  assert timings.calls == [[1, 3]] * 2 and again.forward_ms == slow
+  timings = _Timings(monkeypatch, {1: 130_000, 3: 99_000})
   kept = cost.measure(target, **kw)
-  assert len(timings.calls) == 1 and kept.forward_ms == slow
-  assert kept.source == "cache"
+  assert timings.calls == [[1, 3]]
+  assert kept.forward_ms == pytest.approx({1: 110_000, 3: 319_000 / 3})
 
 
 def test_a_table_written_before_passes_were_kept_is_read(tmp_path,

@@ -120,7 +120,7 @@ def read_step(num_bytes: int = READ_BYTES) -> Callable[[], jax.Array]:
 
 @dataclasses.dataclass(frozen=True)
 class ForwardCosts:
-  """Median ms of one forward of a model at batch B, by chunk length T.
+  """Mean ms of one forward of a model at batch B, by chunk length T.
 
   Attributes:
     batch: B.
@@ -172,43 +172,34 @@ def _check_entry(entry: Any) -> None:
       raise ValueError("non-positive time")
 
 
-# A table is the per-T median of its last `PASSES` passes (a pass times
-# every chunk, `repeats` round-robin calls each). Two passes agree when
-# every T's times are within `AGREE` of each other. A cached time more than
-# `DRIFT` away from a fresh one at the first read in a process means the
-# machine changed, and its passes are discarded. A table in use is timed
-# again (one more pass) once the process has run `RECHECK` times as long
-# as its last timing's calls took, and at least `RECHECK_MIN_S` seconds,
-# since; only `RECHECK_MIN_S` after a pass that disagreed with it.
-PASSES = 3
+# A table is the per-T mean of its last `PASSES` passes (a pass times every
+# chunk, `repeats` round-robin calls each, and keeps each chunk's median),
+# taken at different moments. Two passes agree when every T's times are
+# within `AGREE` of each other. A process times a table once more at its
+# first read and whenever it is due; a pass more than `DRIFT` away from
+# the table means the machine changed, and the table's passes are
+# discarded. The next pass is due `RECHECK_MIN_S` seconds after one that
+# disagreed with the table or while the table has fewer than `PASSES`
+# passes, else once the process has run `RECHECK` times as long as the
+# pass's calls took (at least `RECHECK_MIN_S`).
+PASSES = 8
 AGREE = 0.05
-DRIFT = 0.2
+DRIFT = 0.5
 RECHECK = 50
 RECHECK_MIN_S = 60.0
 # key -> time.monotonic() after which this process times the table again.
 _DUE: dict[str, float] = {}
 
 
-def _median(passes: Sequence[dict[int, float]]) -> dict[int, float]:
-  """Per T, the median ms over passes (each T -> ms)."""
-  return {t: float(np.median([p[t] for p in passes])) for t in passes[0]}
+def _mean(passes: Sequence[dict[int, float]]) -> dict[int, float]:
+  """Per T, the mean ms over passes (each T -> ms)."""
+  return {t: float(np.mean([p[t] for p in passes])) for t in passes[0]}
 
 
 def _agree(a: dict[int, float], b: dict[int, float],
            tolerance: float = AGREE) -> bool:
   """Whether every T of `a` is within `tolerance` of `b`'s."""
   return all(abs(a[t] / b[t] - 1) <= tolerance for t in a)
-
-
-def _timed(key: str, steps: dict[int, Callable[[], Any]],
-           repeats: int) -> dict[int, float]:
-  """`hardware.median_ms` of `steps`, scheduling the key's next timing
-  after `RECHECK` times the timed calls' duration (compilation and warm-up
-  calls aside)."""
-  ms = hardware.median_ms(steps, repeats)
-  spent_s = repeats * sum(ms.values()) / 1e3
-  _DUE[key] = time.monotonic() + max(RECHECK * spent_s, RECHECK_MIN_S)
-  return ms
 
 
 def measure(model: Any, *, batch: int, chunks: Sequence[int],
@@ -219,34 +210,36 @@ def measure(model: Any, *, batch: int, chunks: Sequence[int],
 
   Measured once per machine, model, plan, B, S and chunks, then read from
   `$SPECJAX_CACHE/tuning/cost.json` (deleting it re-measures; `refresh`
-  forces it). Each forward runs after a prefill of `prompt_tokens`
-  (default S / 2), so attention reads a cache of realistic length.
+  forces it) and timed again from time to time while in use. Each
+  forward runs after a prefill of `prompt_tokens` (default S / 2), so
+  attention reads a cache of realistic length.
 
   A machine's speed is not fixed (a shared host, a hypervisor's share of
   the CPU, a process that has not quite ended), and it need not change
   alike at every T. On machine F, at the 1.5B shapes and B = 1, one
   session cached 230 ms for T = 1 and 328 for T = 3; the next measured
-  265-294 and 331-402, so t(3)/t(1) went from 1.42 to 1.19-1.46, and the
-  choices that rest on that ratio with it. On machine B a table taken a
-  minute after a test run had t(3)/t(1) at 1.125 against 1.048 a few
-  minutes later, enough for `gamma="auto"` to draft one token where two
-  paid (BENCHMARKS.md). So a table is never one timing:
+  265-294 and 331-402. On machine B at B = 1 the one-token forward
+  switches every few seconds between 141 ms (a third of the time) and 196
+  ms, while the three-token one moves from 183 to 206 ms: t(3)/t(1) is
+  1.29 in one state, 1.05 in the other and 1.12 over time, and two drafts
+  pay from α = 0.73, 0.50 or 0.57 (BENCHMARKS.md). A timing of a few
+  seconds falls in one state, and so would the median of a few of them.
+  What a generation pays is the mean over time, so a table is the mean
+  of passes taken at different moments:
 
-  - it is the per-T median of its last `PASSES` passes; a new table takes
-    two passes, and a third when they do not `AGREE`;
-  - with `check`, the first read of a table in a process re-times its
-    narrowest and widest chunk, and if either is more than `DRIFT` away,
-    the machine has changed: the table is measured anew;
-  - with `check`, a table read again in a process once it is due (`RECHECK`
-    times its last timing's calls after it, at least `RECHECK_MIN_S`
-    seconds) gets one more pass. Where that pass does not agree with the
-    table, the next is due after `RECHECK_MIN_S` only, not at once: two
-    passes of one bad moment agree with each other (on machine B at B =
-    32, a due pass 7% dear and another right after it, while the
-    generations around them ran at the table's old speed). So a table
-    taken at a bad moment is outvoted by passes of two later moments, and
-    one bad pass moves no table, while a long run (a server, a benchmark
-    sweep) goes on, at a cost of about 1/`RECHECK` of its time.
+  - a new table takes two passes, and a third when they do not `AGREE`;
+    while it has fewer than `PASSES`, another pass is due every
+    `RECHECK_MIN_S` seconds of a process that reads it;
+  - with `check`, the first read of a table in a process takes a pass,
+    and so does a read once one is due: after `RECHECK_MIN_S` when the
+    last pass did not agree with the table, else after `RECHECK` times
+    its calls' time (at least `RECHECK_MIN_S`). So a long run (a server,
+    a benchmark sweep) keeps sampling the machine at a cost of about
+    1/`RECHECK` of its time, and the table follows a lasting change over
+    `PASSES` passes; one bad moment moves it by 1/`PASSES` of its error;
+  - a pass more than `DRIFT` away from the table at any T means the
+    machine has changed (a table copied from another host, a different
+    share of it): the table is measured anew.
 
   Attention reads all S slots of the static cache whatever the rows'
   lengths, so a forward's cost grows with S (on machine C, B = 8 at the
@@ -263,7 +256,7 @@ def measure(model: Any, *, batch: int, chunks: Sequence[int],
     entry = entries[key]
     passes = [{int(t): float(v) for t, v in p.items()}
               for p in entry.get("passes", [entry["forward_ms"]])]
-    cached = ForwardCosts(batch, _median(passes), "cache")
+    cached = ForwardCosts(batch, _mean(passes), "cache")
     if not check or time.monotonic() < _DUE.get(key, 0.0):
       return cached
   if prompt_tokens is None:
@@ -273,25 +266,25 @@ def measure(model: Any, *, batch: int, chunks: Sequence[int],
                      f"token forward do not fit a cache of {cache_size}.")
   prompts = [[(7 * i + b) % (model.vocab_size - 1) + 1
               for i in range(prompt_tokens)] for b in range(batch)]
-  step = functools.cache(
-      lambda t: forward_step(model, prompts, cache_size, t))
-  timed = lambda ts=chunks: _timed(key, {t: step(t) for t in ts}, repeats)
-  if passes and key not in _DUE:  # the first read in this process
-    ends = (chunks[0], chunks[-1])
-    if _agree(timed(ends), cached.forward_ms, DRIFT):
-      return cached
+  steps = {t: forward_step(model, prompts, cache_size, t) for t in chunks}
+  timed = lambda: hardware.median_ms(steps, repeats)
+  new = [timed()]
+  if passes and not _agree(new[0], cached.forward_ms, DRIFT):
     passes = []  # the machine has changed
-  if passes:  # due again: one pass
-    new = [timed()]
-    if not _agree(new[0], cached.forward_ms):
-      # The next is due soon: two moments decide, not two passes of one.
-      _DUE[key] = time.monotonic() + RECHECK_MIN_S
-  else:  # a new table: two passes, and a third if they differ
-    new = [timed(), timed()]
+  # The next pass is due soon while the table is young or when this one
+  # disagreed with it (two moments decide, not two passes of one), else
+  # in proportion to what a pass costs.
+  soon = not passes or not _agree(new[0], cached.forward_ms)
+  if not passes:  # a new table: two passes, and a third if they differ
+    new.append(timed())
     if not _agree(*new):
       new.append(timed())
   passes = (passes + new)[-PASSES:]
-  ms = _median(passes)
+  ms = _mean(passes)
+  wait_s = RECHECK_MIN_S
+  if len(passes) >= PASSES and not soon:
+    wait_s = max(RECHECK * repeats * sum(new[-1].values()) / 1e3, wait_s)
+  _DUE[key] = time.monotonic() + wait_s
   as_json = lambda times: {str(t): v for t, v in times.items()}
   entries[key] = {"forward_ms": as_json(ms),
                   "passes": [as_json(p) for p in passes],
