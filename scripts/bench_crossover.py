@@ -14,14 +14,14 @@ is the generation `auto warm` starts from). Then `--repeats` rounds run
 every policy in an order shuffled by round, so a drift in the machine's
 speed, or a program's running faster after itself, reaches all policies
 alike (each call timed `--timings` times over the same work, in as many
-passes over the policies, the fastest kept); each figure is the rounds'
-tokens over their time (`_policy_row`; the paired ratio is the median
-over rounds of `auto` over the best policy in the same round, which
-cancels a drift between rounds). Round r runs every policy with key r:
-with synthetic α the policies of one round decode the same synthetic
-text (`rejection.Synthetic`: the verdict on a draft is a property of
-its position, as in a real text), so a round's
-ratios compare their choices, not their luck, and the rounds decode
+passes over the policies, the fastest kept, or the mean: `--keep`); each
+figure is the rounds' tokens over their time (`_policy_row`; the paired
+ratio is the median over rounds of `auto` over the best policy in the
+same round, which cancels a drift between rounds). Round r runs every
+policy with key r: with synthetic α the policies of one round decode the
+same synthetic text (`rejection.Synthetic`: the verdict on a draft is a
+property of its position, as in a real text), so a round's ratios
+compare their choices, not their luck, and the rounds decode
 different texts. Beside the measured ratios, those `specjax.tuning.simulate`
 expects from the same policies and costs over many draws (the policy's
 own loss, without the machine's noise or the cost model's error). The
@@ -107,7 +107,13 @@ _TIMINGS = flags.DEFINE_integer(
     "timings", 1, "Timings of each policy per round, one pass over the "
     "policies each, keeping the fastest: a round's call does the same work "
     "each time (one key, one synthetic text), so on a shared machine the "
-    "fastest is the least disturbed.")
+    "fastest is the least disturbed (`--keep`).")
+_KEEP = flags.DEFINE_enum(
+    "keep", "fastest", ["fastest", "mean"], "Of a policy's `--timings` "
+    "calls in a round, keep the fastest (the least disturbed, where the "
+    "machine's slow moments pass) or their mean (what a user gets where "
+    "its speed alternates between states that last about a call: machine "
+    "B at B = 1, BENCHMARKS.md).")
 _REFRESH = flags.DEFINE_bool(
     "refresh_costs", False, "Discard the cost cache's passes and measure "
     "the forward costs afresh at each B's start.")
@@ -293,23 +299,25 @@ def _run_batch(target, drafter, prompts, alpha, gammas, seen,
     for name in ("auto", "auto warm"):
       policy = calls[name][0].priced(**costs)
       calls[name] = policy, make(policy)
-    fastest = {}
+    timed = {}
     # A round times every policy `--timings` times, one pass over them
     # all per timing, each pass in its own order, and keeps each one's
-    # fastest: a policy's timings lie a whole pass apart, so a slow
-    # moment of the machine shorter than a pass reaches one of them, not
-    # both (timed back to back, both would fall in it).
+    # fastest (or mean, `--keep`): a policy's timings lie a whole pass
+    # apart, so a slow moment of the machine shorter than a pass reaches
+    # one of them, not both (timed back to back, both would fall in it).
     for timing in range(_TIMINGS.value):
       for name in np.random.default_rng((round_key, timing)).permutation(
           list(calls)).tolist():
         # α and the key are traced (nothing compiles anew).
-        call = bench.timed_call(
+        timed.setdefault(name, []).append(bench.timed_call(
             functools.partial(calls[name][1], key=round_key),
-            (name.split()[0], batch), seen, 1)
-        fastest[name] = call if name not in fastest else dataclasses.replace(
-            call, seconds=min(call.seconds, fastest[name].seconds),
-            prefill_s=min(call.prefill_s, fastest[name].prefill_s))
-    for name, call in fastest.items():
+            (name.split()[0], batch), seen, 1))
+    keep = min if _KEEP.value == "fastest" else np.mean
+    kept = {name: dataclasses.replace(
+        times[0], seconds=float(keep([c.seconds for c in times])),
+        prefill_s=float(keep([c.prefill_s for c in times])))
+            for name, times in timed.items()}
+    for name, call in kept.items():
       if not call.decode_s:
         raise app.UsageError(f"{name}: decoding took no longer than the "
                              "prompt pass alone; raise --tokens.")
@@ -317,7 +325,7 @@ def _run_batch(target, drafter, prompts, alpha, gammas, seen,
     # As a server: the next request starts from all this one learned too,
     # so each round is another warm start (round r after r + 1
     # generations), not the warm-up's one start R times over.
-    warm = calls["auto warm"][0].warm(fastest["auto warm"].output.policy_state)
+    warm = calls["auto warm"][0].warm(kept["auto warm"].output.policy_state)
     calls["auto warm"] = warm, make(warm)
   # The predictions and the simulation price by the table the rounds
   # ended with.
@@ -327,7 +335,8 @@ def _run_batch(target, drafter, prompts, alpha, gammas, seen,
                             draft_costs)
           for name, (gamma, _) in calls.items()}
   return {"batch": batch, "alpha": alpha, "tokens": _TOKENS.value,
-          "repeats": _REPEATS.value, "prompt_tokens": (
+          "repeats": _REPEATS.value, "keep": _KEEP.value,
+          "prompt_tokens": (
               _PROMPT_TOKENS.value if _WEIGHTS.value == "random" else None),
           "policies": rows, **_over_best(rows),
           **_simulated(policies, rows, batch, alpha),
