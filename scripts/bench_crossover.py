@@ -14,7 +14,7 @@ is the generation `auto warm` starts from). Then `--repeats` rounds run
 every policy in an order shuffled by round, so a drift in the machine's
 speed, or a program's running faster after itself, reaches all policies
 alike (each call timed `--timings` times over the same work, in as many
-passes over the policies, the fastest kept, or the mean: `--keep`); each
+passes over the policies, their mean kept, or the fastest: `--keep`); each
 figure is the rounds' tokens over their time (`_policy_row`; the paired
 ratio is the median over rounds of `auto` over the best policy in the
 same round, which cancels a drift between rounds). Round r runs every
@@ -105,15 +105,15 @@ _REPEATS = flags.DEFINE_integer(
     "repeats", 3, "Timed rounds over all policies.")
 _TIMINGS = flags.DEFINE_integer(
     "timings", 1, "Timings of each policy per round, one pass over the "
-    "policies each, keeping the fastest: a round's call does the same work "
-    "each time (one key, one synthetic text), so on a shared machine the "
-    "fastest is the least disturbed (`--keep`).")
+    "policies each, kept as their mean or the fastest (`--keep`): a "
+    "round's call does the same work each time (one key, one synthetic "
+    "text).")
 _KEEP = flags.DEFINE_enum(
-    "keep", "fastest", ["fastest", "mean"], "Of a policy's `--timings` "
-    "calls in a round, keep the fastest (the least disturbed, where the "
-    "machine's slow moments pass) or their mean (what a user gets where "
-    "its speed alternates between states that last about a call: machine "
-    "B at B = 1, BENCHMARKS.md).")
+    "keep", "mean", ["fastest", "mean"], "Of a policy's `--timings` "
+    "calls in a round, keep their mean (what a user gets, also where the "
+    "machine's speed alternates between states that last about a call: "
+    "machine B at B = 1, BENCHMARKS.md) or the fastest (the least "
+    "disturbed, where the machine's slow moments pass).")
 _REFRESH = flags.DEFINE_bool(
     "refresh_costs", False, "Discard the cost cache's passes and measure "
     "the forward costs afresh at each B's start.")
@@ -302,9 +302,9 @@ def _run_batch(target, drafter, prompts, alpha, gammas, seen,
     timed = {}
     # A round times every policy `--timings` times, one pass over them
     # all per timing, each pass in its own order, and keeps each one's
-    # fastest (or mean, `--keep`): a policy's timings lie a whole pass
-    # apart, so a slow moment of the machine shorter than a pass reaches
-    # one of them, not both (timed back to back, both would fall in it).
+    # mean (or fastest, `--keep`): a policy's timings lie a whole pass
+    # apart, so they sample the machine at different moments (timed back
+    # to back, both would fall in one of its states or slow moments).
     for timing in range(_TIMINGS.value):
       for name in np.random.default_rng((round_key, timing)).permutation(
           list(calls)).tolist():
