@@ -102,9 +102,13 @@ def _loop_copies(hlo: str, config, batch: int, size: int) -> int:
 
 
 _LOOP = dict(batch=3, size=64, gamma=4)
-_GREEDY = decode.StepParams.create(
-    temperature=0.0, top_k=0, top_p=1.0, eos_id=None,
-    draft_stop_threshold=0.0, synthetic_acceptance=None)
+
+
+def _greedy() -> decode.StepParams:
+  """Greedy step parameters (built when a test runs, not at import)."""
+  return decode.StepParams.create(
+      temperature=0.0, top_k=0, top_p=1.0, eos_id=None,
+      draft_stop_threshold=0.0, synthetic_acceptance=None)
 
 
 def _speculative_hlo(target, drafter, policy, synthetic: bool) -> str:
@@ -113,7 +117,7 @@ def _speculative_hlo(target, drafter, policy, synthetic: bool) -> str:
   batch, size, gamma = _LOOP["batch"], _LOOP["size"], _LOOP["gamma"]
   return decode._speculative_generate.lower(
       target, drafter, jnp.ones((batch, 8), jnp.int32),
-      jnp.full((batch,), 8, jnp.int32), _GREEDY, jax.random.key(0),
+      jnp.full((batch,), 8, jnp.int32), _greedy(), jax.random.key(0),
       jnp.int32(16), policy, gamma=gamma, tokens_cap=16, cache_size=size,
       pad_id=0, synthetic=synthetic, num_nodes=None).compile().as_text()
 
@@ -137,7 +141,7 @@ def test_decoding_loops_update_caches_in_place(policy, synthetic):
   if policy is None:
     hlo = decode._generate.lower(
         target, jnp.ones((batch, 8), jnp.int32),
-        jnp.full((batch,), 8, jnp.int32), _GREEDY.sampling, jnp.array([-1]),
+        jnp.full((batch,), 8, jnp.int32), _greedy().sampling, jnp.array([-1]),
         jax.random.key(0), jnp.int32(16), tokens_cap=16, cache_size=size,
         pad_id=0).compile().as_text()
     assert _loop_copies(hlo, testing.TINY_TARGET, batch, size) == 0
