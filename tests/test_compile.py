@@ -104,20 +104,14 @@ def _loop_copies(hlo: str, config, batch: int, size: int) -> int:
 _LOOP = dict(batch=3, size=64, gamma=4)
 
 
-def _greedy() -> decode.StepParams:
-  """Greedy step parameters (built when a test runs, not at import)."""
-  return decode.StepParams.create(
-      temperature=0.0, top_k=0, top_p=1.0, eos_id=None,
-      draft_stop_threshold=0.0, synthetic_acceptance=None)
-
-
 def _speculative_hlo(target, drafter, policy, synthetic: bool) -> str:
   """The optimized HLO of `_speculative_generate` at `_LOOP`'s shapes,
   greedy, 16 new tokens from 8-token prompts."""
   batch, size, gamma = _LOOP["batch"], _LOOP["size"], _LOOP["gamma"]
   return decode._speculative_generate.lower(
       target, drafter, jnp.ones((batch, 8), jnp.int32),
-      jnp.full((batch,), 8, jnp.int32), _greedy(), jax.random.key(0),
+      jnp.full((batch,), 8, jnp.int32), decode.StepParams.create(),
+      jax.random.key(0),
       jnp.int32(16), policy, gamma=gamma, tokens_cap=16, cache_size=size,
       pad_id=0, synthetic=synthetic, num_nodes=None).compile().as_text()
 
@@ -141,7 +135,8 @@ def test_decoding_loops_update_caches_in_place(policy, synthetic):
   if policy is None:
     hlo = decode._generate.lower(
         target, jnp.ones((batch, 8), jnp.int32),
-        jnp.full((batch,), 8, jnp.int32), _greedy().sampling, jnp.array([-1]),
+        jnp.full((batch,), 8, jnp.int32), decode.StepParams.create().sampling,
+        jnp.array([-1]),
         jax.random.key(0), jnp.int32(16), tokens_cap=16, cache_size=size,
         pad_id=0).compile().as_text()
     assert _loop_copies(hlo, testing.TINY_TARGET, batch, size) == 0
