@@ -31,7 +31,7 @@ the heads `experiments.train_heads` trained, in `medusa=WORKDIR` and
 `eagle=WORKDIR`),
 `drafters=model/lookup/early_exit@8/early_exit@14` (sweep, one row per
 drafter), `policies=auto/heuristic` (adaptive γ runs beside the
-fixed ones, `specjax.adaptive`) with `max_gamma=8`, `nodes=16` (token trees
+fixed ones, `specjax.policies`) with `max_gamma=8`, `nodes=16` (token trees
 of at most 16 nodes at depth <= γ; 0 drafts chains) and `nodes_sweep=0/8/16`
 (one row per tree size, 0 a chain), e.g.
 
@@ -137,7 +137,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.gammas = configs.parse_ints(arg["gammas"], "gammas")
   # Adaptive γ policies run beside the fixed γ values: "auto" (cost model
   # and running acceptance) and/or "heuristic" (transformers' +2/-1),
-  # choosing 0 to `max_gamma` drafts per step (`specjax.adaptive`).
+  # choosing 0 to `max_gamma` drafts per step (`specjax.policies`).
   config.policies = tuple(x for x in arg["policies"].split("/") if x)
   config.max_gamma = arg["max_gamma"]
   # Token trees (`specjax.tree`): at most `num_nodes` draft tokens per step

@@ -51,6 +51,7 @@ from specjax import drafters
 from specjax import hardware
 from specjax import heads
 from specjax import metrics
+from specjax import policies
 from specjax import registry
 from specjax import sharding
 from specjax import testing
@@ -58,6 +59,7 @@ from specjax.heads import train as heads_train
 from specjax.hardware import median_ms
 from specjax.sharding import distributed
 from specjax.sharding import memory
+from specjax.tuning import cost as tuning_cost
 from specjax.tuning import matmul as tuning
 
 __all__ = [
@@ -237,7 +239,7 @@ def drafter_cost_ratio(drafter: Any, pair: Pair, cost: dict[str, Any],
                     "target": cost_lib.forward_step(pair.target, batch,
                                                     cache_size, 1)}, repeats)
     return ms["heads"] / ms["target"]
-  model = drafters.base.cost_model(drafter)
+  model = drafter.cost_model
   if model is None:
     return 0.0
   if model is pair.draft:
@@ -400,13 +402,19 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
                                   run_kwargs["cache_size"],
                                   config.cost_repeats)
   component_costs = [0.0 if c == "lookup" else model_cost
-                     for c in drafters.components(drafter)]
+                     for c in drafter.components]
   draft_cost = max(component_costs)
   # An adaptive policy carries what it learned from one call into the next
   # (`GammaPolicy.warm`), as a server running many requests would.
-  policy = gamma if isinstance(gamma, int) else decode.resolve_gamma(
-      gamma, max_gamma=width, target=pair.target, drafter=drafter,
-      batch=batch_size, cache_size=run_kwargs["cache_size"])[1]
+  # "auto" is priced by the tuning step (measured once, cached), as a user
+  # runs `python -m specjax.tune` before serving.
+  policy = gamma
+  if gamma == "auto":
+    policy = policies.Auto.from_costs(tuning_cost.step_costs(
+        pair.target, drafter, batch=batch_size, max_gamma=width,
+        cache_size=run_kwargs["cache_size"]))
+  elif gamma == "heuristic":
+    policy = policies.Heuristic(width)
   calls, rows = [], []
   for i, batch in enumerate(batches):
     call = timed_call(
@@ -485,7 +493,7 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
       "drafting_cost_per_step": metrics.drafting_cost_per_step(
           merged, component_costs),
       "draft_forwards_by_component": dict(zip(
-          drafters.components(drafter),
+          drafter.components,
           np.asarray(merged.draft_forwards).reshape(-1).tolist())),
       "baseline_tokens_per_s": base_tps,
       "spec_tokens_per_s": spec_tps,
@@ -616,7 +624,7 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
   prompt_set, encoded = encode_prompts(config, pair.tokenizer)
   # One S for every γ and drafter: no call compiles for a cache of its own.
   names = drafter_names(config)
-  extra = max(drafters.extra_positions(make_drafter(n, config, pair))
+  extra = max(make_drafter(n, config, pair).extra_positions
               for n in names)
   node_counts = tuple(config.get("num_nodes_sweep", ())) or (
       config.get("num_nodes", 0),)

@@ -191,7 +191,7 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
                "token-tree size (- a chain); α then counts depths (a depth "
                "accepted of those with a node), τ is the accepted path plus "
                "one. γ auto/heuristic: adaptive "
-               "policies (specjax.adaptive); predictions assume a fixed "
+               "policies (specjax.policies); predictions assume a fixed "
                "chain.")
   head = (f"{results.get('drafter', 'model')}, B={results['batch_size']}, "
           f"γ={results['gamma']}")

@@ -2,7 +2,7 @@ r"""Batch crossover: decoding tokens/s against B for every γ policy.
 
 For each batch size B, runs autoregressive decoding, speculative decoding at
 each fixed γ, transformers' heuristic schedule and `gamma="auto"`
-(`specjax.adaptive`) on the same prompts (`auto` cold, from its prior, and
+(`specjax.policies`) on the same prompts (`auto` cold, from its prior, and
 `auto warm`, started from the estimates the cold run ended with, then each
 round from the round before it, as a server carries them from request to
 request), and reports the decoding-phase tokens/s of each (the first token's
@@ -77,7 +77,7 @@ import numpy as np
 
 from experiments import bench
 from experiments import prompts as prompts_lib
-from specjax import adaptive
+from specjax import policies as policies_lib
 from specjax import decode
 from specjax import drafters
 from specjax import hardware
@@ -230,11 +230,11 @@ class _Setup:
             if _DRAFTER.value == "model" else None)
 
   def auto_costs(self) -> dict[str, Any]:
-    """`adaptive.Auto.create`'s cost arguments from `costs`."""
+    """`policies_lib.Auto.create`'s cost arguments from `costs`."""
     target_costs, draft_costs = self.costs()
     return {"target_ms": [target_costs.at(w) for w in
-                          adaptive.verify_widths(_MAX_GAMMA.value)],
-            **(adaptive.Auto.draft_costs(draft_costs)
+                          policies_lib.verify_widths(_MAX_GAMMA.value)],
+            **(policies_lib.Auto.draft_costs(draft_costs)
                if draft_costs else {})}
 
 
@@ -244,7 +244,7 @@ def _setup(target, draft, prompts, gammas) -> _Setup:
   them itself where the machine has changed)."""
   batch = len(prompts)
   widths = sorted({1, *(g + 1 for g in gammas),
-                   *adaptive.verify_widths(_MAX_GAMMA.value)})
+                   *policies_lib.verify_widths(_MAX_GAMMA.value)})
   cache_size = decode.default_cache_size(
       max(map(len, prompts)), _TOKENS.value, reserve=widths[-1])
   measure = functools.partial(cost.measure, batch=batch,
@@ -261,8 +261,8 @@ def _run_batch(target, drafter, prompts, alpha, gammas, seen,
   batch = len(prompts)
   cache_size, widths = setup.cache_size, setup.widths
   policies = {"ar": None, **{f"γ={g}": g for g in gammas},
-              "heuristic": adaptive.Heuristic(_MAX_GAMMA.value),
-              "auto": adaptive.Auto.create(max_gamma=_MAX_GAMMA.value,
+              "heuristic": policies_lib.Heuristic(_MAX_GAMMA.value),
+              "auto": policies_lib.Auto.create(max_gamma=_MAX_GAMMA.value,
                                            **setup.auto_costs())}
   kwargs = dict(max_new_tokens=_TOKENS.value, cache_size=cache_size)
   make = lambda gamma: (

@@ -42,7 +42,7 @@ from absl import flags
 import jax
 import numpy as np
 
-from specjax import adaptive
+from specjax import policies as policies_lib
 from specjax import decode
 from specjax import drafters
 from specjax import hardware
@@ -111,7 +111,7 @@ def main(argv):
   size = decode.default_cache_size(_PROMPT_TOKENS.value, _TOKENS.value,
                                    reserve=5)
   # Costs do not matter at prior 0: no draft ever predicts a gain.
-  plain = {"": adaptive.Auto.create(
+  plain = {"": policies_lib.Auto.create(
       max_gamma=4, target_ms=[1.0, 1.2, 1.4, 1.8], draft_ms=0.3, prior=0.0)}
   for way in _FINISH.value:
     if way not in ("serial", "at_once"):
@@ -130,7 +130,7 @@ def main(argv):
   for gamma in map(int, _FIXED.value):
     policies = {"gamma": gamma}
     if _POLICY_PATH.value:
-      policies["heuristic, gamma_max"] = adaptive.Heuristic(gamma)
+      policies["heuristic, gamma_max"] = policies_lib.Heuristic(gamma)
     for label, policy in policies.items():
       runs[f"speculative, {label}={gamma}, alpha={_ALPHA.value}"] = (
           lambda n, p=policy: decode.speculative_generate(

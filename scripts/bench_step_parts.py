@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax import decode
+from specjax import loops
+from specjax import policies
 from specjax import drafters
 from specjax import hardware
 from specjax import speculate
@@ -55,7 +57,8 @@ def main(argv):
       cache_size=size)
   params = speculate.StepParams.create(synthetic_acceptance=_ALPHA.value)
   state = jax.jit(functools.partial(
-      decode.init_spec_state, gamma=gamma, max_new_tokens=_TOKENS.value,
+      loops.init_spec_state, policy=policies.Fixed(gamma),
+      max_new_tokens=_TOKENS.value,
       cache_size=size))(target, drafter, jnp.asarray(tokens),
                         jnp.asarray(lengths), params, jax.random.key(0))
 
@@ -64,8 +67,9 @@ def main(argv):
   @jax.jit
   def step(target, drafter, params, state):
     return speculate.speculate_step(
-        state, target=target, drafter=drafter, params=params, gamma=gamma,
-        max_new_tokens=_TOKENS.value, synthetic=True)
+        state, target=target, drafter=drafter, params=params,
+        policy=policies.Fixed(gamma), max_new_tokens=_TOKENS.value,
+        synthetic=True)
 
   @jax.jit
   def propose(drafter, params, drafter_state, key):

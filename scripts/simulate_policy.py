@@ -22,7 +22,7 @@ either way, the worst and mean cell of each margin at the end):
     --margin=0/0.03/0.05 --error=0.9/1/1.1 --samples=128
 
 A cost set is NAME=t(1)/t(2)/t(3)/t(5):d(1)/d(2): the target's ms at the
-widths of `--max_gamma` (`adaptive.verify_widths`; 1, 2, 3, 5 for 4) and
+widths of `--max_gamma` (`policies.verify_widths`; 1, 2, 3, 5 for 4) and
 the draft model's ms at 1 and 2 tokens; d = 0 is a drafter that runs no
 model (prompt lookup).
 

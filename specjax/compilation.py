@@ -10,9 +10,9 @@ visible:
   events) and counts it in `num_compiled()`.
 - `enable_persistent_cache()` turns on JAX's persistent compilation cache in
   `$SPECJAX_CACHE/xla_cache` (default ~/.cache/specjax/xla_cache), so a
-  second process reuses what the first compiled. `specjax.decode` calls it
-  on import unless the user set `jax_compilation_cache_dir` already or set
-  `SPECJAX_NO_COMPILE_CACHE=1`.
+  second process reuses what the first compiled. `call` does so once, at
+  the first call of a decoder (never at import), unless the user set
+  `jax_compilation_cache_dir` already or set `SPECJAX_NO_COMPILE_CACHE=1`.
 """
 
 from __future__ import annotations
@@ -45,8 +45,11 @@ def _listener(event: str, duration: float, **kwargs: Any) -> None:
 
 
 @functools.cache
-def _listen() -> None:
+def _first_call() -> None:
+  """What the first `call` of a process sets up: the compile-time
+  listener and the persistent compilation cache."""
   jax.monitoring.register_event_duration_secs_listener(_listener)
+  enable_persistent_cache()
 
 
 def enable_persistent_cache(directory: str | os.PathLike | None = None
@@ -77,7 +80,7 @@ def call(jitted: Callable[..., Any], name: str, shapes: str, *args: Any,
     name: what it is, for the log (e.g. "speculative_generate").
     shapes: the static shapes that keyed the program, for the log.
   """
-  _listen()
+  _first_call()
   before, seconds = jitted._cache_size(), _seconds[0]  # pylint: disable=protected-access
   out = jitted(*args, **kwargs)
   if jitted._cache_size() > before:  # pylint: disable=protected-access

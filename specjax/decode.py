@@ -1,80 +1,65 @@
 """Public decoding API: `generate` and `speculative_generate`.
 
-Shape letters (`specjax.shapes`): B batch, P padded prompt (`prompt_bucket`), S
-cache size, N max new tokens, G = γ.
+Shape letters (`specjax.shapes`): B batch, P padded prompt, S cache size, N
+max new tokens, G = γ.
 
 Both take prompts as a list of token-id lists of different lengths and return
 `tokens` [B, N] (generated ids only, `pad_id` after each row's end) and
-`lengths` [B]. Each generation is one compiled call: prefill, then a
-`lax.while_loop` that runs until every row hit EOS or N tokens.
+`lengths` [B]. Each generation is one compiled call (`specjax.loops`):
+prefill, then a `lax.while_loop` that runs until every row hit EOS or N
+tokens. This module validates arguments, places models and rows on a mesh,
+resolves the γ policy, and calls the loops.
 
-Compile once per shape. A program is fixed by B, γ, the models (their
-configs and matmul plans), and two coarse caps:
-
-- the prompt buffer P: the longest prompt rounded up to a power of two
-  (16, 32, 64, 128, ...). `specjax.models.Model.prefill` runs a long prompt
-  in chunks of 64 tokens, so its compute follows the real length, not P;
-- the output buffer N_cap: `max_new_tokens` rounded up to a power of two,
-  at least 64. N itself is traced.
-
-The default cache size S is a function of those two caps (P + N_cap + γ + 1,
-rounded up to 128), so prompts of 5 to 600 tokens and any N <= 64 compile at
-most 7 programs per (B, γ) (`tests/test_compile.py` checks the bound). A
-cache_size passed by the user is a shape too. Temperature, top-k, top-p,
+Compile once per shape: a program is fixed by B, γ, the models and two coarse
+caps, the prompt buffer P and the output buffer N_cap (`specjax.padding`), so
+prompts of 5 to 600 tokens and any N <= 64 compile at most 7 programs per (B,
+γ) (`tests/test_compile.py` checks the bound). Temperature, top-k, top-p,
 EOS ids, seeds, N and the draft stop threshold are traced, so changing them
 never recompiles. Every compilation is logged on the "specjax" logger with
-its time (`specjax.compilation`); JAX's persistent compilation cache is on
-by default (`$SPECJAX_CACHE/xla_cache`; `SPECJAX_NO_COMPILE_CACHE=1` opts
-out), so a second process reuses the programs, and `warmup` compiles ahead
-of time.
+its time (`specjax.compilation`); JAX's persistent compilation cache is
+turned on at the first call (`$SPECJAX_CACHE/xla_cache`;
+`SPECJAX_NO_COMPILE_CACHE=1` opts out), never at import, and `warmup`
+compiles ahead of time.
 
 Models are anything implementing `specjax.models.LanguageModel` (a
-`specjax.models.Model`, or an adapter around another Flax model); the draft may
-also be any `specjax.drafters.Drafter`.
+`specjax.models.Model`, or an adapter around another Flax model); the draft
+may also be any `specjax.drafters.Drafter`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Sequence
 
-import flax.struct
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from specjax import adaptive
 from specjax import buffers
 from specjax import compilation
-from specjax import rejection
+from specjax import policies
 from specjax import sampling
-from specjax import speculate
-from specjax.drafters import components
 from specjax.drafters import DraftModel
-from specjax.drafters import extra_positions
-from specjax.drafters.base import init_and_guess
 from specjax.drafters import Drafter
+from specjax.loops import generate_loop
+from specjax.loops import prng_key
+from specjax.loops import speculative_loop
+from specjax.loops import synthetic_text
 from specjax.models import LanguageModel
-from specjax.models import model_output
+from specjax.padding import default_cache_size
+from specjax.padding import max_new_tokens_cap
+from specjax.padding import output_cap
+from specjax.padding import prepare_prompts
+from specjax.padding import prompt_bucket
 from specjax.sharding.batch import Placement
-from specjax.speculate import SpecState
-from specjax.speculate import SpecStats
-from specjax.speculate import StepParams
+from specjax.step_types import SpecStats
+from specjax.step_types import StepParams
 
 __all__ = [
     "GenerateOutput", "SpecOutput", "SpecStats", "StepParams",
-    "default_cache_size", "first_acceptance", "generate",
-    "gamma_bound", "init_spec_state", "max_new_tokens_cap",
-    "prepare_prompts", "prompt_bucket", "resolve_gamma",
+    "default_cache_size", "generate", "max_new_tokens_cap",
+    "prepare_prompts", "prompt_bucket", "resolve_policy",
     "speculative_generate", "synthetic_text", "warmup",
 ]
-
-_MIN_BUCKET = 16
-_MIN_TOKENS_CAP = 64
-_CACHE_ALIGN = 128
-
-compilation.enable_persistent_cache()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +90,8 @@ class SpecOutput(GenerateOutput):
       "heuristic").
     synthetic: True when acceptance was synthetic (fixed-rate, not
       distribution-preserving): such figures must be labelled synthetic.
-    policy_state: the adaptive policy's final `adaptive.PolicyState`
-      (numpy; None for a fixed γ): `policy.warm(policy_state)` carries
+    policy_state: the policy's final state (`policies.PolicyState`,
+      numpy; None for a fixed γ): `policy.warm(policy_state)` carries
       what it learned into the next call.
   """
 
@@ -117,190 +102,30 @@ class SpecOutput(GenerateOutput):
   policy_state: Any = None
 
 
-@flax.struct.dataclass(kw_only=True)
-class _ARState:
-  """The autoregressive loop's state.
-
-  Attributes:
-    tokens: [B, N_cap + 1] int32 generated tokens.
-    num_generated: [B] int32 tokens generated per row.
-    done: [B] bool rows that stopped.
-    last_token: [B] int32 newest token, not yet in the cache.
-    cache: the model's cache.
-    key: PRNG key.
-  """
-
-  tokens: jax.Array
-  num_generated: jax.Array
-  done: jax.Array
-  last_token: jax.Array
-  cache: Any
-  key: jax.Array
+def _check_model(model: Any, name: str, drafter_too: bool = False) -> None:
+  """A clear error for a `model` argument that is not a `LanguageModel`
+  (or, with `drafter_too`, a `Drafter` either)."""
+  kinds = (Drafter, LanguageModel) if drafter_too else (LanguageModel,)
+  if isinstance(model, kinds):
+    return
+  hint = (" (a name or path: load it first, e.g. "
+          "specjax.registry.load_pretrained)"
+          if isinstance(model, (str, bytes)) else "")
+  wanted = ("a specjax.models.LanguageModel or a specjax.drafters.Drafter "
+            "subclass" if drafter_too else "a specjax.models.LanguageModel "
+            "(vocab_size, init_cache, __call__, prefill)")
+  raise TypeError(f"{name} must be {wanted}, got {type(model).__name__} "
+                  f"{model!r:.60}{hint}.")
 
 
-def _pow2(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
-
-
-def prompt_bucket(longest: int, cache_size: int | None = None) -> int:
-  """P, the padded prompt width for a longest prompt of `longest` tokens.
-
-  Powers of two from 16: few shapes to compile. Padding costs no compute
-  for long prompts, which `Model.prefill` runs in 64-token chunks up to the
-  longest real prompt.
-  """
-  bucket = max(_MIN_BUCKET, _pow2(longest))
-  return bucket if cache_size is None else min(bucket, cache_size)
-
-
-def max_new_tokens_cap(max_new_tokens: int) -> int:
-  """N_cap, the static output width: N rounded up to a power of two >= 64."""
-  return max(_MIN_TOKENS_CAP, _pow2(max_new_tokens))
-
-
-def default_cache_size(longest: int, max_new_tokens: int, reserve: int = 1,
-                       tokens_cap: int | None = None) -> int:
-  """S when none is given: P + N_cap + `reserve`, rounded up to 128.
-
-  A function of the caps only (`prompt_bucket`, `max_new_tokens_cap`), so it
-  fixes no shape of its own.
-  """
-  fit = (prompt_bucket(longest) + _tokens_cap(max_new_tokens, tokens_cap)
-         + reserve)
-  return -(-fit // _CACHE_ALIGN) * _CACHE_ALIGN
-
-
-def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
-                    max_new_tokens: int, cache_size: int | None,
-                    reserve: int = 1, tokens_cap: int | None = None,
-                    reserve_note: str = ""
-                    ) -> tuple[np.ndarray, np.ndarray, int]:
-  """Validates prompts and pads them to a bucket.
-
-  Args:
-    prompts: B lists of token ids.
-    vocab_size: V; every id must be in [0, V).
-    max_new_tokens: N.
-    cache_size: S, or None for `default_cache_size`.
-    reserve: extra positions the loop may write past the N tokens (γ + 1 for
-      speculative decoding).
-    tokens_cap: N_cap (default `max_new_tokens_cap(N)`).
-    reserve_note: what the reserve is made of, for the error message.
-
-  Returns:
-    tokens [B, P] int32 right-padded with 0, lengths [B] int32, and S.
-
-  Raises:
-    ValueError: on an empty batch or prompt, an out-of-range id, or a cache
-      too small for the longest prompt plus N plus `reserve`.
-  """
-  if isinstance(prompts, (str, bytes)) or not len(prompts):
-    raise ValueError("prompts must be a non-empty list of token-id lists.")
-  rows = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
-  for b, row in enumerate(rows):
-    if row.size == 0:
-      raise ValueError(f"Prompt {b} is empty; every prompt needs at least "
-                       "one token (e.g. a BOS id).")
-    if row.min() < 0 or row.max() >= vocab_size:
-      raise ValueError(f"Prompt {b} has token ids outside [0, {vocab_size}).")
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
-  lengths = np.array([r.size for r in rows], np.int32)
-  longest = int(lengths.max())
-  needed = longest + max_new_tokens + reserve
-  if cache_size is None:
-    cache_size = default_cache_size(longest, max_new_tokens, reserve,
-                                    tokens_cap)
-  elif needed > cache_size:
-    raise ValueError(
-        f"The cache is too short: the longest prompt has {longest} tokens, "
-        f"plus max_new_tokens={max_new_tokens} plus {reserve} positions of "
-        f"slack{reserve_note} needs {needed} positions, but "
-        f"cache_size={cache_size}.")
-  bucket = prompt_bucket(longest, cache_size)
-  tokens = np.zeros((len(rows), bucket), np.int32)
-  for b, row in enumerate(rows):
-    tokens[b, :row.size] = row
-  return tokens, lengths, cache_size
-
-
-def _tokens_cap(max_new_tokens: int, tokens_cap: int | None) -> int:
-  if tokens_cap is None:
-    return max_new_tokens_cap(max_new_tokens)
-  if tokens_cap < max_new_tokens:
-    raise ValueError(f"tokens_cap={tokens_cap} is below max_new_tokens="
-                     f"{max_new_tokens}.")
-  return tokens_cap
-
-
-def _key(key: jax.Array | int | None) -> jax.Array:
-  if key is None:
-    return jax.random.key(0)
-  if isinstance(key, int):
-    return jax.random.key(key)
-  return key
-
-
-def _start(target: LanguageModel, prompts: jax.Array, lengths: jax.Array,
-           params: sampling.SamplingParams, eos_ids: jax.Array, key: jax.Array,
-           *, cache_size: int, width: int, max_new_tokens: int,
-           return_hidden: bool = False):
-  """Prefills the target, samples and emits the first token.
-
-  Returns:
-    first [B] token, the distribution [B, V] it was drawn from, the
-    target's cache, the output buffer [B, width], counts [B], done [B],
-    and the key left for the loop; with `return_hidden`, also the target's
-    hidden states [B, P, E] over the prompts.
-  """
-  key, first_key = jax.random.split(key)
-  cache = target.init_cache(prompts.shape[0], cache_size)
-  hidden = ()
-  if return_hidden:
-    logits, cache, hidden = target.prefill(prompts, lengths, cache,
-                                           return_hidden=True)
-    hidden = (hidden,)
-  else:
-    logits, cache = target.prefill(prompts, lengths, cache)  # [B, V]
-  probs = sampling.probabilities(logits, params)  # [B, V]
-  first = sampling.sample(first_key, probs)
-  batch = first.shape[0]
-  tokens, counts, done = buffers.emit(
-      jnp.zeros((batch, width), jnp.int32), jnp.zeros((batch,), jnp.int32),
-      jnp.zeros((batch,), bool), first[:, None], jnp.ones((batch,), jnp.int32),
-      eos_ids, max_new_tokens)
-  return (first, probs, cache, tokens, counts, done, key) + hidden
-
-
-@functools.partial(jax.jit, static_argnames=("tokens_cap", "cache_size",
-                                             "pad_id"))
-def _generate(model, prompts, lengths, params, eos_ids, key, max_new_tokens,
-              *, tokens_cap, cache_size, pad_id):
-  first, _, cache, tokens, counts, done, key = _start(
-      model, prompts, lengths, params, eos_ids, key, cache_size=cache_size,
-      width=tokens_cap + 1, max_new_tokens=max_new_tokens)
-  state = _ARState(tokens=tokens, num_generated=counts, done=done,
-                   last_token=first,
-                   cache=cache, key=key)
-
-  def step(s: _ARState) -> _ARState:
-    key, sample_key = jax.random.split(s.key)
-    start = s.cache.lengths
-    out, cache = model(s.last_token[:, None], s.cache)  # [B, 1] -> [B, 1, V]
-    logits = model_output(out).logits[:, 0]
-    token = sampling.sample(
-        sample_key, sampling.probabilities(logits, params))  # [B]
-    # Done rows do not advance, so they never run past the cache.
-    cache = cache.rollback(jnp.where(s.done, start, cache.lengths))
-    tokens, counts, done = buffers.emit(
-        s.tokens, s.num_generated, s.done, token[:, None],
-        jnp.ones_like(s.num_generated), eos_ids, max_new_tokens)
-    return s.replace(tokens=tokens, num_generated=counts, done=done,
-                     last_token=token, cache=cache, key=key)
-
-  state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
-  return (buffers.finalize(state.tokens, state.num_generated, tokens_cap,
-                           pad_id), state.num_generated)
+def _check_eos(eos_id: int | Sequence[int] | None, vocab_size: int) -> None:
+  """EOS ids must be token ids of the model's vocabulary."""
+  ids = [] if eos_id is None else (
+      [eos_id] if isinstance(eos_id, (int, np.integer)) else list(eos_id))
+  bad = [i for i in ids if not 0 <= int(i) < vocab_size]
+  if bad:
+    raise ValueError(f"eos_id {bad} outside the vocabulary [0, "
+                     f"{vocab_size}).")
 
 
 def generate(model: LanguageModel, prompts: Sequence[Sequence[int]], *,
@@ -334,8 +159,10 @@ def generate(model: LanguageModel, prompts: Sequence[Sequence[int]], *,
   Returns:
     `GenerateOutput` with tokens [B, N] and lengths [B].
   """
+  _check_model(model, "model")
+  _check_eos(eos_id, model.vocab_size)
   params = sampling.SamplingParams.create(temperature, top_k, top_p)
-  cap = _tokens_cap(max_new_tokens, tokens_cap)
+  cap = output_cap(max_new_tokens, tokens_cap)
   tokens, lengths, cache_size = prepare_prompts(
       prompts, model.vocab_size, max_new_tokens=max_new_tokens,
       cache_size=cache_size, reserve=1, tokens_cap=cap)
@@ -343,121 +170,46 @@ def generate(model: LanguageModel, prompts: Sequence[Sequence[int]], *,
   where.check_memory({"model": model}, cache_size=cache_size, chunk=1)
   tokens, lengths, budget = where.inputs(tokens, lengths, max_new_tokens)
   out, counts = compilation.call(
-      _generate, "generate",
+      generate_loop, "generate",
       f"B={tokens.shape[0]}, P={tokens.shape[1]}, S={cache_size}, "
       f"N<={cap}", model, tokens, lengths, params,
-      buffers.eos_array(eos_id), _key(key), budget,
+      buffers.eos_array(eos_id), prng_key(key), budget,
       tokens_cap=cap, cache_size=cache_size, pad_id=pad_id)
   out, counts = where.rows((out, counts))
   return GenerateOutput(tokens=out[:, :max_new_tokens], lengths=counts)
 
 
-def init_spec_state(target: LanguageModel, drafter: Drafter,
-                    prompts: jax.Array, lengths: jax.Array,
-                    params: StepParams, key: jax.Array, *, gamma: int,
-                    max_new_tokens: int | jax.Array, cache_size: int,
-                    tokens_cap: int | None = None,
-                    policy: adaptive.GammaPolicy | None = None,
-                    synthetic: bool = False) -> SpecState:
-  """Prefills target and drafter and emits the target's first token.
+def resolve_policy(gamma: int | str | policies.GammaPolicy, *,
+                   max_gamma: int, target: LanguageModel, drafter: Drafter,
+                   batch: int, cache_size: int,
+                   num_nodes: int | None = None) -> policies.GammaPolicy:
+  """The γ policy for a `gamma` argument of `speculative_generate`.
 
-  Where the drafter's prefill guesses the first token too (`init_guess`),
-  the policy observes how likely that guess was to be accepted
-  (`first_acceptance`) before any step drafts.
+  An int is `Fixed(gamma)` (with `num_nodes`, a token tree); "heuristic"
+  is `Heuristic(max_gamma)`; "auto" is `Auto` priced for B = `batch` and S
+  = `cache_size` by `StepCosts.for_call` (the tuning step's tables, else
+  the roofline: nothing is timed); a `GammaPolicy` is used as is.
 
-  Args:
-    target: the verifying `LanguageModel`.
-    drafter: a `Drafter` (e.g. `DraftModel(draft)`).
-    prompts: [B, P] int32 right-padded prompts (`prepare_prompts`).
-    lengths: [B] int32 prompt lengths.
-    params: traced settings (`StepParams.create`).
-    key: PRNG key.
-    gamma: G.
-    max_new_tokens: N (an int or a traced [] int32).
-    cache_size: S.
-    tokens_cap: N_cap, the static output width (default N, which must then
-      be an int).
-    policy: an adaptive γ policy (G is then its γ_max), or None.
-    synthetic: acceptance is synthetic (`params.synthetic`).
-
-  Returns:
-    The `SpecState` that `speculate.speculate_step` advances.
+  Raises:
+    ValueError: an invalid `gamma`.
   """
-  cap = max_new_tokens if tokens_cap is None else tokens_cap
-  # A drafter reading the target's features (EAGLE) gets the prompt's.
-  features = getattr(drafter, "uses_prompt_hidden", False)
-  first, probs, target_cache, tokens, counts, done, key, *hidden = _start(
-      target, prompts, lengths, params.sampling, params.eos_ids, key,
-      cache_size=cache_size, width=cap + gamma + 1,
-      max_new_tokens=max_new_tokens, return_hidden=features)
-  extra = {"prompt_hidden": hidden[0]} if features else {}
-  drafter_state, guess = init_and_guess(drafter, prompts, lengths, first,
-                                        cache_size, **extra)
-  policy_state = None
-  if policy is not None:
-    policy_state = policy.init(prompts.shape[0])
-    if guess is not None:
-      policy_state = policy.observe(
-          policy_state, first_acceptance(probs, guess, params, lengths,
-                                         synthetic),
-          ~done)
-  return SpecState(
-      tokens=tokens, num_generated=counts, done=done, last_token=first,
-      target_cache=target_cache, drafter_state=drafter_state, key=key,
-      stats=SpecStats.zeros(prompts.shape[0], gamma, max(cap - 1, 1),
-                            components(drafter)),
-      policy_state=policy_state)
+  _gamma_bound(gamma, max_gamma=max_gamma)  # validates
+  if isinstance(gamma, policies.GammaPolicy):
+    return gamma
+  if gamma == "heuristic":
+    return policies.Heuristic(max_gamma)
+  if gamma == "auto":
+    return policies.Auto.from_costs(policies.StepCosts.for_call(
+        target, drafter.cost_model, batch=batch, cache_size=cache_size,
+        max_gamma=max_gamma))
+  return policies.Fixed(int(gamma), num_nodes)
 
 
-def synthetic_text(key: jax.Array | int | None) -> jax.Array:
-  """The PRNG key of the synthetic text (`rejection.Synthetic`) that a
-  generation with `key` decodes: every policy, γ and drafter run with one
-  key meets the same verdicts at each sequence position."""
-  return jax.random.fold_in(_key(key), 2)
-
-
-def first_acceptance(probs: jax.Array, guess: jax.Array, params: StepParams,
-                     positions: jax.Array, synthetic: bool) -> jax.Array:
-  """[B] float32 how likely a first draft from the drafter's `guess`
-  logits [B, V] was to be accepted against the target's first-token
-  distribution `probs` [B, V] (`rejection.acceptance_probability`, 0 or 1
-  under greedy decoding); with synthetic acceptance, the verdict of
-  `params.synthetic`'s text on the first token's sequence position
-  (`positions` [B], the prompts' lengths), as a verified draft there
-  would get."""
-  if synthetic:
-    return params.synthetic.accepts(positions[:, None])[:, 0].astype(
-        jnp.float32)
-  return rejection.acceptance_probability(
-      probs, sampling.probabilities(guess, params.sampling))
-
-
-@functools.partial(jax.jit, static_argnames=(
-    "gamma", "tokens_cap", "cache_size", "pad_id", "synthetic", "num_nodes"))
-def _speculative_generate(target, drafter, prompts, lengths, params, key,
-                          max_new_tokens, policy, *, gamma, tokens_cap,
-                          cache_size, pad_id, synthetic, num_nodes):
-  if synthetic:
-    params = params.with_text(synthetic_text(key))
-  state = init_spec_state(target, drafter, prompts, lengths, params, key,
-                          gamma=gamma, max_new_tokens=max_new_tokens,
-                          cache_size=cache_size, tokens_cap=tokens_cap,
-                          policy=policy, synthetic=synthetic)
-  step = functools.partial(
-      speculate.speculate_step, target=target, drafter=drafter, params=params,
-      gamma=gamma, max_new_tokens=max_new_tokens, synthetic=synthetic,
-      policy=policy, num_nodes=num_nodes)
-  state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
-  tokens = buffers.finalize(state.tokens, state.num_generated, tokens_cap,
-                            pad_id)
-  return tokens, state.num_generated, state.stats, state.policy_state
-
-
-def gamma_bound(gamma: int | str | adaptive.GammaPolicy, *,
-                max_gamma: int) -> int:
+def _gamma_bound(gamma: int | str | policies.GammaPolicy, *,
+                 max_gamma: int) -> int:
   """G, the most drafts a step may verify, for a `gamma` argument of
   `speculative_generate` (validated)."""
-  if isinstance(gamma, adaptive.GammaPolicy):
+  if isinstance(gamma, policies.GammaPolicy):
     return gamma.max_gamma
   if isinstance(gamma, str):
     if gamma in ("auto", "heuristic"):
@@ -468,31 +220,10 @@ def gamma_bound(gamma: int | str | adaptive.GammaPolicy, *,
                    f"'heuristic', got {gamma!r}.")
 
 
-def resolve_gamma(gamma: int | str | adaptive.GammaPolicy, *,
-                  max_gamma: int, target: LanguageModel, drafter: Drafter,
-                  batch: int, cache_size: int = 512
-                  ) -> tuple[int, adaptive.GammaPolicy | None]:
-  """G and the policy for a `gamma` argument of `speculative_generate`.
-
-  An int is a fixed γ (no policy); "heuristic" is `adaptive.Heuristic`
-  and "auto" `adaptive.Auto` with costs measured on this machine at B =
-  `batch` and S = `cache_size` (cached on disk), both with γ_max =
-  `max_gamma`; a `GammaPolicy` is used as is.
-  """
-  bound = gamma_bound(gamma, max_gamma=max_gamma)
-  if gamma == "heuristic":
-    return bound, adaptive.Heuristic(max_gamma)
-  if gamma == "auto":
-    return bound, adaptive.Auto.measure(target, drafter, batch=batch,
-                                        max_gamma=max_gamma,
-                                        cache_size=cache_size)
-  return bound, gamma if isinstance(gamma, adaptive.GammaPolicy) else None
-
-
 def speculative_generate(
     target: LanguageModel, draft: LanguageModel | Drafter,
     prompts: Sequence[Sequence[int]], *,
-    gamma: int | str | adaptive.GammaPolicy, max_new_tokens: int,
+    gamma: int | str | policies.GammaPolicy, max_new_tokens: int,
     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
     eos_id: int | Sequence[int] | None = None,
     key: jax.Array | int | None = None, cache_size: int | None = None,
@@ -516,8 +247,8 @@ def speculative_generate(
       cost-model policy choosing 0 to `max_gamma` drafts each step from
       running acceptance estimates and forward costs measured on this
       machine), "heuristic" (transformers' +2/-1 schedule up to
-      `max_gamma`), or a `specjax.adaptive.GammaPolicy`. Any policy keeps
-      the output exact; see `specjax.adaptive`. A policy that could never
+      `max_gamma`), or a `specjax.policies.GammaPolicy`. Any policy keeps
+      the output exact; see `specjax.policies`. A policy that could never
       draft at these costs (`GammaPolicy.may_draft`) runs `generate`.
     max_new_tokens: N.
     temperature: 0 for greedy; applied to draft and target alike.
@@ -546,23 +277,26 @@ def speculative_generate(
   Returns:
     `SpecOutput` with tokens [B, N], lengths [B] and statistics.
   """
+  _check_model(target, "target")
+  _check_model(draft, "draft", drafter_too=True)
   where, (target, draft) = Placement.resolve(mesh, len(prompts), target,
                                              draft)
-  drafter = draft if hasattr(draft, "propose") else DraftModel(draft)
+  drafter = draft if isinstance(draft, Drafter) else DraftModel(draft)
   if drafter.vocab_size != target.vocab_size:
     raise ValueError(
         f"Draft and target vocabularies differ: draft has "
         f"{drafter.vocab_size} tokens, target has {target.vocab_size}. "
         "Speculative decoding needs one shared tokenizer.")
-  bound = gamma_bound(gamma, max_gamma=max_gamma)
+  _check_eos(eos_id, target.vocab_size)
+  bound = _gamma_bound(gamma, max_gamma=max_gamma)
   _check_tree(num_nodes, bound, gamma, drafter)
   params = StepParams.create(
       temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
       draft_stop_threshold=draft_stop_threshold,
       synthetic_acceptance=synthetic_acceptance)
   synthetic = synthetic_acceptance is not None
-  extra = extra_positions(drafter)
-  cap = _tokens_cap(max_new_tokens, tokens_cap)
+  extra = drafter.extra_positions
+  cap = output_cap(max_new_tokens, tokens_cap)
   tokens, lengths, cache_size = prepare_prompts(
       prompts, target.vocab_size, max_new_tokens=max_new_tokens,
       cache_size=cache_size, reserve=(num_nodes or bound) + 1 + extra,
@@ -572,10 +306,11 @@ def speculative_generate(
           " (num_nodes + 1)" if num_nodes else ""))
   where.check_memory({"target": target, "draft": draft},
                      cache_size=cache_size, chunk=(num_nodes or bound) + 1)
-  gamma, policy = resolve_gamma(gamma, max_gamma=max_gamma, target=target,
-                                drafter=drafter, batch=len(prompts),
-                                cache_size=cache_size)
-  if policy is not None and not policy.may_draft():
+  policy = resolve_policy(gamma, max_gamma=max_gamma, target=target,
+                          drafter=drafter, batch=len(prompts),
+                          cache_size=cache_size, num_nodes=num_nodes)
+  gamma = policy.max_gamma
+  if not policy.may_draft():
     # No acceptance could make drafting pay at this B on this machine: the
     # fallback is `generate` itself, with no draft prefill or loop overhead.
     base = generate(target, prompts, max_new_tokens=max_new_tokens,
@@ -585,21 +320,22 @@ def speculative_generate(
     return SpecOutput(
         tokens=base.tokens, lengths=base.lengths, stats=(
             SpecStats.autoregressive(base.lengths, gamma, max(cap - 1, 1),
-                                     components(drafter))),
+                                     drafter.components)),
         gamma=int(gamma), synthetic=synthetic, policy=_policy_name(policy),
         policy_state=jax.device_get(policy.init(len(prompts))))
   tokens, lengths, budget = where.inputs(tokens, lengths, max_new_tokens)
   out, counts, stats, policy_state = compilation.call(
-      _speculative_generate, "speculative_generate",
+      speculative_loop, "speculative_generate",
       f"B={tokens.shape[0]}, P={tokens.shape[1]}, S={cache_size}, "
       f"N<={cap}, gamma={gamma}{_policy_name(policy, ' ')}"
       f"{f', num_nodes={num_nodes}' if num_nodes else ''}", target, drafter,
-      tokens, lengths, params, _key(key), budget, policy, gamma=int(gamma),
-      tokens_cap=cap, cache_size=cache_size, pad_id=pad_id,
+      tokens, lengths, params, prng_key(key), budget, policy, tokens_cap=cap,
+      cache_size=cache_size, pad_id=pad_id,
       synthetic=synthetic, num_nodes=num_nodes)
   out, counts, policy_state = where.rows((out, counts, policy_state))
   stats = stats.replace(**where.rows(
-      {f: getattr(stats, f) for f in ("accepted", "proposed", "scored")}))
+      dict(accepted=stats.accepted, proposed=stats.proposed,
+           scored=stats.scored)))
   return SpecOutput(tokens=out[:, :max_new_tokens], lengths=counts,
                     stats=where.totals(stats), gamma=int(gamma),
                     synthetic=synthetic, policy=_policy_name(policy),
@@ -607,7 +343,7 @@ def speculative_generate(
 
 
 def _check_tree(num_nodes: int | None, gamma: int,
-                requested: int | str | adaptive.GammaPolicy,
+                requested: int | str | policies.GammaPolicy,
                 drafter: Drafter) -> None:
   """Errors for `num_nodes` with G = `gamma` and the `gamma` argument as
   `requested` (an int, or an adaptive policy or its name)."""
@@ -617,20 +353,22 @@ def _check_tree(num_nodes: int | None, gamma: int,
       num_nodes < gamma):
     raise ValueError(f"num_nodes must be an integer >= gamma={gamma} (one "
                      f"node per depth at least), got {num_nodes!r}.")
-  if isinstance(requested, (str, adaptive.GammaPolicy)):
+  if isinstance(requested, (str, policies.GammaPolicy)):
     name = (requested if isinstance(requested, str)
             else _policy_name(requested))
     raise ValueError("num_nodes (token trees) takes a fixed integer gamma, "
                      f"not an adaptive policy ({name}).")
-  if not getattr(drafter, "supports_trees", False):
+  if not drafter.supports_trees:
     raise ValueError(f"{type(drafter).__name__} drafts chains only; token "
                      "trees (num_nodes) need a tree drafter: DraftModel or "
                      "PromptLookup.")
 
 
-def _policy_name(policy: adaptive.GammaPolicy | None, prefix: str = ""
-                 ) -> str:
-  return "" if policy is None else prefix + type(policy).__name__.lower()
+def _policy_name(policy: policies.GammaPolicy, prefix: str = "") -> str:
+  """"" for a fixed γ, else the policy's name ("auto", "heuristic")."""
+  if isinstance(policy, policies.Fixed):
+    return ""
+  return prefix + type(policy).__name__.lower()
 
 
 def warmup(target: LanguageModel, draft: LanguageModel | Drafter | None = None,

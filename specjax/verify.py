@@ -15,61 +15,40 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax import adaptive
 from specjax import rejection
 from specjax import sampling
 from specjax import tree
-from specjax.drafters.base import Proposal
 from specjax.models.protocol import model_output
 from specjax.models.protocol import ModelOutput
+from specjax.step_types import emitted_tokens
+from specjax.step_types import Proposal
+from specjax.step_types import Verification
+
+__all__ = ["Verification", "verify", "verify_tree", "verify_widths",
+           "verify_within", "width_index"]
 
 
-@flax.struct.dataclass(kw_only=True)
-class Verification:
-  """The target's verdict on a proposal.
-
-  Attributes:
-    num_accepted: [B] int32 leading draft tokens accepted.
-    next_token: [B] int32 the token sampled after them (the correction on a
-      rejection, a bonus token when all were accepted).
-    emitted: [B, G+1] int32 what the step commits: the accepted drafts, then
-      `next_token` (repeated past it).
-    logits: [B, G+1, V] float32 the target's logits after the last committed
-      token and after each draft.
-    probs: [B, G+1, V] float32 the same after sampling processing (p).
-    hidden: [B, G+1, E] the target's last hidden states at those positions,
-      or None for a model that does not expose them.
-    path: [B, G] int32 for a token tree, the accepted nodes' chunk indices
-      (node + 1) by depth, the unaccepted tail 0 (`tree.path_slots`), so a
-      tree drafter can keep the path it drafted (`DraftModel.commit`);
-      None for a chain.
-  """
-
-  num_accepted: jax.Array
-  next_token: jax.Array
-  emitted: jax.Array
-  logits: jax.Array
-  probs: jax.Array
-  hidden: jax.Array | None = None
-  path: jax.Array | None = None
-
-  @property
-  def num_emitted(self) -> jax.Array:
-    """[B] int32 tokens committed: the accepted drafts and the next token."""
-    return self.num_accepted + 1
+def verify_widths(max_gamma: int) -> tuple[int, ...]:
+  """Target chunk lengths T compiled for a γ_max: 1, then 2^i + 1 below
+  G + 1, then G + 1 (e.g. G = 8: 1, 2, 3, 5, 9)."""
+  if isinstance(max_gamma, bool) or int(max_gamma) != max_gamma or (
+      max_gamma < 1):
+    raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma!r}.")
+  widths = {1, max_gamma + 1}
+  step = 1
+  while step + 1 < max_gamma + 1:
+    widths.add(step + 1)
+    step *= 2
+  return tuple(sorted(widths))
 
 
-def emitted_tokens(drafts: jax.Array, num_accepted: jax.Array,
-                   next_token: jax.Array) -> jax.Array:
-  """[B, G] drafts, [B] accepted counts and next tokens -> [B, G+1] emitted
-  (accepted drafts, then the next token, repeated past it)."""
-  slots = jnp.arange(drafts.shape[1] + 1)[None]
-  padded = jnp.concatenate([drafts, next_token[:, None]], axis=1)
-  return jnp.where(slots < num_accepted[:, None], padded, next_token[:, None])
+def width_index(widths: Sequence[int], num_tokens: jax.Array) -> jax.Array:
+  """Index of the smallest width >= num_tokens ([...] int32)."""
+  return jnp.searchsorted(jnp.asarray(widths, jnp.int32), num_tokens,
+                          side="left").astype(jnp.int32)
 
 
 def verify(target: Any, cache: Any, last_token: jax.Array,
@@ -206,10 +185,12 @@ def verify_within(widths: Sequence[int], target: Any, cache: Any,
   proposal (`lax.switch`), so a short proposal costs a short pass.
 
   Args:
-    widths: T values compiled, ascending, from 1 (a plain autoregressive
-      step) to G + 1 (`specjax.adaptive.verify_widths`).
+    widths: T values compiled, ascending: one width (a fixed γ: plain
+      `verify` over all G drafts, chains and trees alike), or from 1 (a plain
+      autoregressive step) to G + 1 (`verify_widths`; chains only).
     target, cache, last_token, params, key, synthetic: as in `verify`.
-    proposal: a chain of G drafts; rows propose `num_drafted` of them.
+    proposal: G drafts (a tree: G = T nodes); rows propose `num_drafted`
+      of them.
 
   Returns:
     The `Verification` at full width (G + 1 positions; logits, probs and
@@ -224,11 +205,18 @@ def verify_within(widths: Sequence[int], target: Any, cache: Any,
   cache at every step (a measurable share of a step at B = 8).
   """
   gamma = proposal.tokens.shape[1]
+  if len(widths) == 1:  # every step verifies all it drafted
+    verification, cache = verify(target, cache, last_token, proposal, params,
+                                 key, synthetic=synthetic)
+    return verification, cache, jnp.int32(gamma)
   if widths[0] != 1 or widths[-1] != gamma + 1:
     raise ValueError(f"widths must run from 1 to G + 1 = {gamma + 1}, got "
                      f"{tuple(widths)}.")
-  branch = adaptive.width_index(widths, jnp.max(proposal.num_drafted) + 1)
+  branch = width_index(widths, jnp.max(proposal.num_drafted) + 1)
   start = cache.lengths
+  # The one capability read off a model: `LanguageModel` is a structural
+  # protocol (an adapter around another project's model need not declare
+  # it), and a model that cannot defer its writes is verified in place.
   deferred = getattr(target, "defers_cache_writes", False)
 
   def at(width):

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import decode
+from specjax import loops
+from specjax import policies
 from specjax import drafters
 from specjax import speculate
 from specjax import sharding
@@ -82,10 +84,10 @@ def _vocab_gathers(target, draft, mesh):
                                                        draft)
   tokens, lengths, budget = where.inputs(np.ones((3, 16), np.int32),
                                          np.array([3, 2, 4], np.int32), 8)
-  lowered = decode._speculative_generate.lower(  # pylint: disable=protected-access
+  lowered = loops.speculative_loop.lower(  # pylint: disable=protected-access
       target, drafters.DraftModel(draft), tokens, lengths,
       speculate.StepParams.create(temperature=1.0), jax.random.key(0),
-      budget, None, gamma=3, tokens_cap=64, cache_size=128, pad_id=0,
+      budget, policies.Fixed(3), tokens_cap=64, cache_size=128, pad_id=0,
       synthetic=False, num_nodes=None)
   vocab = target.vocab_size
   out = []

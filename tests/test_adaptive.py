@@ -13,11 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import adaptive
+from specjax import policies
 from specjax import decode
 from specjax import drafters
+from specjax import hardware
+from specjax import loops
 from specjax import speculate
 from specjax.drafters.base import Proposal
+from specjax import tuning
 from specjax.tuning import cost
 
 PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
@@ -29,7 +32,7 @@ COSTS = dict(max_gamma=GAMMA, target_ms=[1.0, 1.05, 1.1, 1.2], draft_ms=0.05)
 
 
 @flax.struct.dataclass
-class _Phases:
+class _Phases(drafters.Drafter):
   """Drafts with the target itself (always accepted under greedy), except
   while the committed text is `bad_from` to `bad_to` tokens long, where it
   shifts every draft by one token (never accepted). q is shifted with it,
@@ -87,8 +90,8 @@ def test_greedy_equals_autoregressive(pair, baseline, policy, kind):
       "model": drafters.DraftModel(draft), "lookup": lookup,
       "fallback": drafters.Fallback(lookup, drafters.DraftModel(draft)),
       "cascade": drafters.Cascade(draft, lookup, 2)}[kind]
-  gamma = (adaptive.Auto.create(**COSTS) if policy == "auto"
-           else adaptive.Heuristic(GAMMA, initial=2))
+  gamma = (policies.Auto.create(**COSTS) if policy == "auto"
+           else policies.Heuristic(GAMMA, initial=2))
   out = decode.speculative_generate(target, drafter, PROMPTS, gamma=gamma,
                                     max_new_tokens=MAX_NEW)
   np.testing.assert_array_equal(out.tokens, baseline.tokens)
@@ -107,7 +110,7 @@ def test_auto_switches_between_autoregressive_and_full_drafts(pair,
   # drop to plain steps, and come back (through its probes), and stay
   # exact throughout.
   target, _ = pair
-  policy = adaptive.Auto.create(**COSTS, rate=0.5, probe_every=4)
+  policy = policies.Auto.create(**COSTS, rate=0.5, probe_every=4)
   out = decode.speculative_generate(
       target, _phases(pair, PROMPTS), PROMPTS, gamma=policy,
       max_new_tokens=MAX_NEW)
@@ -129,18 +132,18 @@ HOPELESS = dict(max_gamma=GAMMA, target_ms=[1.0, 2.5, 3.5, 5.5],
 
 
 def test_may_draft_asks_whether_certain_acceptance_would_pay():
-  assert adaptive.Auto.create(**COSTS).may_draft()
-  assert not adaptive.Auto.create(**HOPELESS).may_draft()
+  assert policies.Auto.create(**COSTS).may_draft()
+  assert not policies.Auto.create(**HOPELESS).may_draft()
   # Free drafts (prompt lookup) pay as soon as a pass of K + 1 tokens
   # costs under K + 1 plain steps (5 tokens for 4.5), not at a tie; the
   # heuristic drafts whatever the costs.
   free = dict(HOPELESS, draft_ms=0.0)
-  assert not adaptive.Auto.create(**free).may_draft()  # 5 tokens for 5.5
-  assert adaptive.Auto.create(
+  assert not policies.Auto.create(**free).may_draft()  # 5 tokens for 5.5
+  assert policies.Auto.create(
       **dict(free, target_ms=[1.0, 2.5, 3.5, 4.5])).may_draft()
-  assert not adaptive.Auto.create(
+  assert not policies.Auto.create(
       **dict(free, target_ms=[1.0, 2.0, 3.0, 5.0])).may_draft()
-  assert adaptive.Heuristic(GAMMA).may_draft()
+  assert policies.Heuristic(GAMMA).may_draft()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -155,7 +158,7 @@ def test_auto_that_can_never_pay_decodes_autoregressively(pair, temperature):
                 eos_id=7)
   ref = decode.generate(target, PROMPTS, **kwargs)
   before = compilation.num_compiled()
-  policy = adaptive.Auto.create(**HOPELESS)
+  policy = policies.Auto.create(**HOPELESS)
   out = decode.speculative_generate(target, draft, PROMPTS, gamma=policy,
                                     **kwargs)
   assert compilation.num_compiled() == before
@@ -180,7 +183,7 @@ def test_auto_that_can_never_pay_decodes_autoregressively(pair, temperature):
 def test_heuristic_follows_transformers_schedule():
   # Budget 2, +2 after a fully accepted budget, -1 (not below 1) after a
   # rejection, capped at G; rows that drafted nothing keep their budget.
-  policy = adaptive.Heuristic(GAMMA, initial=2)
+  policy = policies.Heuristic(GAMMA, initial=2)
   proposal = Proposal(tokens=jnp.zeros((3, GAMMA), jnp.int32),
                       num_drafted=jnp.array([2, 2, 0], jnp.int32),
                       num_forwards=jnp.int32(0))
@@ -200,7 +203,7 @@ def test_heuristic_follows_transformers_schedule():
 def test_auto_budget_maximises_the_cost_models_prediction():
   # The in-loop choice must agree with `tuning.cost.predict_tokens_per_s`
   # evaluated on the host for each γ, with the width each γ runs at.
-  widths = adaptive.verify_widths(8)
+  widths = policies.verify_widths(8)
   assert widths == (1, 2, 3, 5, 9)
   target_ms = [100.0, 104.0, 107.0, 118.0, 160.0]
   for acceptance, draft_ms in [(0.9, 5.0), (0.6, 5.0), (0.2, 0.0),
@@ -208,9 +211,9 @@ def test_auto_budget_maximises_the_cost_models_prediction():
     # A step's first draft token is a dearer two-token catch-up pass.
     draft = cost.ForwardCosts(batch=2, forward_ms={1: draft_ms,
                                                    2: 1.6 * draft_ms})
-    policy = adaptive.Auto.create(max_gamma=8, target_ms=target_ms,
+    policy = policies.Auto.create(max_gamma=8, target_ms=target_ms,
                                   prior=acceptance,
-                                  **adaptive.Auto.draft_costs(draft))
+                                  **policies.Auto.draft_costs(draft))
     # Every position seen at `acceptance`, so nothing caps the budget
     # (`test_a_cold_start_tests_its_prior_at_the_first_step`).
     state = policy.init(2).replace(verified=jnp.ones((2, 8)),
@@ -240,7 +243,7 @@ def test_auto_budget_maximises_the_cost_models_prediction():
 def test_auto_trims_to_what_rows_have():
   # After drafting, rows with no draft cost a plain step; with drafts the
   # choice is capped by the longest proposal.
-  policy = adaptive.Auto.create(max_gamma=4, target_ms=[1.0, 1.01, 1.02,
+  policy = policies.Auto.create(max_gamma=4, target_ms=[1.0, 1.01, 1.02,
                                                         1.03], prior=0.9)
   state = policy.init(2)
   active = jnp.array([True, True])
@@ -256,7 +259,7 @@ def test_auto_drafts_nothing_past_a_rows_end():
   # Full acceptance and cheap passes make G drafts pay, but a row with r
   # tokens left can use only r - 1 of them: the budget and the trim stop
   # there, and a row's last token is a plain step.
-  policy = adaptive.Auto.create(max_gamma=4, target_ms=[1.0, 1.01, 1.02,
+  policy = policies.Auto.create(max_gamma=4, target_ms=[1.0, 1.01, 1.02,
                                                         1.03], draft_ms=0.01,
                                 prior=1.0)
   # Every position seen accepted (no exploration cap; with a prior of 1,
@@ -285,7 +288,7 @@ def test_near_the_end_auto_chooses_by_when_the_batch_ends():
   # in the steady state but not over 31 tokens; at 0.8 it pays both ways.
   target_ms = [1063.5, 1107.4, 1500.4, 2131.2]
   draft = cost.ForwardCosts(batch=32, forward_ms={1: 367.5, 2: 392.9})
-  widths = adaptive.verify_widths(GAMMA)
+  widths = policies.verify_widths(GAMMA)
   batch, left = 32, 31
   active = jnp.ones((batch,), bool)
   chosen = {}
@@ -294,10 +297,10 @@ def test_near_the_end_auto_chooses_by_when_the_batch_ends():
     for horizon, serial in ((0, None), (64, True), (64, False)):
       # Every position seen at `acceptance`, over so many steps that the
       # confidence bound hopes for nothing more; no probe due.
-      policy = adaptive.Auto.create(max_gamma=GAMMA, target_ms=target_ms,
+      policy = policies.Auto.create(max_gamma=GAMMA, target_ms=target_ms,
                                     horizon=horizon, probe_first=False,
                                     serial_finish=serial,
-                                    **adaptive.Auto.draft_costs(draft))
+                                    **policies.Auto.draft_costs(draft))
       state = policy.init(batch).replace(
           verified=jnp.ones((batch, GAMMA)),
           accepted=jnp.full((batch, GAMMA), acceptance),
@@ -322,9 +325,9 @@ def test_near_the_end_auto_chooses_by_when_the_batch_ends():
         range(GAMMA + 1), key=lambda g: predicted(g, None)), acceptance
   assert chosen[0.5, 0, None] == 1 and chosen[0.5, 64, False] == 0, chosen
   with pytest.raises(ValueError, match="horizon"):
-    adaptive.Auto.create(**COSTS, horizon=-1)
+    policies.Auto.create(**COSTS, horizon=-1)
   with pytest.raises(ValueError, match="serial_finish"):
-    adaptive.Auto.create(**COSTS, serial_finish=1)
+    policies.Auto.create(**COSTS, serial_finish=1)
 
 
 def test_pooled_estimates_count_the_start_once():
@@ -333,7 +336,7 @@ def test_pooled_estimates_count_the_start_once():
   # batch saw eight acceptances and one prior: (8 + 0.56) / (8 + 0.8) =
   # 0.973, with 8 trials. A row that ended still counts what it saw; one
   # that saw nothing does not.
-  policy = adaptive.Auto.create(**COSTS, rate=0.2)
+  policy = policies.Auto.create(**COSTS, rate=0.2)
   batch = 8
   active = jnp.ones((batch,), bool)
   proposal = Proposal(tokens=jnp.zeros((batch, GAMMA), jnp.int32),
@@ -373,7 +376,7 @@ def test_auto_estimates_follow_observed_acceptance():
   # Decayed counts (weight 1 - rate = 0.5 on the past): position 1 starts
   # from the prior as one observation; deeper positions add the estimate
   # before them as one observation. Expected values worked out by hand.
-  policy = adaptive.Auto.create(max_gamma=3,
+  policy = policies.Auto.create(max_gamma=3,
                                 target_ms=[1.0, 1.1, 1.2, 1.3],
                                 prior=0.5, rate=0.5)
   state = policy.init(1)
@@ -400,7 +403,7 @@ def test_warm_policy_starts_from_pooled_estimates():
   # 4 + 2 times, accepted 0.7 + 4 + 0; position 2 verified 2 times,
   # accepted once. Each row with the counts a row held: the prior's and
   # half the observations, 1 + 3 and 0 + 1.
-  policy = adaptive.Auto.create(max_gamma=2, target_ms=[1.0, 1.1, 1.2],
+  policy = policies.Auto.create(max_gamma=2, target_ms=[1.0, 1.1, 1.2],
                                 rate=0.2)
   state = policy.init(2).replace(
       seen_verified=jnp.array([[4.0, 2.0], [2.0, 0.0]]),
@@ -427,12 +430,12 @@ def test_warm_policy_starts_from_pooled_estimates():
                              rtol=1e-6)
   np.testing.assert_allclose(start.start_accepted,
                              [16.7 * 5.0 / 21.0, 40.0 / 21.0], rtol=1e-6)
-  heuristic = adaptive.Heuristic(2)
+  heuristic = policies.Heuristic(2)
   assert heuristic.warm(heuristic.init(2)) is heuristic
 
 
 def test_a_warm_policy_priced_anew_keeps_what_it_learned():
-  policy = adaptive.Auto.create(max_gamma=2, target_ms=[1.0, 1.1, 1.2],
+  policy = policies.Auto.create(max_gamma=2, target_ms=[1.0, 1.1, 1.2],
                                 draft_ms=0.3, rate=0.2)
   state = policy.init(1).replace(seen_verified=jnp.array([[4.0, 2.0]]),
                                  seen_accepted=jnp.array([[3.0, 1.0]]))
@@ -457,7 +460,7 @@ def test_a_warm_start_trusts_the_whole_generation_not_its_last_steps():
   # about the last five observations, under which no budget pays; all it
   # saw says (0.7 + 8) / 13 = 0.67, under which four drafts pay. The next
   # generation starts from the latter and drafts at once.
-  policy = adaptive.Auto.create(**G_B1, rate=0.2)
+  policy = policies.Auto.create(**G_B1, rate=0.2)
   budgets, state = _steps(policy, lambda step, budget: budget * (step < 8),
                           12)
   assert budgets == [1] + [4] * 11, budgets
@@ -477,15 +480,15 @@ def test_draft_prefill_observes_the_first_acceptance(pair, temperature):
   # whether their argmaxes agree), added to the prior's count decayed by
   # 1 - rate = 0.95.
   target, draft = pair
-  policy = adaptive.Auto.create(**COSTS)
+  policy = policies.Auto.create(**COSTS)
   prompts, lengths, size = decode.prepare_prompts(
       PROMPTS, target.vocab_size, max_new_tokens=8, cache_size=None,
       reserve=GAMMA + 1)
-  start = lambda drafter, **kw: decode.init_spec_state(
+  start = lambda drafter, **kw: loops.init_spec_state(
       target, drafter, jnp.asarray(prompts), jnp.asarray(lengths),
       speculate.StepParams.create(temperature=temperature, **kw),
-      jax.random.key(0), gamma=GAMMA, max_new_tokens=8, cache_size=size,
-      policy=policy, synthetic="synthetic_acceptance" in kw).policy_state
+      jax.random.key(0), policy=policy, max_new_tokens=8, cache_size=size,
+      synthetic="synthetic_acceptance" in kw).policy_state
 
   def next_probs(model, prompt):
     out, _ = model(jnp.asarray([prompt], jnp.int32),
@@ -541,7 +544,7 @@ def test_failed_probes_back_off_until_drafting_pays_again():
   # 8, capped at 8; once a probe is accepted the policy drafts of its own
   # accord and the wait returns to 2. (No probe at the first step here:
   # `test_a_cold_start_tests_its_prior_at_the_first_step`.)
-  policy = adaptive.Auto.create(**COSTS, prior=0.0, probe_every=2,
+  policy = policies.Auto.create(**COSTS, prior=0.0, probe_every=2,
                                 probe_max=8, probe_first=False)
   budgets, state = _steps(
       policy, lambda step, budget: budget * (step >= 34), 40)
@@ -551,7 +554,7 @@ def test_failed_probes_back_off_until_drafting_pays_again():
   # A probe predicted to cost 4.5 plain steps (a 1.0 draft token, one
   # catch-up pass priced 1.0 x 3.0 / 1.0, and 0.5 for the wider target
   # pass) waits 4.5 times as long.
-  dear = adaptive.Auto.create(max_gamma=GAMMA, target_ms=[1.0, 1.5, 2.0, 3.0],
+  dear = policies.Auto.create(max_gamma=GAMMA, target_ms=[1.0, 1.5, 2.0, 3.0],
                               draft_ms=1.0, prior=0.0, probe_every=2,
                               probe_first=False)
   np.testing.assert_allclose(dear.probe_ms(jnp.int32(2)), 4.5)
@@ -566,7 +569,7 @@ def test_failed_probes_back_off_until_drafting_pays_again():
   # 3, the first step i with i >= 3 x price(i), price(i) = 1.0 + ceil(i /
   # 5) x 0.25 x 3.0 + 0.5, is i = 9: by then the draft model needs two
   # catch-up passes. (Priced at the wait, 3 x 2.25, it would have been 7.)
-  cheaper = adaptive.Auto.create(
+  cheaper = policies.Auto.create(
       max_gamma=GAMMA, target_ms=[1.0, 1.5, 2.0, 3.0], draft_ms=0.25,
       first_draft_ms=1.0, prior=0.0, probe_every=3, probe_first=False)
   price = lambda i: 1.0 + -(-i // 5) * 0.75 + 0.5
@@ -575,7 +578,7 @@ def test_failed_probes_back_off_until_drafting_pays_again():
   budgets, _ = _steps(cheaper, lambda step, budget: 0 * budget, 12)
   assert budgets.index(1) == first, budgets
   with pytest.raises(ValueError, match="probe_max"):
-    adaptive.Auto.create(**COSTS, probe_every=8, probe_max=4)
+    policies.Auto.create(**COSTS, probe_every=8, probe_max=4)
 
 
 # Costs measured on machine F at B = 1 (ms; targets at T = 1, 2, 3, 5).
@@ -601,11 +604,11 @@ def test_a_cold_start_tests_its_prior_at_the_first_step():
   # 342 + 105 ms, 4.474 a second against a plain step's 4.348: 2.9% more,
   # under the default margin of 3%, so by default it does not.)
   all_accepted = lambda step, budget: budget
-  never = adaptive.Auto.create(**F_B1, probe_first=False, optimism=0.0)
+  never = policies.Auto.create(**F_B1, probe_first=False, optimism=0.0)
   assert _steps(never, all_accepted, 12)[0] == [0] * 12
-  hoping = adaptive.Auto.create(**F_B1, probe_first=False, margin=0.0)
+  hoping = policies.Auto.create(**F_B1, probe_first=False, margin=0.0)
   assert _steps(hoping, all_accepted, 3)[0] == [1, 2, 4]
-  careful = adaptive.Auto.create(**F_B1, probe_first=False)
+  careful = policies.Auto.create(**F_B1, probe_first=False)
   assert _steps(careful, all_accepted, 3)[0] == [0, 0, 0]
   assert _steps(careful.replace(margin=jnp.float32(0.028)), all_accepted,
                 1)[0] == [1]
@@ -616,7 +619,7 @@ def test_a_cold_start_tests_its_prior_at_the_first_step():
   # accepted, position 1 is at 2.582 / 2.853 = 0.905 and the deeper ones
   # at (1 + 0.905) / 2 = 0.953: four drafts, 4.371 tokens in 765 ms
   # (5.713) against two's 2.767 in 524 (5.281).
-  budgets, state = _steps(adaptive.Auto.create(**F_B1), all_accepted, 6)
+  budgets, state = _steps(policies.Auto.create(**F_B1), all_accepted, 6)
   assert budgets == [1, 2, 4, 4, 4, 4], budgets
   # Accepted, then the two-token step rejected at its first draft: 1.582 /
   # 2.853 = 0.554 at every position, under which no K beats a plain step
@@ -628,17 +631,17 @@ def test_a_cold_start_tests_its_prior_at_the_first_step():
   # 0.405 + 0.245 = 0.650 hope for nothing (two drafts 3.653 a second,
   # one 3.692): plain steps.
   first_only = lambda step, budget: budget * (step == 0)
-  budgets, _ = _steps(adaptive.Auto.create(**F_B1), first_only, 6)
+  budgets, _ = _steps(policies.Auto.create(**F_B1), first_only, 6)
   assert budgets == [1, 2, 0, 0, 0, 0], budgets
-  budgets, _ = _steps(adaptive.Auto.create(**F_B1, margin=0.0), first_only,
+  budgets, _ = _steps(policies.Auto.create(**F_B1, margin=0.0), first_only,
                       6)
   assert budgets == [1, 2, 2, 0, 0, 0], budgets
   # Rejected, the first probe leaves plain steps and the usual wait.
-  budgets, state = _steps(adaptive.Auto.create(**F_B1),
+  budgets, state = _steps(policies.Auto.create(**F_B1),
                           lambda step, budget: 0 * budget, 8)
   assert budgets == [1] + [0] * 7 and int(state.wait) == 16, budgets
   # Started warm from learned estimates, the first step is no probe.
-  warm = adaptive.Auto.create(**F_B1).warm(state)
+  warm = policies.Auto.create(**F_B1).warm(state)
   assert _steps(warm, all_accepted, 3)[0] == [0] * 3
 
 
@@ -655,8 +658,8 @@ def test_an_optimistic_bound_probes_near_the_break_even():
   # 0.553, a one-token probe at once (not due: the wait is 16 steps);
   # without optimism a plain step. After 1000 trials: 0.5 + 0.016, plain.
   # a = 0.2 after 2 trials: 0.2 + 0.231 = 0.431, plain.
-  policy = adaptive.Auto.create(**F_CHEAP, probe_first=False)
-  plain = adaptive.Auto.create(**F_CHEAP, probe_first=False, optimism=0.0)
+  policy = policies.Auto.create(**F_CHEAP, probe_first=False)
+  plain = policies.Auto.create(**F_CHEAP, probe_first=False, optimism=0.0)
   active = jnp.array([True])
 
   def budget(policy, a, trials):
@@ -682,7 +685,7 @@ def test_an_optimistic_bound_probes_near_the_break_even():
   warm = policy.warm(state)
   assert float(warm.pooled(warm.init(2), jnp.ones((2,), bool))[1][0]) == 2.0
   with pytest.raises(ValueError, match="optimism"):
-    adaptive.Auto.create(**F_CHEAP, optimism=-1.0)
+    policies.Auto.create(**F_CHEAP, optimism=-1.0)
 
 
 def test_a_deeper_position_rejected_early_is_tried_again():
@@ -694,16 +697,16 @@ def test_a_deeper_position_rejected_early_is_tried_again():
   # later draft would be accepted. Its bound after one verification,
   # 0.45 + sqrt(0.45 * 0.55 / 2) = 0.80 at a1 = 0.9, tries two at once.
   accept_later = lambda step, budget: jnp.where(step == 0, 1, budget)
-  budgets, _ = _steps(adaptive.Auto.create(**F_CHEAP, optimism=0.0),
+  budgets, _ = _steps(policies.Auto.create(**F_CHEAP, optimism=0.0),
                       accept_later, 12)
   assert budgets == [2] + [1] * 11, budgets
-  budgets, state = _steps(adaptive.Auto.create(**F_CHEAP), accept_later, 12)
+  budgets, state = _steps(policies.Auto.create(**F_CHEAP), accept_later, 12)
   assert budgets[1] == 2 and min(budgets[1:]) >= 2, budgets
   assert float(state.seen_verified[0, 1]) == 12.0
   # Where position 2 is always rejected, the bound narrows with its
   # verifications (after 3: about 0.27 + sqrt(0.27 * 0.73 / 4) = 0.49)
   # and the policy stops trying it.
-  budgets, state = _steps(adaptive.Auto.create(**F_CHEAP),
+  budgets, state = _steps(policies.Auto.create(**F_CHEAP),
                           lambda step, budget: jnp.minimum(budget, 1), 40)
   assert float(state.seen_verified[0, 1]) <= 4.0, budgets
   assert budgets[-30:] == [1] * 30, budgets
@@ -712,7 +715,7 @@ def test_a_deeper_position_rejected_early_is_tried_again():
 def test_a_gain_under_the_margin_is_not_drafted():
   # `choose` takes the best K >= 1 only where it beats K = 0 by more than
   # the margin: 1.025 does not beat 1 by 3%, 1.04 does.
-  policy = adaptive.Auto.create(**F_B1)
+  policy = policies.Auto.create(**F_B1)
   choose = lambda rate, **kw: int(policy.choose(jnp.array(rate), **kw))
   assert choose([1.0, 1.02, 1.025, 0.9, 0.8]) == 0
   assert choose([1.0, 1.02, 1.04, 0.9, 1.035]) == 2
@@ -722,10 +725,10 @@ def test_a_gain_under_the_margin_is_not_drafted():
   # Where even certain acceptance gains less (machine F at B = 4, 2.6%:
   # 3 tokens in 709 + 189 + 120 = 1018 ms against 1 in 348), no step can
   # draft, and `speculative_generate` decodes autoregressively.
-  assert not adaptive.Auto.create(**F_B4).may_draft()
-  assert adaptive.Auto.create(**F_B4, margin=0.02).may_draft()
+  assert not policies.Auto.create(**F_B4).may_draft()
+  assert policies.Auto.create(**F_B4, margin=0.02).may_draft()
   with pytest.raises(ValueError, match="margin"):
-    adaptive.Auto.create(**F_B1, margin=-0.01)
+    policies.Auto.create(**F_B1, margin=-0.01)
 
 
 def test_no_probe_that_the_tokens_left_cannot_repay():
@@ -740,7 +743,7 @@ def test_no_probe_that_the_tokens_left_cannot_repay():
   # B = 4: `test_a_gain_under_the_margin_is_not_drafted`.)
   accepted = lambda step, budget: budget
   for costs, short, long in ((F_B4, 42, 43), (F_B1, 3, 4)):
-    policy = adaptive.Auto.create(**costs, margin=0.0)
+    policy = policies.Auto.create(**costs, margin=0.0)
     assert policy.may_draft()
     assert _steps(policy, accepted, 1, tokens=short)[0] == [0]
     assert _steps(policy, accepted, 1, tokens=long)[0] == [1]
@@ -748,11 +751,11 @@ def test_no_probe_that_the_tokens_left_cannot_repay():
   # at step 5 (`probe_ms` stretches the wait of 2); with 4 tokens left
   # there it is not made.
   rejected = lambda step, budget: 0 * budget
-  no_end, _ = _steps(adaptive.Auto.create(**F_B1, probe_every=2), rejected,
+  no_end, _ = _steps(policies.Auto.create(**F_B1, probe_every=2), rejected,
                      12)
   assert no_end.count(1) == 2, no_end
   assert no_end.index(1, 1) == 5, no_end
-  near_end, _ = _steps(adaptive.Auto.create(**F_B1, probe_every=2),
+  near_end, _ = _steps(policies.Auto.create(**F_B1, probe_every=2),
                        rejected, 9, tokens=9)
   assert near_end == [1] + [0] * 8, near_end
 
@@ -764,7 +767,7 @@ def test_low_acceptance_drops_to_autoregressive_steps(pair):
   # these costs one draft pays from an acceptance of 0.1 up, so at 0.05 a
   # lucky run of accepted probes rightly keeps it drafting for a while.)
   target, draft = pair
-  policy = adaptive.Auto.create(**COSTS, probe_every=16)
+  policy = policies.Auto.create(**COSTS, probe_every=16)
   out = decode.speculative_generate(target, draft, PROMPTS, gamma=policy,
                                     max_new_tokens=MAX_NEW,
                                     synthetic_acceptance=0.0)
@@ -775,20 +778,20 @@ def test_low_acceptance_drops_to_autoregressive_steps(pair):
 
 def test_changing_regime_and_settings_compiles_nothing(pair):
   target, draft = pair
-  policy = adaptive.Auto.create(**COSTS)
+  policy = policies.Auto.create(**COSTS)
   run = lambda gamma, **kw: decode.speculative_generate(
       target, draft, PROMPTS, gamma=gamma, max_new_tokens=8, **kw)
   out = run(policy)
-  compiled = decode._speculative_generate._cache_size()
+  compiled = loops.speculative_loop._cache_size()
   run(policy.warm(out.policy_state), temperature=0.8, top_k=5)
   run(policy.warm(out.policy_state).priced([1.0, 5.0, 6.0, 7.0], 2.0))
-  run(adaptive.Auto.create(max_gamma=GAMMA, target_ms=[1.0, 5.0, 6.0, 7.0],
+  run(policies.Auto.create(max_gamma=GAMMA, target_ms=[1.0, 5.0, 6.0, 7.0],
                            draft_ms=2.0, prior=0.1), temperature=1.2, key=3)
-  assert decode._speculative_generate._cache_size() == compiled
-  run(adaptive.Heuristic(GAMMA))
-  compiled = decode._speculative_generate._cache_size()
-  run(adaptive.Heuristic(GAMMA), temperature=0.6, top_p=0.9)
-  assert decode._speculative_generate._cache_size() == compiled
+  assert loops.speculative_loop._cache_size() == compiled
+  run(policies.Heuristic(GAMMA))
+  compiled = loops.speculative_loop._cache_size()
+  run(policies.Heuristic(GAMMA), temperature=0.6, top_p=0.9)
+  assert loops.speculative_loop._cache_size() == compiled
 
 
 def test_errors_name_the_problem(pair):
@@ -797,27 +800,55 @@ def test_errors_name_the_problem(pair):
     decode.speculative_generate(target, draft, PROMPTS, gamma="fast",
                                 max_new_tokens=4)
   with pytest.raises(ValueError, match="max_gamma"):
-    adaptive.Heuristic(0)
+    policies.Heuristic(0)
   with pytest.raises(ValueError, match="target_ms"):
-    adaptive.Auto.create(max_gamma=4, target_ms=[1.0, 2.0])
+    policies.Auto.create(max_gamma=4, target_ms=[1.0, 2.0])
   with pytest.raises(ValueError, match="prior"):
-    adaptive.Auto.create(**COSTS, prior=1.5)
+    policies.Auto.create(**COSTS, prior=1.5)
   with pytest.raises(ValueError, match="rate"):
-    adaptive.Auto.create(**COSTS, rate=0.0)
+    policies.Auto.create(**COSTS, rate=0.0)
 
 
-@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
-def test_auto_measures_costs_at_the_calls_cache_size(pair, tmp_path,
-                                                      monkeypatch):
-  """A forward's cost grows with S (attention reads every slot), so
-  `gamma="auto"` measures the target's widths and the draft's step at the
-  S the call runs with, not at a fixed size."""
+def test_auto_times_nothing_inside_a_call(pair, tmp_path, monkeypatch):
+  """`gamma="auto"` prices its steps without timing a forward: no table
+  is measured (nothing is written to the tuning cache) and the costs come
+  from the roofline, a function of the models' bytes alone."""
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  monkeypatch.setattr(hardware, "median_ms", _no_timing)
   target, draft = pair
   decode.speculative_generate(target, draft, PROMPTS[:2], gamma="auto",
                               max_gamma=2, max_new_tokens=4, cache_size=96)
+  assert not (tmp_path / "tuning" / "cost.json").exists()
+  costs = policies.StepCosts.for_call(target, draft, batch=2, cache_size=96,
+                                      max_gamma=2)
+  assert costs.source == "roofline"
+  # Wider passes never cost less, and the smaller draft's forward less
+  # than the target's.
+  assert list(costs.target_ms) == sorted(costs.target_ms)
+  assert 0 < costs.draft_ms < costs.target_ms[0]
+
+
+def _no_timing(*args, **kwargs):
+  raise AssertionError("a forward was timed")
+
+
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
+def test_auto_reads_the_tuning_steps_table_at_the_calls_cache_size(
+    pair, tmp_path, monkeypatch):
+  """A forward's cost grows with S (attention reads every slot), so the
+  tuning step measures at the S a call runs with, and `gamma="auto"` reads
+  that table, not one at another S."""
+  monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+  target, draft = pair
+  drafter = drafters.DraftModel(draft)
+  measured = tuning.cost.step_costs(target, drafter, batch=2, max_gamma=2,
+                                    cache_size=96)
   keys = list(json.loads((tmp_path / "tuning" / "cost.json").read_text()))
   # The target's widths; the draft's step and its two-token first pass.
   assert len(keys) == 2, keys
   assert all("|B=2|S=96|" in k for k in keys), keys
   assert sorted(k.rsplit("|T=", 1)[1] for k in keys) == ["1,2", "1,2,3"], keys
+  read = lambda size: policies.StepCosts.for_call(
+      target, draft, batch=2, cache_size=size, max_gamma=2)
+  assert read(96) == measured and read(96).source == "table"
+  assert read(128).source == "roofline"

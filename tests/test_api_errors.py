@@ -69,3 +69,29 @@ def test_params_from_wrong_config(pair):
   with pytest.raises(ValueError, match="missing tensor 'layers_2/q'"):
     models.check_params(testing.TINY_TARGET.replace(num_layers=3),
                         target.params)
+
+
+@pytest.mark.parametrize("draft", ["qwen2.5-coder-0.5b-instruct", 3, None])
+def test_a_draft_that_is_no_model_names_the_problem(pair, draft):
+  with pytest.raises(TypeError, match="draft must be a specjax.models."
+                     "LanguageModel or a specjax.drafters.Drafter"):
+    decode.speculative_generate(pair[0], draft, [[1]], gamma=2,
+                                max_new_tokens=4)
+
+
+def test_a_target_given_by_name_names_the_problem(pair):
+  with pytest.raises(TypeError, match="target must be.*load it first"):
+    decode.speculative_generate("qwen2.5-coder-1.5b-instruct", pair[1],
+                                [[1]], gamma=2, max_new_tokens=4)
+  with pytest.raises(TypeError, match="model must be.*load it first"):
+    decode.generate("qwen2.5-coder-1.5b-instruct", [[1]], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("eos_id", [128, -1, [3, 999]])
+def test_an_eos_id_outside_the_vocabulary(pair, eos_id):
+  with pytest.raises(ValueError, match=r"eos_id .* outside the vocabulary "
+                     r"\[0, 128\)"):
+    decode.generate(pair[0], [[1]], max_new_tokens=4, eos_id=eos_id)
+  with pytest.raises(ValueError, match=r"outside the vocabulary"):
+    decode.speculative_generate(*pair, [[1]], gamma=2, max_new_tokens=4,
+                                eos_id=eos_id)

@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import adaptive
+from specjax import policies
 from specjax import compilation
 from specjax import decode
+from specjax import loops
 from specjax import drafters
 from specjax import testing
 
@@ -27,25 +28,25 @@ def test_speculative_settings_do_not_recompile():
   run = lambda **kw: decode.speculative_generate(
       target, draft, PROMPTS, gamma=2, max_new_tokens=6, **kw)
   run()
-  compiled = decode._speculative_generate._cache_size()
+  compiled = loops.speculative_loop._cache_size()
   run(temperature=0.8)
   run(temperature=1.3, top_p=0.9, key=123)
   run(temperature=0.5, top_k=5, key=7, draft_stop_threshold=0.3)
   run(eos_id=17)
-  assert decode._speculative_generate._cache_size() == compiled
+  assert loops.speculative_loop._cache_size() == compiled
   decode.speculative_generate(target, draft, PROMPTS, gamma=3,
                               max_new_tokens=6)
   # A new gamma fixes a new shape: exactly one more compilation.
-  assert decode._speculative_generate._cache_size() == compiled + 1
+  assert loops.speculative_loop._cache_size() == compiled + 1
 
 
 def test_autoregressive_settings_do_not_recompile():
   target, _ = testing.tiny_pair(seed=4)
   run = lambda **kw: decode.generate(target, PROMPTS, max_new_tokens=6, **kw)
   run()
-  compiled = decode._generate._cache_size()
+  compiled = loops.generate_loop._cache_size()
   run(temperature=0.9, top_k=3, top_p=0.5, key=99, eos_id=3)
-  assert decode._generate._cache_size() == compiled
+  assert loops.generate_loop._cache_size() == compiled
 
 
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
@@ -54,8 +55,8 @@ def test_prompt_lengths_and_max_new_tokens_compile_few_programs():
   # prompt bucket for N <= 64, here 16, 32, 64, 128, 256, 512, 1024.
   target, draft = testing.tiny_pair(seed=4)
   lengths = [5, 17, 40, 64, 65, 130, 200, 300, 450, 600]
-  generate_before = decode._generate._cache_size()
-  spec_before = decode._speculative_generate._cache_size()
+  generate_before = loops.generate_loop._cache_size()
+  spec_before = loops.speculative_loop._cache_size()
   for i, n in enumerate(lengths):
     prompt = [(7 * j + i) % 100 + 1 for j in range(n)]
     for new in (3, 17, 64):
@@ -64,8 +65,8 @@ def test_prompt_lengths_and_max_new_tokens_compile_few_programs():
                                         gamma=2, max_new_tokens=new)
       assert out.tokens.shape == (2, new)
       np.testing.assert_array_equal(out.tokens, ref.tokens)
-  assert decode._generate._cache_size() - generate_before <= 7
-  assert decode._speculative_generate._cache_size() - spec_before <= 7
+  assert loops.generate_loop._cache_size() - generate_before <= 7
+  assert loops.speculative_loop._cache_size() - spec_before <= 7
 
 
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
@@ -108,16 +109,17 @@ def _speculative_hlo(target, drafter, policy, synthetic: bool) -> str:
   """The optimized HLO of `_speculative_generate` at `_LOOP`'s shapes,
   greedy, 16 new tokens from 8-token prompts."""
   batch, size, gamma = _LOOP["batch"], _LOOP["size"], _LOOP["gamma"]
-  return decode._speculative_generate.lower(
+  return loops.speculative_loop.lower(
       target, drafter, jnp.ones((batch, 8), jnp.int32),
       jnp.full((batch,), 8, jnp.int32), decode.StepParams.create(),
       jax.random.key(0),
-      jnp.int32(16), policy, gamma=gamma, tokens_cap=16, cache_size=size,
+      jnp.int32(16), policies.Fixed(gamma) if policy is None else policy,
+      tokens_cap=16, cache_size=size,
       pad_id=0, synthetic=synthetic, num_nodes=None).compile().as_text()
 
 
-def _auto() -> adaptive.Auto:
-  return adaptive.Auto.create(max_gamma=_LOOP["gamma"],
+def _auto() -> policies.Auto:
+  return policies.Auto.create(max_gamma=_LOOP["gamma"],
                               target_ms=[1.0, 1.1, 1.2, 1.5], draft_ms=0.2)
 
 
@@ -133,7 +135,7 @@ def test_decoding_loops_update_caches_in_place(policy, synthetic):
   target, draft = testing.tiny_pair(seed=4)
   batch, size = _LOOP["batch"], _LOOP["size"]
   if policy is None:
-    hlo = decode._generate.lower(
+    hlo = loops.generate_loop.lower(
         target, jnp.ones((batch, 8), jnp.int32),
         jnp.full((batch,), 8, jnp.int32), decode.StepParams.create().sampling,
         jnp.array([-1]),

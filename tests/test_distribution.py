@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import adaptive
+from specjax import policies
 from specjax import decode
 from specjax import sampling
 from specjax import tree
@@ -212,8 +212,8 @@ def _alternating(max_gamma):
   probe after every plain step (a probe costing under a plain step):
   plain steps and drafting steps alternate within a generation (a run of
   drafting steps once the estimate passes 0.9)."""
-  widths = adaptive.verify_widths(max_gamma)
-  return adaptive.Auto.create(max_gamma=max_gamma,
+  widths = policies.verify_widths(max_gamma)
+  return policies.Auto.create(max_gamma=max_gamma,
                               target_ms=[1.0] + [1.9] * (len(widths) - 1),
                               prior=0.0, probe_every=1, probe_max=1)
 
@@ -235,7 +235,7 @@ def test_adaptive_gamma_matches_exact_distribution(pair, policy, drafter,
   drafter = {"model": drafters.DraftModel(pair[1]), "lookup": lookup,
              "fallback": drafters.Fallback(lookup, drafters.DraftModel(
                  pair[1]))}[drafter]
-  gamma = (adaptive.Heuristic(3, initial=1) if policy == "heuristic"
+  gamma = (policies.Heuristic(3, initial=1) if policy == "heuristic"
            else _alternating(3))
   samples = _spec_samples((pair[0], drafter), gamma, settings, seed=17)
   stat, critical = _chi_square(samples, joint)
@@ -247,7 +247,7 @@ TREE_PROMPT = [1, 2, 1, 3, 1]
 
 
 @flax.struct.dataclass
-class _SampledTree:
+class _SampledTree(drafters.Drafter):
   """Test drafter: `width` children of the root drawn from the draft's q
   (with or without replacement), each with one deterministic child (its
   token + 1). q per node is the law it was drawn from given its earlier
@@ -267,9 +267,9 @@ class _SampledTree:
   def commit(self, *args):
     return self.inner.commit(*args)
 
-  def propose(self, state, key, params, gamma, stop_threshold,
+  def propose(self, state, key, params, gamma, stop_threshold, limit=None,
               num_nodes=None):
-    del stop_threshold
+    del stop_threshold, limit
     logits, state, passes = track.catch_up(self.inner.model, state,
                                            width=gamma + 1)
     q = sampling.probabilities(logits, params)  # [B, V]
@@ -357,16 +357,23 @@ def test_the_test_rejects_the_draft_distribution(pair):
 
 
 @flax.struct.dataclass
-class _UniformQ:
+class _UniformQ(drafters.Drafter):
   """Wraps a drafter and misreports q as uniform: a wrong law."""
 
-  inner: object
+  inner: drafters.Drafter
 
-  def __getattr__(self, name):
-    return getattr(self.inner, name)
+  vocab_size = property(lambda self: self.inner.vocab_size)
+  components = property(lambda self: self.inner.components)
+  extra_positions = property(lambda self: self.inner.extra_positions)
 
-  def propose(self, *args):
-    proposal, state = self.inner.propose(*args)
+  def init(self, *args, **kwargs):
+    return self.inner.init(*args, **kwargs)
+
+  def commit(self, *args):
+    return self.inner.commit(*args)
+
+  def propose(self, *args, **kwargs):
+    proposal, state = self.inner.propose(*args, **kwargs)
     return proposal.replace(q=jnp.full_like(proposal.q, 1 / VOCAB)), state
 
 

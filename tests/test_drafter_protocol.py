@@ -16,6 +16,8 @@ import pytest
 
 from specjax import decode
 from specjax import drafters
+from specjax import loops
+from specjax import policies
 from specjax import speculate
 from specjax import testing
 from specjax.drafters import DraftModel
@@ -40,7 +42,7 @@ class CountingState:
 
 
 @flax.struct.dataclass
-class CountingDrafter:
+class CountingDrafter(drafters.Drafter):
   """A toy: always proposes last + 1, last + 2, ... (no q: deterministic)."""
 
   vocab_size: int = flax.struct.field(pytree_node=False)
@@ -53,8 +55,8 @@ class CountingDrafter:
                          committed=jnp.ones((batch,), jnp.int32),
                          hidden=jnp.zeros((batch, self.hidden_size)))
 
-  def propose(self, state, key, params, gamma, stop_threshold):
-    del key, params, stop_threshold
+  def propose(self, state, key, params, gamma, stop_threshold, limit=None):
+    del key, params, stop_threshold, limit
     steps = jnp.arange(1, gamma + 1, dtype=jnp.int32)
     tokens = (state.last[:, None] + steps[None]) % self.vocab_size
     batch = tokens.shape[0]
@@ -101,12 +103,12 @@ def test_commit_receives_the_target_outputs():
   prompts = jnp.asarray([[3, 4, 5, 0], [6, 7, 8, 9]], jnp.int32)
   lengths = jnp.array([3, 4], jnp.int32)
   params = speculate.StepParams.create()
-  state = decode.init_spec_state(target, drafter, prompts, lengths, params,
-                                 jax.random.key(0), gamma=2,
-                                 max_new_tokens=8, cache_size=32)
+  state = loops.init_spec_state(target, drafter, prompts, lengths, params,
+                                jax.random.key(0), policy=policies.Fixed(2),
+                                max_new_tokens=8, cache_size=32)
   step = jax.jit(lambda s: speculate.speculate_step(
-      s, target=target, drafter=drafter, params=params, gamma=2,
-      max_new_tokens=8))
+      s, target=target, drafter=drafter, params=params,
+      policy=policies.Fixed(2), max_new_tokens=8))
   before = state
   state = step(state)
   # The hidden state after the last draft, recomputed by a fresh forward of
@@ -171,14 +173,15 @@ def _run_steps(target, drafter, prompts, gamma, max_new, on_step,
   state and the padded prompts."""
   tokens, lengths, size = decode.prepare_prompts(
       prompts, target.vocab_size, max_new_tokens=max_new, cache_size=None,
-      reserve=(num_nodes or gamma) + 1 + drafters.extra_positions(drafter))
+      reserve=(num_nodes or gamma) + 1 + drafter.extra_positions)
   params = speculate.StepParams.create()
-  state = decode.init_spec_state(
+  policy = policies.Fixed(gamma, num_nodes)
+  state = loops.init_spec_state(
       target, drafter, jnp.asarray(tokens), jnp.asarray(lengths), params,
-      jax.random.key(0), gamma=gamma, max_new_tokens=max_new,
+      jax.random.key(0), policy=policy, max_new_tokens=max_new,
       cache_size=size)
   step = jax.jit(lambda s: speculate.speculate_step(
-      s, target=target, drafter=drafter, params=params, gamma=gamma,
+      s, target=target, drafter=drafter, params=params, policy=policy,
       max_new_tokens=max_new, num_nodes=num_nodes))
   while not bool(np.all(state.done)):
     state = step(state)

@@ -379,3 +379,24 @@ def test_registry_converts_once_then_reads_the_converted_file(
   rebuilt, _ = registry.load_pretrained(source.name, jnp.float32,
                                         cache_dir=cache, progress=False)
   assert registry.is_converted(directory) and same_params(rebuilt)
+
+
+@pytest.mark.parametrize("keep", [0.02, 0.5, 0.99])
+def test_a_truncated_file_names_the_problem(tmp_path, keep):
+  # Cut in the header (a few bytes in), in the tensor infos or data, or
+  # just before the end: always a ValueError saying the file is truncated,
+  # never a struct.error or a reshape failure from inside the reader.
+  path = tmp_path / "whole.gguf"
+  write_gguf(path)
+  data = path.read_bytes()
+  cut = tmp_path / "cut.gguf"
+  cut.write_bytes(data[:max(int(len(data) * keep), 8)])
+  with pytest.raises(ValueError, match="truncated"):
+    gguf_lib.load_gguf(cut, progress=False)
+
+
+def test_an_empty_file_is_not_gguf(tmp_path):
+  path = tmp_path / "empty.gguf"
+  path.write_bytes(b"")
+  with pytest.raises(ValueError, match="not a GGUF file"):
+    gguf_lib.load_gguf(path, progress=False)

@@ -1,5 +1,6 @@
 """The library imports without test-only or peer-benchmark dependencies."""
 
+import os
 import subprocess
 import sys
 
@@ -38,3 +39,25 @@ def test_every_module_uses_the_one_shape_glossary():
     assert letters <= set(shapes.LETTERS), (path, letters - set(
         shapes.LETTERS))
   assert checked >= 15
+
+
+def test_importing_specjax_changes_no_jax_setting():
+  # Every module imported; JAX's configuration (the persistent compilation
+  # cache among it) is what it was before. Decoders turn the cache on at
+  # their first call instead (`specjax.compilation`).
+  code = (
+      "import importlib, pathlib, jax\n"
+      "before = dict(jax.config.values)\n"
+      "import specjax\n"
+      "root = pathlib.Path(specjax.__file__).parent\n"
+      "for path in sorted(root.rglob('*.py')):\n"
+      "  parts = path.relative_to(root.parent).with_suffix('').parts\n"
+      "  name = '.'.join(p for p in parts if p != '__init__')\n"
+      "  importlib.import_module(name)\n"
+      "after = dict(jax.config.values)\n"
+      "print(sorted(k for k in after if after[k] != before.get(k)))\n")
+  env = {k: v for k, v in os.environ.items()
+         if k != "SPECJAX_NO_COMPILE_CACHE"}
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, check=True, timeout=300, env=env)
+  assert out.stdout.strip() == "[]", out.stdout + out.stderr

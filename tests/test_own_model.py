@@ -1,10 +1,12 @@
-"""Runs the README's "Use from your own model" snippet.
+"""Runs the README's "Use from your own model" snippets.
 
 The snippet is the first fenced `python` block under the heading
 `## Use from your own model` in README.md. It wraps a Flax GRU language model (not a
 specjax transformer) in a `LanguageModel` adapter, decodes with
 `speculative_generate` and asserts greedy equality with `generate`, so a
-protocol change that breaks user models fails here.
+protocol change that breaks user models fails here. The second block, run
+after the first in the same namespace, writes a `Drafter` subclass against
+the declared protocol and drafts with it for the GRU target.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import pathlib
 import re
 import sys
 import types
+
+import specjax.drafters
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HEADING = "## Use from your own model"
@@ -33,13 +37,36 @@ def _section(text: str) -> str:
   return "".join(lines[start:end])
 
 
-def snippet() -> tuple[str, pathlib.Path]:
-  """(code of the first python block in the section, the file it came from)."""
+def snippets() -> tuple[list[str], pathlib.Path]:
+  """(code of every python block in the section, the file they came from)."""
   source = ROOT / "README.md"
   blocks = re.findall(r"^```python\n(.*?)^```", _section(
       source.read_text("utf-8")), flags=re.MULTILINE | re.DOTALL)
   assert blocks, f"No ```python block under {HEADING!r} in {source}."
+  return blocks, source
+
+
+def snippet() -> tuple[str, pathlib.Path]:
+  """(code of the first python block in the section, the file it came from)."""
+  blocks, source = snippets()
   return blocks[0], source
+
+
+def _run(codes: list[str], source: pathlib.Path) -> dict:
+  """Runs `codes` one after another in one namespace, returned."""
+  # Run them as a module of their own, as a user's file would be (dataclasses
+  # look their module up in sys.modules), without this file's __future__
+  # imports.
+  module = types.ModuleType("readme_snippet")
+  module.__file__ = str(source)
+  sys.modules[module.__name__] = module
+  try:
+    for code in codes:
+      compiled = compile(code, str(source), "exec", dont_inherit=True)
+      exec(compiled, module.__dict__)  # pylint: disable=exec-used
+  finally:
+    del sys.modules[module.__name__]
+  return module.__dict__
 
 
 def test_snippet_ends_with_an_assert():
@@ -51,20 +78,28 @@ def test_snippet_ends_with_an_assert():
 
 def test_own_model_snippet_runs():
   code, source = snippet()
-  # Run it as a module of its own, as a user's file would be (dataclasses look
-  # their module up in sys.modules), without this file's __future__ imports.
-  module = types.ModuleType("readme_snippet")
-  module.__file__ = str(source)
-  sys.modules[module.__name__] = module
-  try:
-    compiled = compile(code, str(source), "exec", dont_inherit=True)
-    exec(compiled, module.__dict__)  # pylint: disable=exec-used
-  finally:
-    del sys.modules[module.__name__]
-  namespace = module.__dict__
+  namespace = _run([code], source)
   # It really decoded with a non-specjax model on both sides.
   out, ref = namespace["out"], namespace["ref"]
   assert out.tokens.shape == ref.tokens.shape == (2, 12)
   for role in ("target", "draft"):
     assert type(namespace[role]).__module__ == "readme_snippet", role
   assert int(out.stats.steps) >= 1
+
+
+def test_own_drafter_snippet_runs():
+  blocks, source = snippets()
+  assert len(blocks) >= 2, (
+      f"No second ```python block (your own drafter) under {HEADING!r} in "
+      f"{source}.")
+  last = [l for l in blocks[1].splitlines() if l.strip()][-1]
+  assert last.startswith("assert "), (
+      f"The drafter snippet in {source} should end by asserting its result.")
+  namespace = _run(blocks[:2], source)
+  drafter, out, ref = namespace["drafter"], namespace["out"], namespace["ref"]
+  # A user's own Drafter subclass drafted for the user's own target.
+  assert isinstance(drafter, specjax.drafters.Drafter)
+  assert type(drafter).__module__ == "readme_snippet"
+  assert out.tokens.shape == ref.tokens.shape == (2, 12)
+  assert int(out.stats.steps) >= 1
+  assert int(out.stats.proposed.sum()) > 0  # it proposed drafts

@@ -20,6 +20,7 @@ import pytest
 
 from specjax import compilation
 from specjax import decode
+from specjax import loops
 from specjax import sharding
 from specjax import testing
 from specjax.checkpoints import native
@@ -156,7 +157,7 @@ def test_padding_rows_start_done_and_are_cut():
   assert t.shape == (4, 16) and list(np.asarray(l)) == [2, 3, 4, 1]
   assert list(np.asarray(budget)) == [5, 5, 5, 0]
   target, _ = testing.tiny_pair()
-  out, counts = decode._generate(  # pylint: disable=protected-access
+  out, counts = loops.generate_loop(  # pylint: disable=protected-access
       target, t, l, decode.sampling.SamplingParams.create(),
       decode.buffers.eos_array(None), jax.random.key(0), budget,
       tokens_cap=64, cache_size=128, pad_id=0)

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import adaptive
+from specjax import policies
 from specjax import decode
+from specjax import loops
 from specjax import drafters
 from specjax import sampling
 from specjax import tree
@@ -215,11 +216,11 @@ def test_changing_tree_contents_compiles_nothing(pair):
       max_new_tokens=8, **kw)
   run(PROMPTS)
   run(PROMPTS, kind="model")
-  compiled = decode._speculative_generate._cache_size()
+  compiled = loops.speculative_loop._cache_size()
   run([[1, 2, 1, 2, 1], [3, 3, 3, 3, 3, 3], [9, 8, 7]])
   run([[4, 5, 6], [4], [4, 5, 4, 5, 4, 5, 4]], temperature=0.9, key=2)
   run([[4, 5, 6], [4], [1, 2]], kind="model", temperature=0.5, top_k=3)
-  assert decode._speculative_generate._cache_size() == compiled
+  assert loops.speculative_loop._cache_size() == compiled
 
 
 def test_errors_name_the_problem(pair):
@@ -233,6 +234,6 @@ def test_errors_name_the_problem(pair):
     run(drafters.Fallback(lookup, drafters.DraftModel(draft)), gamma=2,
         num_nodes=4)
   with pytest.raises(ValueError, match="fixed integer gamma"):
-    run(lookup, gamma=adaptive.Heuristic(2), num_nodes=4)
+    run(lookup, gamma=policies.Heuristic(2), num_nodes=4)
   with pytest.raises(ValueError, match="num_nodes"):
     run(lookup, gamma=2, num_nodes=64, cache_size=70)

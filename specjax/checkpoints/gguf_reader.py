@@ -70,29 +70,19 @@ class GGUFFile:
 
   def __init__(self, path: str | os.PathLike):
     self.path = os.fspath(path)
+    if os.path.getsize(self.path) < 4:
+      raise ValueError(f"{self.path} is not a GGUF file (too short for the "
+                       "magic).")
     buf = np.memmap(self.path, dtype=np.uint8, mode="r")
     mv = memoryview(buf)
     if bytes(mv[:4]) != b"GGUF":
       raise ValueError(f"{self.path} is not a GGUF file (bad magic).")
-    self.version, n_tensors, n_kv = struct.unpack_from("<IQQ", mv, 4)
-    if self.version not in (2, 3):
-      raise ValueError(f"{self.path}: unsupported GGUF version "
-                       f"{self.version} (big-endian files are unsupported).")
-    pos = 24
-    self.metadata: dict[str, Any] = {}
-    for _ in range(n_kv):
-      key, pos = _string(mv, pos)
-      (vtype,), pos = struct.unpack_from("<I", mv, pos), pos + 4
-      self.metadata[key], pos = _value(mv, pos, vtype)
-    infos = []
-    for _ in range(n_tensors):
-      name, pos = _string(mv, pos)
-      (n_dims,), pos = struct.unpack_from("<I", mv, pos), pos + 4
-      ne = struct.unpack_from(f"<{n_dims}Q", mv, pos)
-      pos += 8 * n_dims
-      ttype, offset = struct.unpack_from("<IQ", mv, pos)
-      pos += 12
-      infos.append((name, tuple(int(n) for n in ne), ttype, offset))
+    try:
+      pos, infos = self._header(mv)
+    except (struct.error, UnicodeDecodeError, OverflowError) as e:
+      raise ValueError(f"{self.path} is a truncated or corrupt GGUF file: "
+                       f"its header does not parse within its {len(buf)} "
+                       f"bytes ({e}).") from None
     align = int(self.metadata.get("general.alignment", 32))
     start = -(-pos // align) * align
     self.tensors: list[Tensor] = []
@@ -115,8 +105,37 @@ class GGUFFile:
         np_shape = np_shape[:-1] + (ne[0] // block * type_size,)
         n_bytes = int(np.prod(np_shape, dtype=np.int64))
       begin = start + offset
+      if begin + n_bytes > len(buf):
+        raise ValueError(
+            f"{self.path} is a truncated GGUF file: tensor {name} ends at "
+            f"byte {begin + n_bytes}, but the file has {len(buf)} bytes.")
       data = buf[begin:begin + n_bytes].view(dtype).reshape(np_shape)
       self.tensors.append(Tensor(name, ne, qtype, data))
+
+  def _header(self, mv: memoryview
+              ) -> tuple[int, list[tuple[str, tuple[int, ...], int, int]]]:
+    """Parses the version, metadata and tensor infos; returns the position
+    after them and the infos (name, ne, type id, offset)."""
+    self.version, n_tensors, n_kv = struct.unpack_from("<IQQ", mv, 4)
+    if self.version not in (2, 3):
+      raise ValueError(f"{self.path}: unsupported GGUF version "
+                       f"{self.version} (big-endian files are unsupported).")
+    pos = 24
+    self.metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+      key, pos = _string(mv, pos)
+      (vtype,), pos = struct.unpack_from("<I", mv, pos), pos + 4
+      self.metadata[key], pos = _value(mv, pos, vtype)
+    infos = []
+    for _ in range(n_tensors):
+      name, pos = _string(mv, pos)
+      (n_dims,), pos = struct.unpack_from("<I", mv, pos), pos + 4
+      ne = struct.unpack_from(f"<{n_dims}Q", mv, pos)
+      pos += 8 * n_dims
+      ttype, offset = struct.unpack_from("<IQ", mv, pos)
+      pos += 12
+      infos.append((name, tuple(int(n) for n in ne), ttype, offset))
+    return pos, infos
 
   def get(self, key: str, default: Any = None) -> Any:
     return self.metadata.get(key, default)
@@ -125,6 +144,9 @@ class GGUFFile:
 def _string(mv: memoryview, pos: int) -> tuple[str, int]:
   (n,) = struct.unpack_from("<Q", mv, pos)
   pos += 8
+  if pos + n > len(mv):
+    raise struct.error(f"a string of {n} bytes at byte {pos} runs past the "
+                       "end")
   return bytes(mv[pos:pos + n]).decode("utf-8", errors="replace"), pos + n
 
 

@@ -1,9 +1,10 @@
-"""Drafters: what proposes tokens for the target to verify."""
+"""Drafters: what proposes tokens for the target to verify.
+
+Every drafter subclasses `Drafter` (the declared protocol: `init`,
+`propose`, `commit`, and capabilities with defaults).
+"""
 
 from specjax.drafters.base import Drafter
-from specjax.drafters.base import Proposal
-from specjax.drafters.base import components
-from specjax.drafters.base import extra_positions
 from specjax.drafters.cascade import Cascade
 from specjax.drafters.fallback import Fallback
 from specjax.drafters.lookup import LookupState
@@ -13,8 +14,8 @@ from specjax.drafters.lookup import trie
 from specjax.drafters.model import DraftModel
 from specjax.drafters.self_draft import EarlyExit
 from specjax.drafters.track import Track
+from specjax.step_types import Proposal
 
 __all__ = ["Cascade", "DraftModel", "Drafter", "EarlyExit", "Fallback",
-           "LookupState",
-           "PromptLookup", "Proposal", "Track", "components",
-           "extra_positions", "ngram_matches", "trie"]
+           "LookupState", "PromptLookup", "Proposal", "Track",
+           "ngram_matches", "trie"]

@@ -30,11 +30,10 @@ import jax.numpy as jnp
 from specjax import cache as cache_lib
 from specjax.drafters import track
 from specjax.drafters.base import capped
-from specjax.drafters.base import components
-from specjax.drafters.base import extra_positions
+from specjax.drafters.base import Drafter
 from specjax.drafters.base import forwards
-from specjax.drafters.base import Proposal
 from specjax.drafters.base import where_rows
+from specjax.step_types import Proposal
 from specjax.verify import verify
 
 
@@ -79,12 +78,12 @@ class _Rounds:
 
 
 @flax.struct.dataclass
-class Cascade:
+class Cascade(Drafter):
   """Drafts G tokens of `model` by speculative decoding with `drafter`
   proposing `gamma` (γ') tokens per round."""
 
   model: Any
-  drafter: Any
+  drafter: Drafter
   gamma: int = flax.struct.field(pytree_node=False, default=4)
 
   def __post_init__(self):
@@ -104,13 +103,17 @@ class Cascade:
 
   @property
   def components(self) -> tuple[str, ...]:
-    return ("model",) + components(self.drafter)
+    return ("model",) + self.drafter.components
 
   @property
   def extra_positions(self) -> int:
     """Cache positions needed past the engine's γ+1: a round may overshoot
     the block by γ', and the inner drafter may need its own."""
-    return self.gamma + 1 + extra_positions(self.drafter)
+    return self.gamma + 1 + self.drafter.extra_positions
+
+  @property
+  def cost_model(self) -> Any:
+    return self.model
 
   def init(self, prompts, prompt_lengths, first_token, cache_size):
     return CascadeState(
@@ -126,7 +129,7 @@ class Cascade:
     last_token = jnp.take_along_axis(
         tr.context, (tr.length - 1)[:, None], axis=1)[:, 0]
     batch, width = last_token.shape[0], gamma + self.gamma + 1
-    inner_parts = len(components(self.drafter))
+    inner_parts = len(self.drafter.components)
     # [B] tokens each row drafts: a block of gamma, or its limit.
     cap = capped(jnp.full((batch,), gamma, jnp.int32), limit)
     rounds = _Rounds(

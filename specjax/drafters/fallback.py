@@ -21,15 +21,12 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters.base import capped
-from specjax.drafters.base import components
-from specjax.drafters.base import cost_model
 from specjax.drafters.base import dense_q
-from specjax.drafters.base import extra_positions
+from specjax.drafters.base import Drafter
 from specjax.drafters.base import forwards
-from specjax.drafters.base import limit_kwargs
-from specjax.drafters.base import Proposal
 from specjax.drafters.base import propose_if
 from specjax.drafters.base import where_rows
+from specjax.step_types import Proposal
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -46,12 +43,12 @@ class FallbackState:
 
 
 @flax.struct.dataclass
-class Fallback:
+class Fallback(Drafter):
   """Uses `first`'s proposal where it drafts >= `min_tokens`, else
   `second`'s. Both share the target's vocabulary."""
 
-  first: Any
-  second: Any
+  first: Drafter
+  second: Drafter
   min_tokens: int = flax.struct.field(pytree_node=False, default=1)
 
   def __post_init__(self):
@@ -68,11 +65,11 @@ class Fallback:
 
   @property
   def components(self) -> tuple[str, ...]:
-    return components(self.first) + components(self.second)
+    return self.first.components + self.second.components
 
   @property
   def extra_positions(self) -> int:
-    return max(extra_positions(self.first), extra_positions(self.second))
+    return max(self.first.extra_positions, self.second.extra_positions)
 
   def init(self, prompts, prompt_lengths, first_token, cache_size):
     return FallbackState(
@@ -83,22 +80,22 @@ class Fallback:
 
   @property
   def cost_model(self) -> Any:
-    return cost_model(self.second)
+    return self.second.cost_model
 
   def propose(self, state, key, params, gamma, stop_threshold, limit=None):
     key1, key2 = jax.random.split(key)
     p1, s1 = self.first.propose(state.first, key1, params, gamma,
-                                stop_threshold, **limit_kwargs(limit))
+                                stop_threshold, limit)
     use_first = capped(p1.num_drafted, limit) >= self.min_tokens  # [B]
     second_limit = limit
-    if getattr(self.second, "gates_itself", False):
+    if self.second.gates_itself:
       # Only the rows the first leaves short (`propose_if`).
       second_limit = jnp.where(use_first, 0,
                                gamma if limit is None else limit)
     p2, s2 = propose_if(
         ~jnp.all(use_first),
         lambda s: self.second.propose(s, key2, params, gamma, stop_threshold,
-                                      **limit_kwargs(second_limit)),
+                                      second_limit),
         state.second, self.second)
     pick = lambda a, b: where_rows(use_first, a, b)
     q = None

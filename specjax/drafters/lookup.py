@@ -29,8 +29,9 @@ import jax.numpy as jnp
 
 from specjax.drafters import text
 from specjax.drafters.base import capped
+from specjax.drafters.base import Drafter
 from specjax.drafters.base import pad_nodes
-from specjax.drafters.base import Proposal
+from specjax.step_types import Proposal
 
 __all__ = ["LookupState", "PromptLookup", "ngram_match", "ngram_matches",
            "trie"]
@@ -157,7 +158,7 @@ class LookupState:
 
 
 @flax.struct.dataclass
-class PromptLookup:
+class PromptLookup(Drafter):
   """Drafts by n-gram lookup in the row's own context; no model.
 
   Attributes:

@@ -23,8 +23,9 @@ import jax.numpy as jnp
 
 from specjax import sampling
 from specjax.drafters import track
+from specjax.drafters.base import Drafter
 from specjax.drafters.base import pad_nodes
-from specjax.drafters.base import Proposal
+from specjax.step_types import Proposal
 from specjax.models.protocol import model_output
 
 
@@ -50,7 +51,7 @@ class _DraftLoop:
 
 
 @flax.struct.dataclass
-class DraftModel:
+class DraftModel(Drafter):
   """Drafts with a `specjax.models.LanguageModel` (e.g. a small `Model`)."""
 
   model: Any
@@ -60,6 +61,14 @@ class DraftModel:
     return self.model.vocab_size
 
   components = ("model",)
+  supports_trees = True
+  # A `limit` of zeros runs no model: the caches only flow through while
+  # loops that take no trip (`base.propose_if`).
+  gates_itself = True
+
+  @property
+  def cost_model(self) -> Any:
+    return self.model
 
   def init(self, prompts, prompt_lengths, first_token, cache_size):
     return track.init(self.model, prompts, prompt_lengths, first_token,
@@ -71,11 +80,6 @@ class DraftModel:
     prefill computes anyway."""
     return track.init(self.model, prompts, prompt_lengths, first_token,
                       cache_size, return_logits=True)
-
-  supports_trees = True
-  # A `limit` of zeros runs no model: the caches only flow through while
-  # loops that take no trip (`base.propose_if`).
-  gates_itself = True
 
   def propose(self, state, key, params, gamma, stop_threshold, limit=None,
               num_nodes=None):

@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from specjax import cache as cache_lib
 from specjax import sampling
 from specjax.drafters.base import capped
-from specjax.drafters.base import Proposal
+from specjax.drafters.base import Drafter
+from specjax.step_types import Proposal
 from specjax.models.config import ModelConfig
 from specjax.models.transformer import attention_masks
 from specjax.models.transformer import Block
@@ -108,7 +109,7 @@ class EagleState:
 
 
 @flax.struct.dataclass
-class Eagle:
+class Eagle(Drafter):
   """Drafts a chain with an `EagleLayer` over the target's features.
 
   Attributes:

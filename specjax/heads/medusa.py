@@ -33,7 +33,8 @@ import jax.numpy as jnp
 
 from specjax import sampling
 from specjax.drafters.base import capped
-from specjax.drafters.base import Proposal
+from specjax.drafters.base import Drafter
+from specjax.step_types import Proposal
 
 __all__ = ["Medusa", "MedusaHeads", "MedusaState"]
 
@@ -82,7 +83,7 @@ class MedusaState:
 
 
 @flax.struct.dataclass
-class Medusa:
+class Medusa(Drafter):
   """Drafts K tokens per step with Medusa heads on the target's hidden state.
 
   Attributes:

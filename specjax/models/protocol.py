@@ -6,7 +6,7 @@ hidden, V vocab.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import flax.struct
 import jax
@@ -43,6 +43,7 @@ def model_output(result: jax.Array | ModelOutput) -> ModelOutput:
   return ModelOutput(logits=result)
 
 
+@runtime_checkable
 class LanguageModel(Protocol):
   """What the decoders need from a model.
 

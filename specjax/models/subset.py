@@ -17,7 +17,7 @@ state, so it drafts with the target's vocabulary by construction.
 
 from __future__ import annotations
 
-from typing import Any, Sequence, TYPE_CHECKING
+from typing import Any, Sequence
 
 import flax.struct
 import jax
@@ -26,9 +26,6 @@ import jax.numpy as jnp
 from specjax import cache as cache_lib
 from specjax.models.decoder import Decoder
 from specjax.models.transformer import TransformerOutput
-
-if TYPE_CHECKING:  # specjax.models imports this module
-  from specjax.models import Model
 
 __all__ = ["LayerSubset"]
 
@@ -42,11 +39,11 @@ class LayerSubset(Decoder):
     ranges: static ((start, stop), ...) increasing, disjoint layer ranges.
   """
 
-  model: Model
+  model: Any  # a `specjax.models.Model`
   ranges: tuple[tuple[int, int], ...] = flax.struct.field(pytree_node=False)
 
   @classmethod
-  def create(cls, model: Model, *, exit_layer: int | None = None,
+  def create(cls, model: Any, *, exit_layer: int | None = None,
              skip: Sequence[int] = ()) -> "LayerSubset":
     """Layers [0, exit_layer) of `model` (default: all L) but `skip`.
 
@@ -102,6 +99,17 @@ class LayerSubset(Decoder):
   @property
   def num_layers_run(self) -> int:
     return sum(stop - start for start, stop in self.ranges)
+
+  @property
+  def weight_bytes_per_token(self) -> int:
+    """Parameter bytes one forward reads: the layers it runs' share of
+    the model's layers, and the embedding, final norm and head."""
+    params = self.model.params
+    layers = sum(x.nbytes for name, layer in params.items()
+                 if name.startswith("layers_")
+                 for x in jax.tree.leaves(layer))
+    rest = self.model.weight_bytes_per_token - layers
+    return rest + layers * self.num_layers_run // self.model.config.num_layers
 
   @property
   def cost_key(self) -> str:

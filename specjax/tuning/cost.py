@@ -37,7 +37,6 @@ slowest row (`expected_steps`) instead of by N / E[τ].
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import functools
 import os
@@ -48,15 +47,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import decode
 from specjax import hardware
 from specjax import sampling
+from specjax import padding
 from specjax.models.protocol import model_output
-from specjax.tuning import store
+from specjax.policies.costs import check_entry
+from specjax.policies.costs import ForwardCosts
+from specjax.policies.costs import StepCosts
+from specjax.verify import verify_widths
+from specjax.policies.costs import table_key
+from specjax import store
 
 __all__ = ["AGREE", "DRIFT", "PASSES", "READ_BYTES", "RECHECK",
            "RECHECK_MIN_S", "ForwardCosts", "compiled_forward_hlo",
-           "expected_steps", "expected_tokens",
+           "expected_steps", "expected_tokens", "step_costs",
            "forward_step", "measure", "predict_tokens_per_s", "read_step"]
 
 READ_BYTES = 1 << 30
@@ -96,7 +100,7 @@ def forward_step(model: Any, prompts: Sequence[Sequence[int]],
     A function of no arguments returning the step's [B] argmax tokens; each
     call donates the cache and gets it back rolled back, unchanged.
   """
-  tokens, lengths, _ = decode.prepare_prompts(
+  tokens, lengths, _ = padding.prepare_prompts(
       prompts, model.vocab_size, max_new_tokens=1, cache_size=cache_size)
   tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)  # [B, P], [B]
   _, cache = _prefill(model, tokens, lengths,
@@ -116,60 +120,6 @@ def read_step(num_bytes: int = READ_BYTES) -> Callable[[], jax.Array]:
   data = jnp.ones((num_bytes // 4,), jnp.float32)
   total = jax.jit(jnp.sum)
   return lambda: total(data)
-
-
-@dataclasses.dataclass(frozen=True)
-class ForwardCosts:
-  """Mean ms of one forward of a model at batch B, by chunk length T.
-
-  Attributes:
-    batch: B.
-    forward_ms: T -> ms, for the T measured.
-    source: "measured" or "cache".
-  """
-
-  batch: int
-  forward_ms: dict[int, float]
-  source: str = "measured"
-
-  def at(self, num_tokens: int) -> float:
-    """ms of a T-token forward: measured, or linear between measured T."""
-    known = sorted(self.forward_ms)
-    if num_tokens in self.forward_ms:
-      return self.forward_ms[num_tokens]
-    if not known[0] <= num_tokens <= known[-1]:
-      raise ValueError(f"T={num_tokens} is outside the measured range "
-                       f"{known[0]}..{known[-1]}; measure it.")
-    hi = next(t for t in known if t > num_tokens)
-    lo = max(t for t in known if t < num_tokens)
-    w = (num_tokens - lo) / (hi - lo)
-    return (1 - w) * self.forward_ms[lo] + w * self.forward_ms[hi]
-
-  def drafting_ms(self, num_drafts: int) -> float:
-    """ms a draft model spends proposing `num_drafts` tokens: a two-token
-    catch-up pass, then num_drafts - 1 one-token forwards (0 for none).
-    Costs measured at T = 1 only price the first pass as one forward."""
-    if num_drafts <= 0:
-      return 0.0
-    first = self.at(2) if max(self.forward_ms) >= 2 else self.at(1)
-    return first + (num_drafts - 1) * self.at(1)
-
-
-def _key(model: Any, batch: int, cache_size: int,
-         chunks: Sequence[int]) -> str:
-  config = getattr(model, "config", None)
-  plan = getattr(getattr(model, "plan", None), "name", "")
-  dtype = getattr(model, "dtype", "")
-  # A model that runs part of another (`LayerSubset`) says which part.
-  part = getattr(model, "cost_key", "")
-  return (f"{hardware.machine_key()}|{config}|{part}|{dtype}|{plan}|B={batch}|"
-          f"S={cache_size}|T={','.join(map(str, chunks))}")
-
-
-def _check_entry(entry: Any) -> None:
-  for times in [entry["forward_ms"], *entry.get("passes", [])]:
-    if not all(float(v) > 0 for v in times.values()):
-      raise ValueError("non-positive time")
 
 
 # A table is the per-T mean of its last `PASSES` passes (a pass times every
@@ -249,8 +199,8 @@ def measure(model: Any, *, batch: int, chunks: Sequence[int],
   """
   chunks = tuple(sorted(set(int(t) for t in chunks)))
   path = store.path_for("cost", cache_dir)
-  entries = store.read(path, _check_entry)
-  key = _key(model, batch, cache_size, chunks)
+  entries = store.read(path, check_entry)
+  key = table_key(model, batch, cache_size, chunks)
   passes = []
   if key in entries and not refresh:
     entry = entries[key]
@@ -292,6 +242,23 @@ def measure(model: Any, *, batch: int, chunks: Sequence[int],
                       timespec="seconds")}
   store.write(path, entries)
   return ForwardCosts(batch, ms)
+
+
+def step_costs(target: Any, drafter: Any, *, batch: int, max_gamma: int,
+               cache_size: int, cache_dir: str | os.PathLike | None = None,
+               **kwargs: Any) -> StepCosts:
+  """The tuning step for a call's γ policy: `measure` the target at every
+  verification width and the drafter's `cost_model` (if any) at T = 1 and
+  2, at B and S, and return them as `StepCosts`. The tables are cached,
+  so `speculative_generate(gamma="auto")` at the same B and S then reads
+  them (`StepCosts.for_call`); `kwargs` go to `measure`."""
+  where = dict(batch=batch, cache_size=cache_size, cache_dir=cache_dir,
+               **kwargs)
+  target_costs = measure(target, chunks=verify_widths(max_gamma), **where)
+  model = drafter.cost_model
+  draft_costs = None if model is None else measure(model, chunks=(1, 2),
+                                                   **where)
+  return StepCosts.from_forwards(max_gamma, target_costs, draft_costs)
 
 
 def _survival(acceptance: Sequence[float], gamma: int) -> np.ndarray:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from specjax import hardware
 from specjax import kernels
-from specjax.tuning import store
+from specjax import store
 from specjax.models import MatmulPlan
 from specjax.models import Model
 from specjax.models import ModelConfig

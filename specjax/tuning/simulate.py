@@ -39,15 +39,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import adaptive
-from specjax.drafters.base import Proposal
+from specjax import policies
+from specjax.step_types import Proposal
 
 __all__ = ["Fixed", "SimCosts", "auto_policy", "over_best", "policy_costs",
            "settled", "simulate"]
 
 
 @flax.struct.dataclass
-class Fixed(adaptive.GammaPolicy):
+class Fixed(policies.GammaPolicy):
   """Budgets `gamma` drafts for every active row at every step (0:
   autoregressive decoding)."""
 
@@ -57,13 +57,13 @@ class Fixed(adaptive.GammaPolicy):
   def __post_init__(self):
     # A budget past G would index past the compiled widths, which JAX
     # clamps silently: the step would be priced at the widest pass.
-    adaptive.verify_widths(self.max_gamma)  # validates G
+    policies.verify_widths(self.max_gamma)  # validates G
     if not 0 <= self.gamma <= self.max_gamma:
       raise ValueError(f"gamma must be in [0, max_gamma={self.max_gamma}],"
                        f" got {self.gamma}.")
 
   def init(self, batch):
-    return adaptive.Heuristic(self.max_gamma).init(batch)
+    return policies.Heuristic(self.max_gamma).init(batch)
 
   def budget(self, state, active, remaining=None):
     del state, remaining
@@ -106,14 +106,14 @@ class _State:
       key decode the same text.
   """
 
-  policy: adaptive.PolicyState
+  policy: policies.PolicyState
   generated: jax.Array
   lag: jax.Array
   ms: jax.Array
   text: jax.Array
 
 
-def _step(policy: adaptive.GammaPolicy, costs: SimCosts, alpha: jax.Array,
+def _step(policy: policies.GammaPolicy, costs: SimCosts, alpha: jax.Array,
           tokens: int, state: _State) -> _State:
   """One speculative step of every row, as `speculate_step` takes it."""
   max_gamma = alpha.shape[0]
@@ -124,10 +124,10 @@ def _step(policy: adaptive.GammaPolicy, costs: SimCosts, alpha: jax.Array,
   drafting = jnp.any(budget > 0)
   drafted = jnp.minimum(budget, policy.trim(state.policy, budget, active,
                                             remaining))  # [B]
-  width = adaptive.width_index(policy.widths, jnp.max(drafted) + 1)
-  draft_ms = (adaptive.drafting_ms(jnp.max(budget), costs.first_draft_ms,
+  width = policies.width_index(policy.widths, jnp.max(drafted) + 1)
+  draft_ms = (policies.drafting_ms(jnp.max(budget), costs.first_draft_ms,
                                    costs.draft_ms)
-              + adaptive.catch_up_ms(state.lag, costs.draft_ms, target_ms,
+              + policies.catch_up_ms(state.lag, costs.draft_ms, target_ms,
                                      max_gamma))
   positions = 1 + state.generated[:, None] + jnp.arange(max_gamma)[None]
   accept = jnp.take_along_axis(state.text, positions, axis=1) < alpha
@@ -147,7 +147,7 @@ def _step(policy: adaptive.GammaPolicy, costs: SimCosts, alpha: jax.Array,
       ms=state.ms + target_ms[width] + jnp.where(drafting, draft_ms, 0.0))
 
 
-def _generation(policy: adaptive.GammaPolicy, costs: SimCosts,
+def _generation(policy: policies.GammaPolicy, costs: SimCosts,
                 alpha: jax.Array, batch: int, tokens: int,
                 observe_first: bool, key: jax.Array) -> _State:
   """One simulated generation of `batch` rows, from `policy.init`."""
@@ -196,7 +196,7 @@ def _per_position(alpha: float | Sequence[float], max_gamma: int
   return np.broadcast_to(alpha, (max_gamma,))
 
 
-def simulate(policy: adaptive.GammaPolicy, costs: SimCosts, *,
+def simulate(policy: policies.GammaPolicy, costs: SimCosts, *,
              alpha: float | Sequence[float], batch: int, tokens: int,
              samples: int = 256, seed: int = 0,
              observe_first: bool | None = None,
@@ -241,17 +241,17 @@ def simulate(policy: adaptive.GammaPolicy, costs: SimCosts, *,
 
 
 def auto_policy(costs: SimCosts, max_gamma: int,
-                **kwargs) -> adaptive.Auto:
-  """`adaptive.Auto.create` with these costs (the inverse of
+                **kwargs) -> policies.Auto:
+  """`policies.Auto.create` with these costs (the inverse of
   `policy_costs`); `kwargs` are its other arguments."""
-  return adaptive.Auto.create(
+  return policies.Auto.create(
       max_gamma=max_gamma, target_ms=costs.target_ms,
       draft_ms=costs.draft_ms, first_draft_ms=costs.first_draft_ms,
       **kwargs)
 
 
-def settled(policy: adaptive.Auto, alpha: float | Sequence[float],
-            trials: float = 32.0) -> adaptive.Auto:
+def settled(policy: policies.Auto, alpha: float | Sequence[float],
+            trials: float = 32.0) -> policies.Auto:
   """`policy` as `Auto.warm` starts it after a long generation at
   acceptance `alpha` (one value, or G, one per draft position): every
   position at its steady decayed count, 1 / rate observations, its α of
@@ -271,7 +271,7 @@ def policy_costs(policy: Any) -> SimCosts:
                   first_draft_ms=float(policy.first_draft_ms))
 
 
-def over_best(policy: adaptive.GammaPolicy, costs: SimCosts, *,
+def over_best(policy: policies.GammaPolicy, costs: SimCosts, *,
               alpha: float | Sequence[float], batch: int, tokens: int,
               gammas: Sequence[int] | None = None, samples: int = 256,
               seed: int = 0, observe_first: bool | None = None,

@@ -1,115 +1,37 @@
-"""How much to speculate, chosen per step inside the compiled loop.
+"""`Auto`: the cost-model γ policy.
 
 Shape letters (`specjax.shapes`): B batch, G = γ_max, W verification
 widths.
 
-A fixed γ pays for γ drafts and a (γ+1)-token target pass every step,
-whether or not the drafts are accepted; at low acceptance, or at a batch
-size where the target pass stops being memory-bound, that is slower than
-plain decoding. A `GammaPolicy` picks, before each step, a draft budget
-per row (0 to G). `speculate_step` then drafts only when some row's budget
-is positive (`lax.cond`) and runs the target over the smallest compiled
-width T in `widths` (1, 2, 3, 5, 9, ..., G+1) that holds the longest
-proposal (`lax.switch`). T = 1 is a plain autoregressive step. Every branch
-is the same exact verifier (`specjax.verify.verify`) on a truncated
-proposal, so the output keeps the target's distribution whichever branch
-runs, and nothing recompiles when the choice changes.
+Per row, a running estimate of the conditional acceptance at each draft
+position (`Estimates`), and the forward costs of each target width and of
+a draft token (`specjax.policies.costs.StepCosts`: the tuning step's
+measured tables or the roofline; never timed inside a call). Drafting is a
+batch-wide cost, so before each step it picks the one budget K that
+maximises the batch's predicted tokens per ms,
 
-Two policies:
+    Σ_b E[τ_b](K) / (d(K) + t_target(width(K + 1))),
 
-- `Heuristic`: transformers' schedule for assisted generation (its
-  `num_assistant_tokens_schedule="heuristic"`): per row, the budget grows
-  by 2 after a step in which every budgeted draft was accepted and shrinks
-  by 1 (to no less than 1) otherwise. It never stops drafting.
-- `Auto`: per row, a running estimate of the conditional acceptance at
-  each draft position, and the measured cost of each target width and of
-  a draft token (`specjax.tuning.cost`). The estimate is a ratio of
-  exponentially decayed counts, accepted over verified, updated wherever
-  the position was verified; position 1 starts from `prior` (as one
-  decaying pseudo-observation), and a deeper position leans on the
-  estimate of the position before it with the weight of one observation,
-  so a position rarely reached (deep in a long match) is neither
-  forgotten nor guessed from a fixed prior. Drafting is a batch-wide cost
-  (every draft forward and the target pass run over all rows), so it picks
-  the one budget K that maximises the predicted tokens per second of the
-  batch,
+E[τ](K) = 1 + Σ_{i≤min(K, r_b - 1)} Π_{j≤i} a_j, d(K) the drafter's cost
+of K tokens. K = 0 is a plain step, kept unless the best K predicts more
+than `margin` over it (`choose`). Around that core, each added where a
+benchmark round found the core alone losing (docs/policies.md):
 
-      Σ_b E[τ_b](K) / (d(K) + t_target(width(K + 1))),
+- near the end (no row with over `horizon` tokens left) it prices when the
+  slowest row ends (`finish_rate`, `specjax.finish`);
+- once drafted, it verifies only the leading drafts that pay (`trim`);
+- while it takes plain steps it probes with one draft now and then, the
+  wait stretched to the probe's price and doubled after each probe that
+  changes nothing (`_due`, `probe_ms`), and at once where an upper
+  confidence bound on the first draft's acceptance says drafting would pay
+  (`hoped`); while it drafts, the same bound one position deeper may add
+  a draft (`deepen`);
+- a draft model's prefill guess at the first token is observed for free
+  (`observe`); `warm` starts a next generation from all an earlier one
+  saw; `may_draft` lets `speculative_generate` run `generate` where even
+  certain acceptance could never pay.
 
-  with E[τ](K) = 1 + Σ_{i≤min(K, r_b - 1)} Π_{j≤i} a_j
-  (`tuning.cost.expected_tokens`, capped where a row has only r_b tokens
-  left to emit: drafts past its end are paid for and thrown away), and
-  gives it to every active row; d(K) is the drafter's cost of K tokens, a
-  first pass (the draft model's two-token catch-up) and K - 1 one-token
-  forwards (`tuning.cost.ForwardCosts.drafting_ms`). K = 0 is an
-  autoregressive step, and it is kept unless the best K predicts more
-  than `margin` (3%) over it (`Auto.choose`): a gain that small is within
-  the costs' and the estimates' own error, and where it is not real,
-  drafting loses more than forgoing it does. That is the steady state.
-  Near the end (no row with over `horizon` tokens left) the batch waits
-  for its slowest row, whose step count spreads more the larger K is, so
-  it then maximises the tokens left over the predicted time until the
-  last row ends under a constant K (`specjax.finish`, exact), every row
-  at the batch's pooled estimates (`Auto.pooled`: the rows' counts
-  summed, the prior counted once). Once drafted, it verifies the K'
-  leading drafts of each row that maximise the same prediction without
-  the (spent) drafting cost and with each row's actual proposal length
-  (`trim`); a drafter that costs nothing (prompt lookup) always drafts
-  γ_max and is only trimmed, so a row without a match costs a plain
-  step. After `probe_every` steps without drafting it tries one token,
-  so the estimates follow a text that becomes predictable again. It also
-  tries, without waiting, the budget that an upper confidence bound on position
-  1's acceptance predicts best (`Auto.hoped`): the batch's pooled
-  estimate plus `optimism` standard errors, √(a(1 - a) / (n + 1)) with n
-  the steps that verified it in any row (not decayed), the deeper
-  positions at their estimates; one token at most before any evidence.
-  So a few unlucky rejections near the break-even (early in a generation
-  the estimate rests on a few observations: after the prior and one
-  acceptance, 0.85, two in a row bring it to 0.41) do not stop drafting for
-  `probe_every` steps, a batch whose first probe was accepted goes on to
-  the budget that pays (at B = 8, where one draft never pays, a wide
-  one), while an estimate far below it, or one that many steps support,
-  does not probe. Deeper positions get the same bound while it drafts: a
-  position is observed only when a step drafts that deep, so where the
-  bound on the position past the chosen budget (its own verifications,
-  not decayed) predicts one more draft beats it, it drafts one more
-  (`Auto.deepen`); a few early rejections then cannot hold it at one
-  draft for good. A generation
-  that starts from the prior tests it at once, so that where the prior
-  alone does not pay (a draft model dear next to the target, as on a CPU
-  without wide vector units) the estimates still come to rest on
-  observations instead of never being tested: a draft model's prefill
-  computes its guess at the target's first token anyway, so every row
-  observes position 1 once before the first step, for free (`observe`:
-  Σ min(p, q) of the two first-token distributions); a drafter without
-  that guess probes at the first step. A probe is not
-  free: beyond a plain step it pays a draft token (the first pass), a
-  two-token target pass and the draft model's catch-up on every token it
-  skipped, ⌈idle / (G+1)⌉ passes of G+1 tokens after `idle` plain steps
-  (priced at the draft's one-token cost times the target's width ratio).
-  So the wait is stretched to at least that predicted price, at the steps
-  idle by the time it fires, in plain steps times the wait, which keeps
-  the probes' share of the time at about 1/`probe_every` whatever the
-  batch size. Where the catch-up alone grows by more than 1/wait of a
-  plain step per step skipped, no wait is long enough and no scheduled
-  probe is made (at B = 1 on a 2-core CPU, a draft model a third of the
-  target: its catch-up is 7-9% of a plain step per token skipped, over
-  the 6% that `probe_every` = 16 allows); each probe after which the
-  policy still does not draft doubles the wait, up to `probe_max` steps,
-  and the first step it drafts of its own accord resets it (exponential
-  backoff). A probe is made only where it could pay for itself before the
-  rows end: the time that drafting with certain acceptance would save over
-  the tokens they have left must exceed its price (on a short generation,
-  or at a batch size where drafting barely pays even then, a probe is a
-  sure loss). `Auto.warm` starts a
-  next generation from all that an earlier one observed
-  (`SpecOutput.policy_state`), so short generations do not each pay for
-  relearning from the prior. Where even
-  certain acceptance is predicted not to pay (`Auto.may_draft`: a model
-  drafter at a batch size where the wide pass is compute-bound), no step
-  could ever draft, and `speculative_generate` falls back, before
-  compiling, to `generate` itself: no draft prefill, no probes, and none
-  of the speculative loop's per-step work.
+docs/policies.md tells the design and the measurements behind each part.
 """
 
 from __future__ import annotations
@@ -122,190 +44,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import finish
-from specjax.drafters.base import cost_model
-from specjax.drafters.base import Proposal
+from specjax.policies.base import GammaPolicy
+from specjax.policies.base import PolicyState
+from specjax.policies.base import reached
+from specjax.policies.base import usable_drafts
+from specjax.policies.costs import catch_up_ms
+from specjax.policies.costs import drafting_ms
+from specjax.policies.costs import StepCosts
+from specjax.policies.estimates import Estimates
+from specjax.verify import verify_widths
+from specjax.verify import width_index
 
-__all__ = ["Auto", "GammaPolicy", "Heuristic", "PolicyState", "catch_up_ms",
-           "drafting_ms", "verify_widths"]
-
-
-def verify_widths(max_gamma: int) -> tuple[int, ...]:
-  """Target chunk lengths T compiled for a γ_max: 1, then 2^i + 1 below
-  G + 1, then G + 1 (e.g. G = 8: 1, 2, 3, 5, 9)."""
-  if isinstance(max_gamma, bool) or int(max_gamma) != max_gamma or (
-      max_gamma < 1):
-    raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma!r}.")
-  widths = {1, max_gamma + 1}
-  step = 1
-  while step + 1 < max_gamma + 1:
-    widths.add(step + 1)
-    step *= 2
-  return tuple(sorted(widths))
-
-
-def drafting_ms(num_drafts: jax.Array, first_draft_ms: jax.Array,
-                draft_ms: jax.Array) -> jax.Array:
-  """[...] predicted ms a draft model spends drafting `num_drafts` [...]
-  tokens: its first (catch-up) pass, then a forward per further token; 0
-  for none (`tuning.cost.ForwardCosts.drafting_ms` on the host)."""
-  return jnp.where(num_drafts > 0,
-                   first_draft_ms + (num_drafts - 1) * draft_ms, 0.0)
-
-
-def catch_up_ms(idle: jax.Array, draft_ms: jax.Array, target_ms: jax.Array,
-                max_gamma: int) -> jax.Array:
-  """[] predicted ms a draft model spends catching up on the `idle` tokens
-  plain steps emitted without it: ⌈idle / (G+1)⌉ passes of G+1 tokens,
-  each priced at its one-token forward (`draft_ms`) times the target's
-  ratio t(G+1) / t(1) (`target_ms` [W])."""
-  return (jnp.ceil(idle / (max_gamma + 1)) * draft_ms * target_ms[-1]
-          / target_ms[0])
-
-
-def width_index(widths: Sequence[int], num_tokens: jax.Array) -> jax.Array:
-  """Index of the smallest width >= num_tokens ([...] int32)."""
-  return jnp.searchsorted(jnp.asarray(widths, jnp.int32), num_tokens,
-                          side="left").astype(jnp.int32)
-
-
-@flax.struct.dataclass(kw_only=True)
-class PolicyState:
-  """What a policy carries between steps.
-
-  Attributes:
-    budget: [B] int32 the heuristic's current draft budget per row.
-    verified: [B, G] float32 decayed count of steps in which each draft
-      position was verified, per row (`Auto`).
-    accepted: [B, G] float32 the same count of acceptances (`Auto`).
-    seen_verified: [B, G] float32 the steps of this generation in which
-      each draft position was verified, not decayed (`Auto.warm`; position
-      1's are the evidence behind `Auto.hoped`'s confidence bound).
-    seen_accepted: [B, G] float32 the same count of acceptances.
-    idle: [] int32 consecutive steps without drafting (`Auto`).
-    wait: [] int32 steps without drafting before the next probe (`Auto`).
-  """
-
-  budget: jax.Array
-  verified: jax.Array
-  accepted: jax.Array
-  seen_verified: jax.Array
-  seen_accepted: jax.Array
-  idle: jax.Array
-  wait: jax.Array
-
-
-class GammaPolicy:
-  """Chooses each step's per-row draft budget; see the module docstring.
-
-  Subclasses are `flax.struct.dataclass`es: `max_gamma` is static (it fixes
-  the compiled shapes), the rest is traced.
-  """
-
-  max_gamma: int
-
-  @property
-  def widths(self) -> tuple[int, ...]:
-    return verify_widths(self.max_gamma)
-
-  def init(self, batch: int) -> PolicyState:
-    raise NotImplementedError
-
-  def budget(self, state: PolicyState, active: jax.Array,
-             remaining: jax.Array | None = None) -> jax.Array:
-    """[B] int32 draft budget in [0, G] for the next step (0 where
-    inactive); `remaining` [B] is the tokens each row may still emit, or
-    None for no limit."""
-    raise NotImplementedError
-
-  def trim(self, state: PolicyState, num_drafted: jax.Array,
-           active: jax.Array, remaining: jax.Array | None = None
-           ) -> jax.Array:
-    """[B] int32 how many of the `num_drafted` [B] drafts to verify, once
-    drafted (default: all)."""
-    del state, active, remaining
-    return num_drafted
-
-  def warm(self, state: PolicyState) -> "GammaPolicy":
-    """The policy for a next generation, given the `PolicyState` an
-    earlier one ended with (default: unchanged)."""
-    del state
-    return self
-
-  def may_draft(self) -> bool:
-    """Host-side, before compiling: False if no step of a generation would
-    ever draft, whatever the acceptance (default: True)."""
-    return True
-
-  def update(self, state: PolicyState, budget: jax.Array,
-             proposal: Proposal, num_accepted: jax.Array,
-             active: jax.Array) -> PolicyState:
-    """Learns from one step: `budget` [B] as chosen, the proposal, and
-    `num_accepted` [B] for rows where `active` [B]."""
-    raise NotImplementedError
-
-  def observe(self, state: PolicyState, accepted: jax.Array,
-              active: jax.Array) -> PolicyState:
-    """Learns from one observation of draft position 1 per row that no
-    step paid for: `accepted` [B] float32 in [0, 1], the probability that
-    a first draft would have been accepted (or a draw of it), where
-    `active` [B] (default: ignored)."""
-    del accepted, active
-    return state
-
-
-def _usable(remaining: jax.Array | None) -> jax.Array | None:
-  """[B] drafts that can still count: a row with r tokens left emits at
-  most r - 1 drafts and one target token."""
-  return None if remaining is None else jnp.maximum(remaining - 1, 0)
-
-
-def _reached(proposal: Proposal, num_accepted: jax.Array,
-             active: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """[B, G] bool: positions the target judged (every earlier one accepted),
-  and those it accepted."""
-  slots = jnp.arange(proposal.tokens.shape[1])[None]
-  judged = (active[:, None] & (slots < proposal.num_drafted[:, None])
-            & (slots <= num_accepted[:, None]))
-  return judged, judged & (slots < num_accepted[:, None])
+__all__ = ["Auto"]
 
 
 @flax.struct.dataclass
-class Heuristic(GammaPolicy):
-  """transformers' heuristic schedule: +2 after a fully accepted budget,
-  -1 (to no less than 1) otherwise, per row, starting at `initial`
-  (default G) and capped at G."""
-
-  max_gamma: int = flax.struct.field(pytree_node=False)
-  initial: int = flax.struct.field(pytree_node=False, default=0)
-
-  def __post_init__(self):
-    verify_widths(self.max_gamma)
-    if not 0 <= self.initial <= self.max_gamma:
-      raise ValueError(f"initial must be in [1, max_gamma={self.max_gamma}]"
-                       f" (0 for max_gamma), got {self.initial}.")
-
-  def init(self, batch):
-    start = self.initial or self.max_gamma
-    none = jnp.zeros((batch, 0), jnp.float32)
-    return PolicyState(budget=jnp.full((batch,), start, jnp.int32),
-                       verified=none, accepted=none,
-                       seen_verified=none, seen_accepted=none,
-                       idle=jnp.int32(0), wait=jnp.int32(0))
-
-  def budget(self, state, active, remaining=None):
-    del remaining
-    return jnp.where(active, state.budget, 0)
-
-  def update(self, state, budget, proposal, num_accepted, active):
-    tried = active & (proposal.num_drafted > 0)
-    grown = jnp.where(num_accepted >= budget, state.budget + 2,
-                      state.budget - 1)
-    return state.replace(budget=jnp.where(
-        tried, jnp.clip(grown, 1, self.max_gamma), state.budget))
-
-
-@flax.struct.dataclass
-class Auto(GammaPolicy):
+class Auto(Estimates, GammaPolicy):
   """Cost-model-driven budget; see the module docstring.
 
   Attributes:
@@ -441,34 +195,10 @@ class Auto(GammaPolicy):
                horizon=int(horizon), serial_finish=serial_finish)
 
   @classmethod
-  def measure(cls, target: Any, drafter: Any, *, batch: int,
-              max_gamma: int, cache_size: int = 512,
-              cache_dir: str | None = None, **kwargs) -> "Auto":
-    """`create` with costs measured on this machine (`tuning.cost.measure`,
-    cached on disk per machine, model, B, S and widths, re-timed at their
-    first use in a process and again from time to time while in use, each
-    table the mean of its last passes), at the cache size S the
-    generation runs with (a forward's cost grows with S).
-
-    A drafter's per-token cost is one forward of its `cost_model` (the
-    draft model; none for prompt lookup), and a two-token forward for a
-    step's first token (`ForwardCosts.drafting_ms`). For a `Fallback` that
-    is its second drafter's model, an upper bound; for a `Cascade`, its
-    middle model's forward, which ignores the inner drafter's work.
-    """
-    from specjax.tuning import cost  # the cost module imports decode
-    widths = verify_widths(max_gamma)
-    target_costs = cost.measure(target, batch=batch, chunks=widths,
-                                cache_size=cache_size, cache_dir=cache_dir)
-    model = cost_model(drafter)
-    draft = {}
-    if model is not None:
-      draft = cls.draft_costs(cost.measure(
-          model, batch=batch, chunks=(1, 2), cache_size=cache_size,
-          cache_dir=cache_dir))
-    return cls.create(max_gamma=max_gamma,
-                      target_ms=[target_costs.at(w) for w in widths],
-                      **draft, **kwargs)
+  def from_costs(cls, costs: StepCosts, **kwargs) -> "Auto":
+    """`create` priced by `costs` (`StepCosts.for_call`, or measured by
+    `specjax.tuning.cost.step_costs`); `kwargs` as `create` takes them."""
+    return cls.create(**costs.policy_kwargs(), **kwargs)
 
   def priced(self, target_ms: Sequence[float], draft_ms: float = 0.0,
              first_draft_ms: float | None = None) -> "Auto":
@@ -539,62 +269,6 @@ class Auto(GammaPolicy):
                         + jnp.mean(state.seen_verified[:, 0]),
                         start_rows=jnp.float32(rows),
                         first_wait=self.probe_every)
-
-  def acceptance(self, state: PolicyState) -> jax.Array:
-    """[B, G] conditional acceptance estimates: position 1 accepted over
-    verified; position j > 1 the same with the estimate of position j - 1
-    added as one more observation."""
-    return self._estimates(state.verified, state.accepted)
-
-  def _estimates(self, verified: jax.Array, accepted: jax.Array
-                 ) -> jax.Array:
-    """[..., G] `acceptance` from decayed counts [..., G]."""
-    first = accepted[..., 0] / jnp.maximum(verified[..., 0], 1e-6)
-    columns = [first]
-    for j in range(1, self.max_gamma):
-      columns.append((accepted[..., j] + columns[-1])
-                     / (verified[..., j] + 1.0))
-    return jnp.stack(columns, axis=-1)
-
-  def pooled(self, state: PolicyState, active: jax.Array
-             ) -> tuple[jax.Array, jax.Array]:
-    """The batch's estimates, [G], from its rows' counts summed, and the
-    verifications behind them, [G] (`evidence`; position 1's: the steps
-    that verified it in some row).
-
-    The rows are the active ones and those that have ended after
-    verifying something: the rows still running near the end are the
-    ones whose drafts were rejected more (that is why they lag), so a pool
-    of them alone would be biased low exactly when the finish time is
-    chosen by it.
-
-    Each row holds a decayed copy of the counts it started from (the
-    prior, or what `warm` carried), which in a pool would be counted B
-    times and outweigh the batch's first observations: after one
-    accepted one-token probe at B = 8 from a prior of 0.7, 0.854 where
-    the pool says 0.968 (at the default rate). So the start counts are
-    counted once, at the rows' mean decay, (1 - rate)^n for a row that
-    verified position 1 n times (a deeper position decays no faster, so
-    its copy is at least that), times the rows they stand for
-    (`start_rows`: 1 for the prior, an earlier batch's B after `warm`,
-    whose pool they continue).
-    """
-    seen = state.seen_verified[:, 0]  # [B] position 1's verifications
-    active = active | (seen > 0)
-    decay = jnp.where(active, (1.0 - self.rate) ** seen, 0.0)  # [B]
-    rows = jnp.sum(active)
-    # The start counts' weight in the pool: the rows' mean decay, times the
-    # rows they stand for.
-    weight = jnp.sum(decay) / jnp.maximum(rows, 1) * self.start_rows
-
-    def pool(counts, start):  # [B, G], [G] -> [G]
-      own = jnp.maximum(counts - start[None] * decay[:, None], 0.0)
-      return (jnp.sum(jnp.where(active[:, None], own, 0.0), 0)
-              + start * weight)
-
-    estimates = self._estimates(pool(state.verified, self.start_verified),
-                                pool(state.accepted, self.start_accepted))
-    return jnp.clip(estimates, 0.0, 1.0), self.evidence(state, active)
 
   def predicted_rate(self, acceptance: jax.Array, active: jax.Array,
                      available: jax.Array | None = None,
@@ -688,7 +362,8 @@ class Auto(GammaPolicy):
     if remaining is None:
       return jnp.bool_(True)
     certain = jnp.ones_like(state.accepted)
-    rate = self.predicted_rate(certain, active, _usable(remaining))  # [G+1]
+    rate = self.predicted_rate(certain, active,
+                               usable_drafts(remaining))  # [G+1]
     tokens = jnp.sum(jnp.where(active, remaining, 0)).astype(jnp.float32)
     saved = tokens * (1.0 / jnp.maximum(rate[0], 1e-9)
                       - 1.0 / jnp.maximum(jnp.max(rate[1:]), 1e-9))
@@ -835,18 +510,6 @@ class Auto(GammaPolicy):
     # A plain step (k = 0) has no deeper position to try.
     return jax.lax.cond(k > 0, deeper, lambda: k)
 
-  def evidence(self, state: PolicyState, active: jax.Array) -> jax.Array:
-    """[G] the verifications behind each position's pooled estimate, not
-    decayed: those of the batch's rows (active, or ended after verifying
-    something, as in `pooled`) and the start counts', for each of the
-    `start_rows` rows they stand for: `start_trials` for position 1 (the
-    steps behind it, `hoped`'s n), `start_verified` past it."""
-    seen = state.seen_verified  # [B, G]
-    counts = active | (seen[:, 0] > 0)
-    start = self.start_verified.at[0].set(self.start_trials)
-    return (jnp.sum(jnp.where(counts[:, None], seen, 0.0), 0)
-            + start * self.start_rows * jnp.any(counts))
-
   def _probe(self, state: PolicyState, k: jax.Array, active: jax.Array,
              available: jax.Array | None,
              remaining: jax.Array | None) -> jax.Array:
@@ -867,7 +530,7 @@ class Auto(GammaPolicy):
   def budget(self, state, active, remaining=None):
     # A drafter that costs nothing drafts all it can; `trim` then picks
     # how much of it to verify.
-    usable = _usable(remaining)
+    usable = usable_drafts(remaining)
     rate = self.score(self.acceptance(state),
                       self.pooled(state, active)[0], active, remaining,
                       usable)  # [G+1]
@@ -880,7 +543,7 @@ class Auto(GammaPolicy):
   def trim(self, state, num_drafted, active, remaining=None):
     """The drafts are paid for: verify the K' <= G leading ones of each row
     that maximise the predicted tokens per ms of the verification alone."""
-    usable = _usable(remaining)
+    usable = usable_drafts(remaining)
     if usable is not None:
       num_drafted = jnp.minimum(num_drafted, usable)
 
@@ -898,20 +561,6 @@ class Auto(GammaPolicy):
                      lambda: jnp.int32(0))
     return jnp.where(active, k, 0).astype(jnp.int32)
 
-  def _learn(self, state: PolicyState, judged: jax.Array,
-             accepted: jax.Array) -> PolicyState:
-    """`state` with the decayed counts of the positions `judged` [B, G]
-    (bool) each verified once and accepted by `accepted` ([B, G] or
-    broadcastable, float32), the same in the undecayed counts of the
-    generation (`seen_verified`, `seen_accepted`)."""
-    keep = 1.0 - self.rate
-    decay = lambda count, new: jnp.where(judged, keep * count + new, count)
-    accepted = jnp.where(judged, accepted, 0.0)
-    return state.replace(verified=decay(state.verified, 1.0),
-                         accepted=decay(state.accepted, accepted),
-                         seen_verified=state.seen_verified + judged,
-                         seen_accepted=state.seen_accepted + accepted)
-
   def observe(self, state, accepted, active):
     """Position 1's counts learn `accepted` as from a verified first draft
     (`_learn`, as `update` does), and the first-step probe it replaces is
@@ -922,7 +571,7 @@ class Auto(GammaPolicy):
                            wait=jnp.maximum(state.wait, self.probe_every))
 
   def update(self, state, budget, proposal, num_accepted, active):
-    judged, accepted = _reached(proposal, num_accepted, active)
+    judged, accepted = reached(proposal, num_accepted, active)
     drafted = jnp.any(active & (proposal.num_drafted > 0))
     # A step drafted once a probe was due was a probe: the next waits twice
     # as long, and at least `probe_every` after the first step's (it

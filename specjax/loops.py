@@ -1,0 +1,228 @@
+"""The compiled generations: prefill, then one `lax.while_loop`.
+
+Shape letters (`specjax.shapes`): B batch, P padded prompt, S cache size, N
+max new tokens, N_cap its cap, G = γ, V vocab, E hidden.
+
+`_generate` is autoregressive decoding and `_speculative_generate` runs
+`speculate.speculate_step` until every row hit EOS or N tokens; both start
+with `start` (the target's prefill and its first token). `specjax.decode`
+validates arguments and calls them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from specjax import buffers
+from specjax import rejection
+from specjax import sampling
+from specjax import speculate
+from specjax.drafters.base import Drafter
+from specjax.models import LanguageModel
+from specjax.models import model_output
+from specjax.step_types import SpecState
+from specjax.step_types import SpecStats
+from specjax.step_types import StepParams
+
+__all__ = ["first_acceptance", "generate_loop", "init_spec_state",
+           "prng_key", "speculative_loop", "start", "synthetic_text"]
+
+
+@flax.struct.dataclass(kw_only=True)
+class _ARState:
+  """The autoregressive loop's state.
+
+  Attributes:
+    tokens: [B, N_cap + 1] int32 generated tokens.
+    num_generated: [B] int32 tokens generated per row.
+    done: [B] bool rows that stopped.
+    last_token: [B] int32 newest token, not yet in the cache.
+    cache: the model's cache.
+    key: PRNG key.
+  """
+
+  tokens: jax.Array
+  num_generated: jax.Array
+  done: jax.Array
+  last_token: jax.Array
+  cache: Any
+  key: jax.Array
+
+
+def prng_key(key: jax.Array | int | None) -> jax.Array:
+  if key is None:
+    return jax.random.key(0)
+  if isinstance(key, int):
+    return jax.random.key(key)
+  return key
+
+
+def start(target: LanguageModel, prompts: jax.Array, lengths: jax.Array,
+           params: sampling.SamplingParams, eos_ids: jax.Array, key: jax.Array,
+           *, cache_size: int, width: int, max_new_tokens: int,
+           return_hidden: bool = False):
+  """Prefills the target, samples and emits the first token.
+
+  Returns:
+    first [B] token, the distribution [B, V] it was drawn from, the
+    target's cache, the output buffer [B, width], counts [B], done [B],
+    and the key left for the loop; with `return_hidden`, also the target's
+    hidden states [B, P, E] over the prompts.
+  """
+  key, first_key = jax.random.split(key)
+  cache = target.init_cache(prompts.shape[0], cache_size)
+  hidden = ()
+  if return_hidden:
+    logits, cache, hidden = target.prefill(prompts, lengths, cache,
+                                           return_hidden=True)
+    hidden = (hidden,)
+  else:
+    logits, cache = target.prefill(prompts, lengths, cache)  # [B, V]
+  probs = sampling.probabilities(logits, params)  # [B, V]
+  first = sampling.sample(first_key, probs)
+  batch = first.shape[0]
+  tokens, counts, done = buffers.emit(
+      jnp.zeros((batch, width), jnp.int32), jnp.zeros((batch,), jnp.int32),
+      jnp.zeros((batch,), bool), first[:, None], jnp.ones((batch,), jnp.int32),
+      eos_ids, max_new_tokens)
+  return (first, probs, cache, tokens, counts, done, key) + hidden
+
+
+@functools.partial(jax.jit, static_argnames=("tokens_cap", "cache_size",
+                                             "pad_id"))
+def generate_loop(model, prompts, lengths, params, eos_ids, key,
+                  max_new_tokens, *, tokens_cap, cache_size, pad_id):
+  """The whole autoregressive generation; returns tokens [B, N_cap] and
+  lengths [B]."""
+  first, _, cache, tokens, counts, done, key = start(
+      model, prompts, lengths, params, eos_ids, key, cache_size=cache_size,
+      width=tokens_cap + 1, max_new_tokens=max_new_tokens)
+  state = _ARState(tokens=tokens, num_generated=counts, done=done,
+                   last_token=first,
+                   cache=cache, key=key)
+
+  def step(s: _ARState) -> _ARState:
+    key, sample_key = jax.random.split(s.key)
+    start = s.cache.lengths
+    out, cache = model(s.last_token[:, None], s.cache)  # [B, 1] -> [B, 1, V]
+    logits = model_output(out).logits[:, 0]
+    token = sampling.sample(
+        sample_key, sampling.probabilities(logits, params))  # [B]
+    # Done rows do not advance, so they never run past the cache.
+    cache = cache.rollback(jnp.where(s.done, start, cache.lengths))
+    tokens, counts, done = buffers.emit(
+        s.tokens, s.num_generated, s.done, token[:, None],
+        jnp.ones_like(s.num_generated), eos_ids, max_new_tokens)
+    return s.replace(tokens=tokens, num_generated=counts, done=done,
+                     last_token=token, cache=cache, key=key)
+
+  state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+  return (buffers.finalize(state.tokens, state.num_generated, tokens_cap,
+                           pad_id), state.num_generated)
+
+
+def init_spec_state(target: LanguageModel, drafter: Drafter,
+                    prompts: jax.Array, lengths: jax.Array,
+                    params: StepParams, key: jax.Array, *, policy: Any,
+                    max_new_tokens: int | jax.Array, cache_size: int,
+                    tokens_cap: int | None = None,
+                    synthetic: bool = False) -> SpecState:
+  """Prefills target and drafter and emits the target's first token.
+
+  Where the drafter's prefill guesses the first token too (`init_guess`),
+  the policy observes how likely that guess was to be accepted
+  (`first_acceptance`) before any step drafts.
+
+  Args:
+    target: the verifying `LanguageModel`.
+    drafter: a `Drafter` (e.g. `DraftModel(draft)`).
+    prompts: [B, P] int32 right-padded prompts (`prepare_prompts`).
+    lengths: [B] int32 prompt lengths.
+    params: traced settings (`StepParams.create`).
+    key: PRNG key.
+    policy: the γ policy (`specjax.policies.GammaPolicy`; G is its
+      `max_gamma`).
+    max_new_tokens: N (an int or a traced [] int32).
+    cache_size: S.
+    tokens_cap: N_cap, the static output width (default N, which must then
+      be an int).
+    synthetic: acceptance is synthetic (`params.synthetic`).
+
+  Returns:
+    The `SpecState` that `speculate.speculate_step` advances.
+  """
+  cap = max_new_tokens if tokens_cap is None else tokens_cap
+  gamma = policy.max_gamma
+  # A drafter reading the target's features (EAGLE) gets the prompt's.
+  features = drafter.uses_prompt_hidden
+  first, probs, target_cache, tokens, counts, done, key, *hidden = start(
+      target, prompts, lengths, params.sampling, params.eos_ids, key,
+      cache_size=cache_size, width=cap + gamma + 1,
+      max_new_tokens=max_new_tokens, return_hidden=features)
+  extra = {"prompt_hidden": hidden[0]} if features else {}
+  drafter_state, guess = drafter.init_guess(prompts, lengths, first,
+                                            cache_size, **extra)
+  policy_state = policy.init(prompts.shape[0])
+  if guess is not None:
+    policy_state = policy.observe(
+        policy_state, first_acceptance(probs, guess, params, lengths,
+                                       synthetic), ~done)
+  return SpecState(
+      tokens=tokens, num_generated=counts, done=done, last_token=first,
+      target_cache=target_cache, drafter_state=drafter_state, key=key,
+      stats=SpecStats.zeros(prompts.shape[0], gamma, max(cap - 1, 1),
+                            drafter.components),
+      policy_state=policy_state)
+
+
+def synthetic_text(key: jax.Array | int | None) -> jax.Array:
+  """The PRNG key of the synthetic text (`rejection.Synthetic`) that a
+  generation with `key` decodes: every policy, γ and drafter run with one
+  key meets the same verdicts at each sequence position."""
+  return jax.random.fold_in(prng_key(key), 2)
+
+
+def first_acceptance(probs: jax.Array, guess: jax.Array, params: StepParams,
+                     positions: jax.Array, synthetic: bool) -> jax.Array:
+  """[B] float32 how likely a first draft from the drafter's `guess`
+  logits [B, V] was to be accepted against the target's first-token
+  distribution `probs` [B, V] (`rejection.acceptance_probability`, 0 or 1
+  under greedy decoding); with synthetic acceptance, the verdict of
+  `params.synthetic`'s text on the first token's sequence position
+  (`positions` [B], the prompts' lengths), as a verified draft there
+  would get."""
+  if synthetic:
+    return params.synthetic.accepts(positions[:, None])[:, 0].astype(
+        jnp.float32)
+  return rejection.acceptance_probability(
+      probs, sampling.probabilities(guess, params.sampling))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "tokens_cap", "cache_size", "pad_id", "synthetic", "num_nodes"))
+def speculative_loop(target, drafter, prompts, lengths, params, key,
+                     max_new_tokens, policy, *, tokens_cap, cache_size,
+                     pad_id, synthetic, num_nodes):
+  """The whole speculative generation; returns tokens [B, N_cap],
+  lengths [B], the `SpecStats` and the policy's final state."""
+  if synthetic:
+    params = params.with_text(synthetic_text(key))
+  state = init_spec_state(target, drafter, prompts, lengths, params, key,
+                          policy=policy, max_new_tokens=max_new_tokens,
+                          cache_size=cache_size, tokens_cap=tokens_cap,
+                          synthetic=synthetic)
+  step = functools.partial(
+      speculate.speculate_step, target=target, drafter=drafter, params=params,
+      policy=policy, max_new_tokens=max_new_tokens, synthetic=synthetic,
+      num_nodes=num_nodes)
+  state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+  tokens = buffers.finalize(state.tokens, state.num_generated, tokens_cap,
+                            pad_id)
+  return tokens, state.num_generated, state.stats, state.policy_state
+
+

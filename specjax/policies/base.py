@@ -1,0 +1,203 @@
+"""How much to speculate: the `GammaPolicy` protocol and its simple members.
+
+Shape letters (`specjax.shapes`): B batch, G = γ_max.
+
+A `GammaPolicy` picks, before each step, a draft budget per row (0 to G).
+`speculate_step` drafts only when some row's budget is positive and runs
+the target over the smallest compiled width in `widths` that holds the
+longest proposal. Every branch is the same exact verifier
+(`specjax.verify.verify`) on a truncated proposal, so the output keeps the
+target's distribution whatever a policy chooses, and nothing recompiles
+when the choice changes.
+
+- `Fixed`: γ drafts every step, one compiled width (a fixed γ is just this
+  policy).
+- `Heuristic`: transformers' schedule for assisted generation (its
+  `num_assistant_tokens_schedule="heuristic"`): per row, the budget grows
+  by 2 after a step in which every budgeted draft was accepted and shrinks
+  by 1 (to no less than 1) otherwise. It never stops drafting.
+- `specjax.policies.auto.Auto`: the cost-model policy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from specjax.step_types import Proposal
+from specjax.verify import verify_widths
+
+__all__ = ["Fixed", "GammaPolicy", "Heuristic", "PolicyState"]
+
+
+@flax.struct.dataclass(kw_only=True)
+class PolicyState:
+  """What a policy carries between steps.
+
+  Attributes:
+    budget: [B] int32 the heuristic's current draft budget per row.
+    verified: [B, G] float32 decayed count of steps in which each draft
+      position was verified, per row (`Auto`).
+    accepted: [B, G] float32 the same count of acceptances (`Auto`).
+    seen_verified: [B, G] float32 the steps of this generation in which
+      each draft position was verified, not decayed (`Auto.warm`; position
+      1's are the evidence behind `Auto.hoped`'s confidence bound).
+    seen_accepted: [B, G] float32 the same count of acceptances.
+    idle: [] int32 consecutive steps without drafting (`Auto`).
+    wait: [] int32 steps without drafting before the next probe (`Auto`).
+  """
+
+  budget: jax.Array
+  verified: jax.Array
+  accepted: jax.Array
+  seen_verified: jax.Array
+  seen_accepted: jax.Array
+  idle: jax.Array
+  wait: jax.Array
+
+
+class GammaPolicy:
+  """Chooses each step's per-row draft budget: `init`, `budget`, `update`.
+
+  Subclasses are `flax.struct.dataclass`es: `max_gamma` is static (it fixes
+  the compiled shapes), the rest is traced. `widths` are the target pass
+  widths the step compiles: all of `verify_widths(G)` by default (a budget
+  of k verifies over the smallest width >= k + 1), one for `Fixed`.
+  """
+
+  max_gamma: int
+
+  @property
+  def widths(self) -> tuple[int, ...]:
+    return verify_widths(self.max_gamma)
+
+  def init(self, batch: int) -> Any:
+    """The policy's state for a generation of B rows (a pytree)."""
+    raise NotImplementedError
+
+  def budget(self, state: PolicyState, active: jax.Array,
+             remaining: jax.Array | None = None) -> jax.Array:
+    """[B] int32 draft budget in [0, G] for the next step (0 where
+    inactive); `remaining` [B] is the tokens each row may still emit, or
+    None for no limit."""
+    raise NotImplementedError
+
+  def trim(self, state: PolicyState, num_drafted: jax.Array,
+           active: jax.Array, remaining: jax.Array | None = None
+           ) -> jax.Array:
+    """[B] int32 how many of the `num_drafted` [B] drafts to verify, once
+    drafted (default: all)."""
+    del state, active, remaining
+    return num_drafted
+
+  def warm(self, state: PolicyState) -> "GammaPolicy":
+    """The policy for a next generation, given the `PolicyState` an
+    earlier one ended with (default: unchanged)."""
+    del state
+    return self
+
+  def may_draft(self) -> bool:
+    """Host-side, before compiling: False if no step of a generation would
+    ever draft, whatever the acceptance (default: True)."""
+    return True
+
+  def update(self, state: PolicyState, budget: jax.Array,
+             proposal: Proposal, num_accepted: jax.Array,
+             active: jax.Array) -> PolicyState:
+    """Learns from one step: `budget` [B] as chosen, the proposal, and
+    `num_accepted` [B] for rows where `active` [B]."""
+    raise NotImplementedError
+
+  def observe(self, state: PolicyState, accepted: jax.Array,
+              active: jax.Array) -> PolicyState:
+    """Learns from one observation of draft position 1 per row that no
+    step paid for: `accepted` [B] float32 in [0, 1], the probability that
+    a first draft would have been accepted (or a draw of it), where
+    `active` [B] (default: ignored)."""
+    del accepted, active
+    return state
+
+
+def usable_drafts(remaining: jax.Array | None) -> jax.Array | None:
+  """[B] drafts that can still count: a row with r tokens left emits at
+  most r - 1 drafts and one target token."""
+  return None if remaining is None else jnp.maximum(remaining - 1, 0)
+
+
+def reached(proposal: Proposal, num_accepted: jax.Array,
+             active: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """[B, G] bool: positions the target judged (every earlier one accepted),
+  and those it accepted."""
+  slots = jnp.arange(proposal.tokens.shape[1])[None]
+  judged = (active[:, None] & (slots < proposal.num_drafted[:, None])
+            & (slots <= num_accepted[:, None]))
+  return judged, judged & (slots < num_accepted[:, None])
+
+
+@flax.struct.dataclass
+class Fixed(GammaPolicy):
+  """γ = G drafts every step (a token tree: up to `num_nodes` nodes at
+  depth at most G), verified in one pass of one compiled width. Its state
+  is None."""
+
+  max_gamma: int = flax.struct.field(pytree_node=False)
+  num_nodes: int | None = flax.struct.field(pytree_node=False, default=None)
+
+  def __post_init__(self):
+    verify_widths(self.max_gamma)
+
+  @property
+  def widths(self) -> tuple[int, ...]:
+    return ((self.num_nodes or self.max_gamma) + 1,)
+
+  def init(self, batch):
+    del batch
+    return None
+
+  def budget(self, state, active, remaining=None):
+    del state, remaining
+    return jnp.where(active, self.num_nodes or self.max_gamma,
+                     0).astype(jnp.int32)
+
+  def update(self, state, budget, proposal, num_accepted, active):
+    return state
+
+
+@flax.struct.dataclass
+class Heuristic(GammaPolicy):
+  """transformers' heuristic schedule: +2 after a fully accepted budget,
+  -1 (to no less than 1) otherwise, per row, starting at `initial`
+  (default G) and capped at G."""
+
+  max_gamma: int = flax.struct.field(pytree_node=False)
+  initial: int = flax.struct.field(pytree_node=False, default=0)
+
+  def __post_init__(self):
+    verify_widths(self.max_gamma)
+    if not 0 <= self.initial <= self.max_gamma:
+      raise ValueError(f"initial must be in [1, max_gamma={self.max_gamma}]"
+                       f" (0 for max_gamma), got {self.initial}.")
+
+  def init(self, batch):
+    start = self.initial or self.max_gamma
+    none = jnp.zeros((batch, 0), jnp.float32)
+    return PolicyState(budget=jnp.full((batch,), start, jnp.int32),
+                       verified=none, accepted=none,
+                       seen_verified=none, seen_accepted=none,
+                       idle=jnp.int32(0), wait=jnp.int32(0))
+
+  def budget(self, state, active, remaining=None):
+    del remaining
+    return jnp.where(active, state.budget, 0)
+
+  def update(self, state, budget, proposal, num_accepted, active):
+    tried = active & (proposal.num_drafted > 0)
+    grown = jnp.where(num_accepted >= budget, state.budget + 2,
+                      state.budget - 1)
+    return state.replace(budget=jnp.where(
+        tried, jnp.clip(grown, 1, self.max_gamma), state.budget))
+
+

@@ -1,0 +1,312 @@
+"""What a speculative step costs, as a γ policy prices it.
+
+Shape letters (`specjax.shapes`): B batch, S cache size, T tokens per
+forward, G = γ_max, W verification widths.
+
+A step that drafts k tokens costs the drafter's work, a first (two-token
+catch-up) pass and k - 1 one-token forwards of its `cost_model`, plus one
+target pass over the smallest compiled width that holds k + 1 tokens
+(`specjax.verify.verify_widths`). `StepCosts` holds those forward times for
+one call's B and S, from one of two sources, and nothing here times
+anything:
+
+- a measured table, written by the explicit tuning step (`python -m
+  specjax.tune`, or `specjax.tuning.cost.measure`) and only read here
+  (`read_table`);
+- else a roofline: each forward costs the larger of its bytes read
+  (weights, and the whole static KV cache that attention reads) over the
+  memory bandwidth and its FLOPs over the peak rate, plus a fixed launch
+  overhead (`Roofline`). The machine's bandwidth and peak come from the
+  tuning step's measurement where it ran (`Roofline.cached`), else from
+  nominal figures per backend and device (`Roofline.nominal`).
+
+So a user's first call and every later one cost what the steady state
+costs: no forward is timed inside `speculative_generate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import hardware
+from specjax import store
+from specjax.verify import verify_widths
+from specjax.verify import width_index
+
+__all__ = ["ForwardCosts", "Roofline", "StepCosts", "catch_up_ms",
+           "check_entry", "check_machine", "drafting_ms", "read_table",
+           "table_key"]
+
+
+def drafting_ms(num_drafts: jax.Array, first_draft_ms: jax.Array,
+                draft_ms: jax.Array) -> jax.Array:
+  """[...] predicted ms a draft model spends drafting `num_drafts` [...]
+  tokens: its first (catch-up) pass, then a forward per further token; 0
+  for none (`ForwardCosts.drafting_ms` on the host)."""
+  return jnp.where(num_drafts > 0,
+                   first_draft_ms + (num_drafts - 1) * draft_ms, 0.0)
+
+
+def catch_up_ms(idle: jax.Array, draft_ms: jax.Array, target_ms: jax.Array,
+                max_gamma: int) -> jax.Array:
+  """[] predicted ms a draft model spends catching up on the `idle` tokens
+  plain steps emitted without it: ⌈idle / (G+1)⌉ passes of G+1 tokens,
+  each priced at its one-token forward (`draft_ms`) times the target's
+  ratio t(G+1) / t(1) (`target_ms` [W])."""
+  return (jnp.ceil(idle / (max_gamma + 1)) * draft_ms * target_ms[-1]
+          / target_ms[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardCosts:
+  """Mean ms of one forward of a model at batch B, by chunk length T.
+
+  Attributes:
+    batch: B.
+    forward_ms: T -> ms, for the T measured (or modelled).
+    source: "measured", "cache" or "roofline".
+  """
+
+  batch: int
+  forward_ms: dict[int, float]
+  source: str = "measured"
+
+  def at(self, num_tokens: int) -> float:
+    """ms of a T-token forward: known, or linear between known T."""
+    known = sorted(self.forward_ms)
+    if num_tokens in self.forward_ms:
+      return self.forward_ms[num_tokens]
+    if not known[0] <= num_tokens <= known[-1]:
+      raise ValueError(f"T={num_tokens} is outside the measured range "
+                       f"{known[0]}..{known[-1]}; measure it.")
+    hi = next(t for t in known if t > num_tokens)
+    lo = max(t for t in known if t < num_tokens)
+    w = (num_tokens - lo) / (hi - lo)
+    return (1 - w) * self.forward_ms[lo] + w * self.forward_ms[hi]
+
+  def drafting_ms(self, num_drafts: int) -> float:
+    """ms a draft model spends proposing `num_drafts` tokens: a two-token
+    catch-up pass, then num_drafts - 1 one-token forwards (0 for none).
+    Costs known at T = 1 only price the first pass as one forward."""
+    if num_drafts <= 0:
+      return 0.0
+    first = self.at(2) if max(self.forward_ms) >= 2 else self.at(1)
+    return first + (num_drafts - 1) * self.at(1)
+
+
+def table_key(model: Any, batch: int, cache_size: int,
+              chunks: Sequence[int]) -> str:
+  """The key of `model`'s cost table at B, S and chunk lengths T."""
+  # Models are a structural protocol: a foreign model has none of these.
+  config = getattr(model, "config", None)
+  plan = getattr(getattr(model, "plan", None), "name", "")
+  dtype = getattr(model, "dtype", "")
+  # A model that runs part of another (`LayerSubset`) says which part.
+  part = getattr(model, "cost_key", "")
+  return (f"{hardware.machine_key()}|{config}|{part}|{dtype}|{plan}|B={batch}|"
+          f"S={cache_size}|T={','.join(map(str, chunks))}")
+
+
+def check_entry(entry: Any) -> None:
+  """Raises ValueError/KeyError/TypeError on an invalid table entry."""
+  for times in [entry["forward_ms"], *entry.get("passes", [])]:
+    if not all(float(v) > 0 for v in times.values()):
+      raise ValueError("non-positive time")
+
+
+def read_table(model: Any, *, batch: int, chunks: Sequence[int],
+               cache_size: int,
+               cache_dir: str | os.PathLike | None = None
+               ) -> ForwardCosts | None:
+  """The measured table of `model` at B, S and T = `chunks`, or None where
+  the tuning step has not measured it. Reads only; times nothing."""
+  chunks = tuple(sorted(set(int(t) for t in chunks)))
+  entries = store.read(store.path_for("cost", cache_dir), check_entry)
+  entry = entries.get(table_key(model, batch, cache_size, chunks))
+  if entry is None:
+    return None
+  passes = [{int(t): float(v) for t, v in p.items()}
+            for p in entry.get("passes", [entry["forward_ms"]])]
+  mean = {t: float(np.mean([p[t] for p in passes])) for t in passes[0]}
+  return ForwardCosts(batch, mean, "cache")
+
+
+# Nominal (bandwidth B/s, bf16 peak FLOP/s) by device kind, from vendors'
+# data sheets, for a machine the tuning step has not measured.
+_DEVICES = (
+    ("H200", 4.8e12, 989e12), ("H100", 3.35e12, 989e12),
+    ("A100", 2.0e12, 312e12), ("L4", 3.0e11, 121e12),
+    ("T4", 3.2e11, 65e12), ("V100", 9.0e11, 125e12),
+    ("v5 lite", 8.19e11, 197e12), ("v5e", 8.19e11, 197e12),
+    ("v5p", 2.76e12, 459e12), ("v6", 1.64e12, 918e12),
+    ("v4", 1.2e12, 275e12), ("v3", 9.0e11, 123e12), ("v2", 7.0e11, 46e12),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+  """A forward's time from its bytes and FLOPs.
+
+  Attributes:
+    bandwidth: bytes per second read from memory.
+    flops: float32 multiply-adds x 2 per second at full occupancy.
+    overhead_ms: fixed cost of one forward (dispatch, kernel launches).
+    source: "nominal" or "measured".
+  """
+
+  bandwidth: float
+  flops: float
+  overhead_ms: float
+  source: str = "nominal"
+
+  @classmethod
+  def nominal(cls) -> "Roofline":
+    """Figures for this backend that need no timing: per device kind on
+    GPU and TPU; on CPU about 10 GB/s and, with AVX-512 (AVX2), 100 (50)
+    GFLOP/s per core (a 2-core AVX-512 machine read 20-29 GB/s and ran a
+    2048³ GEMM at 216 GFLOP/s, DESIGN.md)."""
+    backend = jax.default_backend()
+    if backend == "cpu":
+      cores = os.cpu_count() or 1
+      simd = hardware.machine()["cpu_simd"]
+      per_core = 100e9 if "avx512f" in simd else (
+          50e9 if "avx2" in simd else 10e9)
+      return cls(min(10e9 * cores, 200e9), per_core * cores, 0.05)
+    kind = jax.devices()[0].device_kind
+    for name, bandwidth, peak in _DEVICES:
+      if name.lower() in kind.lower():
+        # float32 weights run at about half the bf16 tensor rate (TF32).
+        return cls(bandwidth, peak / 2, 0.2)
+    return cls(1e12, 50e12, 0.2)
+
+  @classmethod
+  def cached(cls, cache_dir: str | os.PathLike | None = None
+             ) -> "Roofline":
+    """What the tuning step measured on this machine, else `nominal`."""
+    entries = store.read(store.path_for("machine", cache_dir),
+                         check_machine)
+    entry = entries.get(hardware.machine_key())
+    if entry is None:
+      return cls.nominal()
+    return cls(float(entry["bandwidth"]), float(entry["flops"]),
+               float(entry.get("overhead_ms", cls.nominal().overhead_ms)),
+               "measured")
+
+  def forward(self, model: Any, *, batch: int, chunks: Sequence[int],
+              cache_size: int) -> ForwardCosts:
+    """`model`'s forward times at B and S for each T in `chunks`."""
+    weight_bytes, itemsize, kv_bytes_per_slot, attn_flops = _geometry(model)
+    kv_bytes = kv_bytes_per_slot * batch * cache_size
+    ms = {}
+    for t in chunks:
+      rows = batch * t
+      flops = (2.0 * weight_bytes / itemsize * rows
+               + attn_flops * rows * cache_size)
+      seconds = max((weight_bytes + kv_bytes) / self.bandwidth,
+                    flops / self.flops)
+      ms[int(t)] = 1e3 * seconds + self.overhead_ms
+    return ForwardCosts(batch, ms, "roofline")
+
+
+def check_machine(entry: Any) -> None:
+  if not (float(entry["bandwidth"]) > 0 and float(entry["flops"]) > 0):
+    raise ValueError("non-positive bandwidth or FLOP rate")
+
+
+def _geometry(model: Any) -> tuple[float, int, float, float]:
+  """(weight bytes read per forward, bytes per weight, KV cache bytes per
+  row and slot, attention FLOPs per query row and slot) of a model."""
+  # Models are a structural protocol: specjax's declare their geometry
+  # (`Model`, `LayerSubset`); any other is priced by its array leaves.
+  weight_bytes = getattr(model, "weight_bytes_per_token", None)
+  leaves = [x for x in jax.tree.leaves(model) if hasattr(x, "nbytes")]
+  if weight_bytes is None:
+    weight_bytes = sum(x.nbytes for x in leaves)
+  itemsize = leaves[0].dtype.itemsize if leaves else 4
+  config = getattr(model, "config", None)
+  if config is None or not hasattr(config, "head_dim"):
+    return float(max(weight_bytes, 1)), itemsize, 0.0, 0.0
+  layers = getattr(model, "num_layers_run", config.num_layers)
+  kv = 2.0 * layers * config.num_kv_heads * config.head_dim * itemsize
+  attention = 4.0 * layers * config.num_heads * config.head_dim
+  return float(weight_bytes), itemsize, kv, attention
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+  """The forward costs one call's γ policy prices steps with.
+
+  Attributes:
+    max_gamma: G.
+    target_ms: ms of a target pass of each width in `verify_widths(G)`.
+    draft_ms: ms of each draft token after a step's first (0 for a
+      drafter that runs no model).
+    first_draft_ms: ms of a step's first draft token (the draft model's
+      two-token catch-up pass).
+    source: "table" (measured by the tuning step) or "roofline".
+  """
+
+  max_gamma: int
+  target_ms: tuple[float, ...]
+  draft_ms: float = 0.0
+  first_draft_ms: float = 0.0
+  source: str = "table"
+
+  @property
+  def widths(self) -> tuple[int, ...]:
+    return verify_widths(self.max_gamma)
+
+  def step_ms(self, k: int) -> float:
+    """ms of a step that drafts k tokens (0: a plain step)."""
+    width = int(width_index(self.widths, k + 1))
+    drafting = self.first_draft_ms + (k - 1) * self.draft_ms if k else 0.0
+    return self.target_ms[width] + drafting
+
+  def rate(self, acceptance: Sequence[float], k: int) -> float:
+    """Tokens per ms of one row drafting k tokens a step, at conditional
+    acceptances a_1, a_2, ... (at least k of them)."""
+    survive = np.cumprod([1.0, *np.asarray(acceptance[:k], np.float64)])
+    return float(survive.sum()) / self.step_ms(k)
+
+  def policy_kwargs(self) -> dict[str, Any]:
+    """`Auto.create`'s cost arguments."""
+    return {"max_gamma": self.max_gamma, "target_ms": list(self.target_ms),
+            "draft_ms": self.draft_ms, "first_draft_ms": self.first_draft_ms}
+
+  @classmethod
+  def from_forwards(cls, max_gamma: int, target: ForwardCosts,
+                    draft: ForwardCosts | None, source: str = "table"
+                    ) -> "StepCosts":
+    """From the target's forward costs at every width and the draft
+    model's at T = 1 and 2 (None: a drafter that runs no model)."""
+    return cls(max_gamma=max_gamma,
+               target_ms=tuple(target.at(w) for w in verify_widths(max_gamma)),
+               draft_ms=draft.at(1) if draft else 0.0,
+               first_draft_ms=draft.drafting_ms(1) if draft else 0.0,
+               source=source)
+
+  @classmethod
+  def for_call(cls, target: Any, cost_model: Any, *, batch: int,
+               cache_size: int, max_gamma: int,
+               cache_dir: str | os.PathLike | None = None) -> "StepCosts":
+    """The costs of a call at B and S: the tuning step's tables where both
+    models have one, else the roofline (`Roofline.cached`). `cost_model`
+    is the drafter's (`Drafter.cost_model`; None: it runs no model)."""
+    widths = verify_widths(max_gamma)
+    where = dict(batch=batch, cache_size=cache_size)
+    table = read_table(target, chunks=widths, cache_dir=cache_dir, **where)
+    draft_table = None if cost_model is None else read_table(
+        cost_model, chunks=(1, 2), cache_dir=cache_dir, **where)
+    if table is not None and (cost_model is None or draft_table is not None):
+      return cls.from_forwards(max_gamma, table, draft_table, "table")
+    roofline = Roofline.cached(cache_dir)
+    model = roofline.forward(target, chunks=widths, **where)
+    draft = None if cost_model is None else roofline.forward(
+        cost_model, chunks=(1, 2), **where)
+    return cls.from_forwards(max_gamma, model, draft, "roofline")
