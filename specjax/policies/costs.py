@@ -40,8 +40,8 @@ from specjax.verify import verify_widths
 from specjax.verify import width_index
 
 __all__ = ["ForwardCosts", "Roofline", "StepCosts", "catch_up_ms",
-           "check_entry", "check_machine", "drafting_ms", "read_table",
-           "table_key"]
+           "check_entry", "check_machine", "drafting_ms", "expected_tokens",
+           "read_table", "survival", "table_key"]
 
 
 def drafting_ms(num_drafts: jax.Array, first_draft_ms: jax.Array,
@@ -238,6 +238,27 @@ def _geometry(model: Any) -> tuple[float, int, float, float]:
   return float(weight_bytes), itemsize, kv, attention
 
 
+def survival(acceptance: Sequence[float], gamma: int) -> np.ndarray:
+  """[γ+1] P(τ > i) = Π_{j≤i} a_j for i = 0..γ, from at least γ
+  conditional acceptances a_1, a_2, ..."""
+  if len(acceptance) < gamma:
+    raise ValueError(f"Need {gamma} acceptance values, got "
+                     f"{len(acceptance)}.")
+  return np.cumprod(np.concatenate(
+      [[1.0], np.asarray(acceptance[:gamma], np.float64)]))
+
+
+def expected_tokens(acceptance: Sequence[float], gamma: int) -> float:
+  """E[τ] = 1 + Σ_{i≤γ} Π_{j≤i} a_j for conditional acceptances a_j.
+
+  Args:
+    acceptance: a_1, a_2, ...: P(position j accepted | all before were);
+      at least γ values.
+    gamma: γ >= 0.
+  """
+  return float(survival(acceptance, gamma).sum())
+
+
 @dataclasses.dataclass(frozen=True)
 class StepCosts:
   """The forward costs one call's γ policy prices steps with.
@@ -265,14 +286,13 @@ class StepCosts:
   def step_ms(self, k: int) -> float:
     """ms of a step that drafts k tokens (0: a plain step)."""
     width = int(width_index(self.widths, k + 1))
-    drafting = self.first_draft_ms + (k - 1) * self.draft_ms if k else 0.0
-    return self.target_ms[width] + drafting
+    return self.target_ms[width] + float(
+        drafting_ms(k, self.first_draft_ms, self.draft_ms))
 
   def rate(self, acceptance: Sequence[float], k: int) -> float:
     """Tokens per ms of one row drafting k tokens a step, at conditional
     acceptances a_1, a_2, ... (at least k of them)."""
-    survive = np.cumprod([1.0, *np.asarray(acceptance[:k], np.float64)])
-    return float(survive.sum()) / self.step_ms(k)
+    return expected_tokens(acceptance, k) / self.step_ms(k)
 
   def policy_kwargs(self) -> dict[str, Any]:
     """`Auto.create`'s cost arguments."""

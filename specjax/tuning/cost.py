@@ -52,6 +52,8 @@ from specjax import sampling
 from specjax import padding
 from specjax.models.protocol import model_output
 from specjax.policies.costs import check_entry
+from specjax.policies.costs import expected_tokens
+from specjax.policies.costs import survival
 from specjax.policies.costs import ForwardCosts
 from specjax.policies.costs import StepCosts
 from specjax.verify import verify_widths
@@ -261,27 +263,6 @@ def step_costs(target: Any, drafter: Any, *, batch: int, max_gamma: int,
   return StepCosts.from_forwards(max_gamma, target_costs, draft_costs)
 
 
-def _survival(acceptance: Sequence[float], gamma: int) -> np.ndarray:
-  """[γ+1] P(τ > i) = Π_{j≤i} a_j for i = 0..γ, from at least γ
-  conditional acceptances a_1, a_2, ..."""
-  if len(acceptance) < gamma:
-    raise ValueError(f"Need {gamma} acceptance values, got "
-                     f"{len(acceptance)}.")
-  return np.cumprod(np.concatenate(
-      [[1.0], np.asarray(acceptance[:gamma], np.float64)]))
-
-
-def expected_tokens(acceptance: Sequence[float], gamma: int) -> float:
-  """E[τ] = 1 + Σ_{i≤γ} Π_{j≤i} a_j for conditional acceptances a_j.
-
-  Args:
-    acceptance: a_1, a_2, ...: P(position j accepted | all before were);
-      at least γ values.
-    gamma: γ >= 0.
-  """
-  return float(_survival(acceptance, gamma).sum())
-
-
 def expected_steps(acceptance: Sequence[float], gamma: int, tokens: int,
                    batch: int = 1) -> float:
   """E[steps] until every one of `batch` rows has emitted `tokens` tokens.
@@ -303,7 +284,7 @@ def expected_steps(acceptance: Sequence[float], gamma: int, tokens: int,
   if tokens < 1 or batch < 1:
     raise ValueError(f"tokens and batch must be >= 1, got {tokens} and "
                      f"{batch}.")
-  survive = _survival(acceptance, gamma)  # [γ+1] P(τ > i)
+  survive = survival(acceptance, gamma)  # [γ+1] P(τ > i)
   emit = survive - np.append(survive[1:], 0.0)  # [γ+1] P(τ = i + 1)
   # After s steps: done = F(s); left[n] = P(the row has emitted n < tokens).
   done, left, steps = 0.0, np.eye(1, tokens)[0], 0.0
