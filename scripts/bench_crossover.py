@@ -54,8 +54,8 @@ generation's synthetic text, not distribution-preserving); figures
 from such runs must be labelled synthetic. Rows ignore EOS, so every row
 does the same work.
 
-Predicted tokens/s (`specjax.tuning.cost`): for autoregressive and fixed γ,
-`predict_tokens_per_s` with the forward costs measured at this B, the
+Predicted tokens/s (`specjax.policies.StepCosts`): for autoregressive and
+fixed γ, `StepCosts.for_fixed(γ, ...).tokens_per_s` with the forward costs measured at this B, the
 measured conditional acceptance per position, and the batch's steps until
 its slowest row ends (`expected_steps`); for the adaptive policies,
 the generated tokens over the predicted time of the steps they took (each
@@ -418,8 +418,9 @@ def _predicted(gamma, call, target_costs, draft_costs) -> float:
     acceptance = (_conditional_acceptance(call.output.stats, gamma)
                   if gamma else [])
     longest = max(int(emitted.max()), 1)
-    rate = cost.predict_tokens_per_s(target_costs, gamma or 0, acceptance,
-                                     draft_costs, tokens=longest)
+    rate = policies_lib.StepCosts.for_fixed(
+        gamma or 0, target_costs, draft_costs).tokens_per_s(
+            acceptance, gamma or 0, batch=target_costs.batch, tokens=longest)
     return rate * emitted.mean() / longest
   return int(emitted.sum()) / (_steps_ms(call.output.stats, target_costs,
                                          draft_costs) / 1e3)
@@ -479,7 +480,7 @@ def _simulated(policies, rows, batch, alpha) -> dict:
     measured = rows[f"γ={max(fixed)}"]["acceptance"]
     alpha = (measured + measured[-1:] * auto.max_gamma)[:auto.max_gamma]
   ratio = functools.partial(
-      simulate.over_best, auto, simulate.policy_costs(auto), alpha=alpha,
+      simulate.over_best, auto, auto.costs(), alpha=alpha,
       batch=batch, tokens=_TOKENS.value, gammas=fixed)
   return {"auto_over_best_simulated": ratio(),
           "auto_warm_over_best_simulated": ratio(warm_after=1)}

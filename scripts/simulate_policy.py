@@ -39,6 +39,7 @@ fares on a table whose error it cannot see.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import itertools
 import json
 import os
@@ -48,11 +49,14 @@ from absl import flags
 
 import numpy as np
 
+from specjax import policies
 from specjax.tuning import simulate
 
 _COSTS = flags.DEFINE_list("costs", [], "Cost sets, NAME=T/T/T/T:D/D.")
 _RUNS = flags.DEFINE_list(
-    "runs", [], "bench_crossover output dirs whose measured costs to use.")
+    "runs", [], "bench_crossover output dirs (or glob patterns) whose "
+    "measured costs to use, e.g. 'results/never_slower/*' (the committed "
+    "ones).")
 _ALPHAS = flags.DEFINE_string(
     "alphas", "0.05/0.5/0.8/0.95", "/-separated α values: one for every "
     "draft position, or a:b:... one per position (γ_max of them).")
@@ -88,42 +92,43 @@ def _alphas(text: str) -> list[float | tuple[float, ...]]:
           for x in text.split("/") if x]
 
 
-def cost_sets() -> list[tuple[str, int, int, simulate.SimCosts]]:
-  """(name, B, γ_max, costs) from --costs and --runs."""
+def cost_sets() -> list[tuple[str, int, policies.StepCosts]]:
+  """(name, B, costs) from --costs and --runs."""
   sets = []
   for spec in _COSTS.value:
     name, _, values = spec.partition("=")
     target, _, draft = values.partition(":")
     draft = _floats(draft) or [0.0]  # d(1), d(2); one value: both
-    sets.append((name, 1, _MAX_GAMMA.value, simulate.SimCosts(
-        target_ms=_floats(target), draft_ms=draft[0],
-        first_draft_ms=draft[-1])))
-  for run in _RUNS.value:
+    sets.append((name, 1, policies.StepCosts(
+        max_gamma=_MAX_GAMMA.value, target_ms=tuple(_floats(target)),
+        draft_ms=draft[0], first_draft_ms=draft[-1])))
+  runs = sorted(run for pattern in _RUNS.value for run in glob.glob(pattern))
+  for run in runs:
     with open(os.path.join(run, "crossover.json")) as f:
       run_data = json.load(f)
-    results = run_data["results"]
     seen = set()
-    for r in results:
+    for r in run_data["results"]:
       key = (r["batch"], tuple(r["target_ms"].values()))
       if key in seen:
         continue
       seen.add(key)
       draft = r.get("draft_ms") or {}  # none for a drafter without a model
       sets.append((f"{os.path.basename(run)} B={r['batch']}", r["batch"],
-                   run_data["max_gamma"], simulate.SimCosts(
-                       target_ms=[r["target_ms"][k] for k in sorted(
-                           r["target_ms"], key=int)],
+                   policies.StepCosts(
+                       max_gamma=run_data["max_gamma"],
+                       target_ms=tuple(r["target_ms"][k] for k in sorted(
+                           r["target_ms"], key=int)),
                        draft_ms=draft.get("1", 0.0),
                        first_draft_ms=draft.get("2", draft.get("1", 0.0)))))
   return sets
 
 
-def scaled(costs: simulate.SimCosts, factor: float) -> simulate.SimCosts:
+def scaled(costs: policies.StepCosts, factor: float) -> policies.StepCosts:
   """`costs` with the draft forwards and every target pass wider than
   one token `factor` times as dear."""
   target = list(costs.target_ms)
   return dataclasses.replace(
-      costs, target_ms=target[:1] + [t * factor for t in target[1:]],
+      costs, target_ms=tuple(target[:1] + [t * factor for t in target[1:]]),
       draft_ms=costs.draft_ms * factor,
       first_draft_ms=costs.first_draft_ms * factor)
 
@@ -141,14 +146,14 @@ def main(argv) -> None:
   print(" | ".join("---" for _ in range(7 + len(alphas))))
   # (optimism, horizon, observe, margin) -> every ratio it scored.
   scores = {}
-  for name, batch, max_gamma, costs in sets:
+  for name, batch, costs in sets:
     batch = _BATCH.value or batch
     for optimism, horizon, observe, margin, error in itertools.product(
         _floats(_OPTIMISM.value), _floats(_HORIZON.value),
         _floats(_OBSERVE.value), _floats(_MARGIN.value),
         _floats(_ERROR.value)):
-      policy = simulate.auto_policy(costs, max_gamma, optimism=optimism,
-                                    horizon=int(horizon), margin=margin)
+      policy = policies.Auto.from_costs(
+          costs, optimism=optimism, horizon=int(horizon), margin=margin)
       observe = bool(observe) and costs.draft_ms > 0
       # A policy that can never draft runs `generate` (no draft prefill).
       drafts = policy.may_draft()
@@ -157,8 +162,8 @@ def main(argv) -> None:
         starts = [(policy, 0)] + ([(simulate.settled(policy, a), 0),
                                    (policy, 1)] if _WARM.value else [])
         ratios = [simulate.over_best(
-            p if drafts else simulate.Fixed(0, max_gamma),
-            scaled(costs, error), alpha=a, batch=batch,
+            p if drafts else None, costs, truth=scaled(costs, error),
+            alpha=a, batch=batch,
             tokens=_TOKENS.value, samples=_SAMPLES.value,
             observe_first=observe and drafts, warm_after=after)
                   for p, after in starts]

@@ -1,7 +1,7 @@
 """Adaptive γ (`gamma="auto"`, `"heuristic"`): exact, switching, no recompile.
 
 Expectations come from independent computations: autoregressive `generate`
-on the same target, the cost model's own `predict_tokens_per_s`, and
+on the same target, the cost model's own `StepCosts.tokens_per_s`, and
 transformers' schedule written out by hand.
 """
 
@@ -26,6 +26,13 @@ from specjax.tuning import cost
 PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
 MAX_NEW = 48
 GAMMA = 4
+# A policy's budget and trim, compiled once per policy structure (eager,
+# each of `finish`'s loops dispatches op by op).
+_budget = jax.jit(lambda policy, state, active, remaining=None:
+                  policy.budget(state, active, remaining))
+_trim = jax.jit(lambda policy, state, drafted, active, remaining=None:
+                policy.trim(state, drafted, active, remaining))
+
 # Drafting is cheap and the widest pass costs 1.2 forwards: full
 # acceptance pays, no acceptance does not.
 COSTS = dict(max_gamma=GAMMA, target_ms=[1.0, 1.05, 1.1, 1.2], draft_ms=0.05)
@@ -188,7 +195,7 @@ def test_heuristic_follows_transformers_schedule():
                       num_drafted=jnp.array([2, 2, 0], jnp.int32),
                       num_forwards=jnp.int32(0))
   state = policy.init(3)
-  budget = policy.budget(state, jnp.array([True, True, True]))
+  budget = _budget(policy, state, jnp.array([True, True, True]))
   np.testing.assert_array_equal(budget, [2, 2, 2])
   state = policy.update(state, budget, proposal, jnp.array([2, 1, 0]),
                         jnp.array([True, True, True]))
@@ -201,8 +208,8 @@ def test_heuristic_follows_transformers_schedule():
 
 
 def test_auto_budget_maximises_the_cost_models_prediction():
-  # The in-loop choice must agree with `tuning.cost.predict_tokens_per_s`
-  # evaluated on the host for each γ, with the width each γ runs at.
+  # The in-loop choice must agree with `StepCosts.tokens_per_s` evaluated
+  # on the host for each γ, with the width each γ runs at.
   widths = policies.verify_widths(8)
   assert widths == (1, 2, 3, 5, 9)
   target_ms = [100.0, 104.0, 107.0, 118.0, 160.0]
@@ -221,20 +228,18 @@ def test_auto_budget_maximises_the_cost_models_prediction():
     np.testing.assert_allclose(policy.acceptance(state), acceptance,
                                rtol=1e-6)
     active = jnp.array([True, True])
-    budget = int(policy.budget(state, active)[0])
+    budget = int(_budget(policy, state, active)[0])
     if draft_ms:
       chosen = budget
     else:
       # Free drafts: draft all, then verify the best prefix of them.
       assert budget == 8
-      chosen = int(policy.trim(state, jnp.array([8, 8]), active)[0])
+      chosen = int(_trim(policy, state, jnp.array([8, 8]), active)[0])
 
-    def predicted(g):
-      padded = cost.ForwardCosts(batch=2, forward_ms={
-          1: target_ms[0], g + 1: target_ms[widths.index(
-              next(w for w in widths if w >= g + 1))]})
-      return cost.predict_tokens_per_s(
-          padded, g, [acceptance] * g, draft if draft_ms else None)
+    costs = policies.StepCosts.from_forwards(
+        8, cost.ForwardCosts(2, dict(zip(widths, target_ms))),
+        draft if draft_ms else None)
+    predicted = lambda g: costs.tokens_per_s([acceptance] * g, g, batch=2)
 
     best = max(range(9), key=predicted)
     assert chosen == best, (acceptance, draft_ms, chosen, best)
@@ -248,11 +253,11 @@ def test_auto_trims_to_what_rows_have():
   state = policy.init(2)
   active = jnp.array([True, True])
   np.testing.assert_array_equal(
-      policy.trim(state, jnp.array([0, 0]), active), [0, 0])
+      _trim(policy, state, jnp.array([0, 0]), active), [0, 0])
   np.testing.assert_array_equal(
-      policy.trim(state, jnp.array([2, 1]), active), [2, 2])
+      _trim(policy, state, jnp.array([2, 1]), active), [2, 2])
   np.testing.assert_array_equal(
-      policy.trim(state, jnp.array([4, 0]), active), [4, 4])
+      _trim(policy, state, jnp.array([4, 0]), active), [4, 4])
 
 
 def test_auto_drafts_nothing_past_a_rows_end():
@@ -267,22 +272,22 @@ def test_auto_drafts_nothing_past_a_rows_end():
   state = policy.init(2).replace(verified=jnp.ones((2, 4)),
                                  accepted=jnp.ones((2, 4)))
   active = jnp.array([True, True])
-  np.testing.assert_array_equal(policy.budget(state, active), [4, 4])
+  np.testing.assert_array_equal(_budget(policy, state, active), [4, 4])
   for left, usable in ((9, 4), (3, 2), (2, 1), (1, 0)):
     remaining = jnp.array([left, left])
     np.testing.assert_array_equal(
-        policy.budget(state, active, remaining), [usable] * 2)
+        _budget(policy, state, active, remaining), [usable] * 2)
     np.testing.assert_array_equal(
-        policy.trim(state, jnp.array([4, 4]), active, remaining),
+        _trim(policy, state, jnp.array([4, 4]), active, remaining),
         [usable] * 2)
   # Rows with different ends: the batch takes the longest useful budget.
   np.testing.assert_array_equal(
-      policy.budget(state, active, jnp.array([2, 3])), [2, 2])
+      _budget(policy, state, active, jnp.array([2, 3])), [2, 2])
 
 
 def test_near_the_end_auto_chooses_by_when_the_batch_ends():
   # Once no row has over `horizon` tokens left, the in-loop choice must
-  # agree with `tuning.cost.predict_tokens_per_s(..., tokens=r)` on the
+  # agree with `StepCosts.tokens_per_s(..., tokens=r)` on the
   # host, which waits for the slowest of B rows. Machine G's B = 32 costs
   # (ms; widths 1, 2, 3, 5): at α = 0.5 one draft is 1.06x a plain step
   # in the steady state but not over 31 tokens; at 0.8 it pays both ways.
@@ -307,15 +312,13 @@ def test_near_the_end_auto_chooses_by_when_the_batch_ends():
           seen_verified=jnp.full((batch, GAMMA), 1000.0))
       np.testing.assert_allclose(policy.pooled(state, active)[0],
                                  acceptance, rtol=1e-6)
-      chosen[acceptance, horizon, serial] = int(policy.budget(
+      chosen[acceptance, horizon, serial] = int(_budget(policy, 
           state, active, jnp.full((batch,), left))[0])
 
-    def predicted(g, tokens):
-      padded = cost.ForwardCosts(batch=batch, forward_ms={
-          1: target_ms[0], g + 1: target_ms[widths.index(
-              next(w for w in widths if w >= g + 1))]})
-      return cost.predict_tokens_per_s(padded, g, [acceptance] * g, draft,
-                                       tokens=tokens)
+    costs = policies.StepCosts.from_forwards(
+        GAMMA, cost.ForwardCosts(batch, dict(zip(widths, target_ms))), draft)
+    predicted = lambda g, tokens: costs.tokens_per_s(
+        [acceptance] * g, g, batch=batch, tokens=tokens)
 
     # A row with r tokens left uses at most r - 1 drafts either way.
     for serial in (True, False):
@@ -452,25 +455,6 @@ def test_a_warm_policy_priced_anew_keeps_what_it_learned():
     warm.priced([2.0, 2.1])
 
 
-def test_a_warm_start_trusts_the_whole_generation_not_its_last_steps():
-  # Machine G's B = 1 costs, and a fast decay (rate 0.2: the default's
-  # estimate would not fall so far in four steps). A generation whose
-  # first 8 four-token steps were accepted and whose last 4 were rejected
-  # at their first draft: its decayed estimate of position 1 ends at 0.37,
-  # about the last five observations, under which no budget pays; all it
-  # saw says (0.7 + 8) / 13 = 0.67, under which four drafts pay. The next
-  # generation starts from the latter and drafts at once.
-  policy = policies.Auto.create(**G_B1, rate=0.2)
-  budgets, state = _steps(policy, lambda step, budget: budget * (step < 8),
-                          12)
-  assert budgets == [1] + [4] * 11, budgets
-  assert float(policy.acceptance(state)[0, 0]) < 0.4
-  warm = policy.warm(state)
-  np.testing.assert_allclose(warm.acceptance(warm.init(1))[0, 0],
-                             8.7 / 13.0, rtol=1e-6)
-  assert _steps(warm, lambda step, budget: budget, 3)[0] == [4, 4, 4]
-
-
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_draft_prefill_observes_the_first_acceptance(pair, temperature):
   # Before any step, each row observes draft position 1 once, for free:
@@ -522,194 +506,39 @@ def test_draft_prefill_observes_the_first_acceptance(pair, temperature):
   assert int(state.wait) == 0
 
 
-def _steps(policy, accept, num_steps, tokens=None):
-  """Drives `policy` for one row; `accept(step, budget)` is how many of the
-  step's drafts are accepted, `tokens` how many the row has left at the
-  first step (None for no end; one fewer at each step). Returns the
-  budgets and the last state."""
-  active, state, budgets = jnp.array([True]), policy.init(1), []
-  for step in range(num_steps):
-    remaining = None if tokens is None else jnp.array([tokens - step])
-    budget = policy.budget(state, active, remaining)
-    proposal = Proposal(tokens=jnp.zeros((1, GAMMA), jnp.int32),
-                        num_drafted=budget, num_forwards=budget[0])
-    state = policy.update(state, budget, proposal,
-                          jnp.minimum(budget, accept(step, budget)), active)
-    budgets.append(int(budget[0]))
-  return budgets, state
-
-
-def test_failed_probes_back_off_until_drafting_pays_again():
-  # Nothing accepted: plain steps, a probe after 2 idle steps, then 4, then
-  # 8, capped at 8; once a probe is accepted the policy drafts of its own
-  # accord and the wait returns to 2. (No probe at the first step here:
-  # `test_a_cold_start_tests_its_prior_at_the_first_step`.)
-  policy = policies.Auto.create(**COSTS, prior=0.0, probe_every=2,
-                                probe_max=8, probe_first=False)
-  budgets, state = _steps(
-      policy, lambda step, budget: budget * (step >= 34), 40)
-  probes = [step for step, k in enumerate(budgets[:35]) if k]
-  assert probes == [2, 7, 16, 25, 34], probes
-  assert int(state.wait) == 2 and int(state.idle) == 0
-  # A probe predicted to cost 4.5 plain steps (a 1.0 draft token, one
-  # catch-up pass priced 1.0 x 3.0 / 1.0, and 0.5 for the wider target
-  # pass) waits 4.5 times as long.
-  dear = policies.Auto.create(max_gamma=GAMMA, target_ms=[1.0, 1.5, 2.0, 3.0],
-                              draft_ms=1.0, prior=0.0, probe_every=2,
-                              probe_first=False)
-  np.testing.assert_allclose(dear.probe_ms(jnp.int32(2)), 4.5)
-  # By the 9 plain steps that takes, the draft model has fallen 9 tokens
-  # behind: two catch-up passes, a price of 7.5. Every step idle adds 3.0
-  # / 5 = 0.6 to it, 1.2 plain steps at a wait of 2: a probe could never
-  # keep to its share of the time, and none is made.
-  np.testing.assert_allclose(dear.probe_ms(jnp.int32(9)), 7.5)
-  budgets, _ = _steps(dear, lambda step, budget: 0 * budget, 64)
-  assert budgets == [0] * 64, budgets
-  # With a first draft token of 1.0, a further one of 0.25 and a wait of
-  # 3, the first step i with i >= 3 x price(i), price(i) = 1.0 + ceil(i /
-  # 5) x 0.25 x 3.0 + 0.5, is i = 9: by then the draft model needs two
-  # catch-up passes. (Priced at the wait, 3 x 2.25, it would have been 7.)
-  cheaper = policies.Auto.create(
-      max_gamma=GAMMA, target_ms=[1.0, 1.5, 2.0, 3.0], draft_ms=0.25,
-      first_draft_ms=1.0, prior=0.0, probe_every=3, probe_first=False)
-  price = lambda i: 1.0 + -(-i // 5) * 0.75 + 0.5
-  first = next(i for i in range(1, 64) if i >= 3 * max(1.0, price(i)))
-  assert first == 9
-  budgets, _ = _steps(cheaper, lambda step, budget: 0 * budget, 12)
-  assert budgets.index(1) == first, budgets
-  with pytest.raises(ValueError, match="probe_max"):
-    policies.Auto.create(**COSTS, probe_every=8, probe_max=4)
-
-
 # Costs measured on machine F at B = 1 (ms; targets at T = 1, 2, 3, 5).
 F_B1 = dict(max_gamma=GAMMA, target_ms=[230.0, 342.0, 328.0, 387.0],
             draft_ms=91.0, first_draft_ms=105.0)
 # Machine F's at B = 4: even certain acceptance gains 2.6%.
 F_B4 = dict(max_gamma=GAMMA, target_ms=[348.0, 526.0, 709.0, 1188.0],
             draft_ms=120.0, first_draft_ms=189.0)
-# Machine G's (sixth session, p_b1): verification nearly free.
-G_B1 = dict(max_gamma=GAMMA, target_ms=[229.0, 259.0, 275.0, 300.0],
-            draft_ms=92.0, first_draft_ms=100.0)
+# Committed cost tables (results/never_slower/*/crossover.json; ms; the
+# target at T = 1, 2, 3, 5, the draft model at T = 1 and 2).
+MACHINE_B_B1 = policies.StepCosts(
+    max_gamma=GAMMA, target_ms=(157.5, 181.5, 185.8, 197.2),
+    draft_ms=61.7, first_draft_ms=61.2)
+MACHINE_C_B8 = policies.StepCosts(
+    max_gamma=GAMMA, target_ms=(343.7, 474.8, 622.6, 886.1),
+    draft_ms=104.4, first_draft_ms=150.0)
 
 
-def test_a_cold_start_tests_its_prior_at_the_first_step():
-  # Costs where the prior (0.7) predicts that no K pays, but K = 2 and 4
-  # pay once position 1 is seen accepted (machine F at B = 1: a draft
-  # token 0.4 of a target pass, the two-token pass 1.5x a one-token one).
-  # From the prior alone the policy never drafted, so it never learned
-  # that drafts are accepted; now its first step drafts one token. (With
-  # no evidence, the confidence bound on the prior alone, 0.7 + 0.46,
-  # capped at 1, also hopes for a draft where no margin is asked for:
-  # `test_an_optimistic_bound_probes_...`. It hopes for one token, 2 in
-  # 342 + 105 ms, 4.474 a second against a plain step's 4.348: 2.9% more,
-  # under the default margin of 3%, so by default it does not.)
-  all_accepted = lambda step, budget: budget
-  never = policies.Auto.create(**F_B1, probe_first=False, optimism=0.0)
-  assert _steps(never, all_accepted, 12)[0] == [0] * 12
-  hoping = policies.Auto.create(**F_B1, probe_first=False, margin=0.0)
-  assert _steps(hoping, all_accepted, 3)[0] == [1, 2, 4]
-  careful = policies.Auto.create(**F_B1, probe_first=False)
-  assert _steps(careful, all_accepted, 3)[0] == [0, 0, 0]
-  assert _steps(careful.replace(margin=jnp.float32(0.028)), all_accepted,
-                1)[0] == [1]
-  # Counts decay by 1 - rate = 0.95. Accepted, every position is estimated
-  # at (0.665 + 1) / 1.95 = 0.854, and two drafts pay best: 2.583 tokens
-  # in 328 + 105 + 91 = 524 ms (4.929 a second) against four's 3.737 in
-  # 387 + 105 + 3 * 91 = 765 ms (4.884) and a plain step's 4.348. Both
-  # accepted, position 1 is at 2.582 / 2.853 = 0.905 and the deeper ones
-  # at (1 + 0.905) / 2 = 0.953: four drafts, 4.371 tokens in 765 ms
-  # (5.713) against two's 2.767 in 524 (5.281).
-  budgets, state = _steps(policies.Auto.create(**F_B1), all_accepted, 6)
-  assert budgets == [1, 2, 4, 4, 4, 4], budgets
-  # Accepted, then the two-token step rejected at its first draft: 1.582 /
-  # 2.853 = 0.554 at every position, under which no K beats a plain step
-  # (two drafts: 1.862 tokens in 524 ms, 3.553 a second). Its bound 0.554
-  # + √(0.554 · 0.446 / 3) = 0.842, the deeper positions at 0.554, puts
-  # two drafts first (2.308 tokens in 524 ms, 4.405), 1.3% over a plain
-  # step: under the default margin, plain steps. Without a margin it is
-  # one more try; rejected again, 1.503 / 3.710 = 0.405 and a bound of
-  # 0.405 + 0.245 = 0.650 hope for nothing (two drafts 3.653 a second,
-  # one 3.692): plain steps.
-  first_only = lambda step, budget: budget * (step == 0)
-  budgets, _ = _steps(policies.Auto.create(**F_B1), first_only, 6)
-  assert budgets == [1, 2, 0, 0, 0, 0], budgets
-  budgets, _ = _steps(policies.Auto.create(**F_B1, margin=0.0), first_only,
-                      6)
-  assert budgets == [1, 2, 2, 0, 0, 0], budgets
-  # Rejected, the first probe leaves plain steps and the usual wait.
-  budgets, state = _steps(policies.Auto.create(**F_B1),
-                          lambda step, budget: 0 * budget, 8)
-  assert budgets == [1] + [0] * 7 and int(state.wait) == 16, budgets
-  # Started warm from learned estimates, the first step is no probe.
-  warm = policies.Auto.create(**F_B1).warm(state)
-  assert _steps(warm, all_accepted, 3)[0] == [0] * 3
-
-
-# Machine F's B = 1 costs where verification was cheap (its fourth
-# session, t(3) / t(1) = 1.2): a one-token draft pays from a position-1
-# acceptance of (318 + 109) / 275 - 1 = 0.553.
-F_CHEAP = dict(max_gamma=GAMMA, target_ms=[275.0, 318.0, 331.0, 403.0],
-               draft_ms=92.0, first_draft_ms=109.0)
-
-
-def test_an_optimistic_bound_probes_near_the_break_even():
-  # Position 1's estimate a = accepted / verified, its bound a + sqrt(a (1
-  # - a) / (trials + 1)). a = 0.5 after 2 trials: 0.5 + 0.289 = 0.789 >
-  # 0.553, a one-token probe at once (not due: the wait is 16 steps);
-  # without optimism a plain step. After 1000 trials: 0.5 + 0.016, plain.
-  # a = 0.2 after 2 trials: 0.2 + 0.231 = 0.431, plain.
-  policy = policies.Auto.create(**F_CHEAP, probe_first=False)
-  plain = policies.Auto.create(**F_CHEAP, probe_first=False, optimism=0.0)
-  active = jnp.array([True])
-
-  def budget(policy, a, trials):
-    state = policy.init(1).replace(
-        verified=jnp.array([[4.0, 0.0, 0.0, 0.0]]),
-        accepted=jnp.array([[4.0 * a, 0.0, 0.0, 0.0]]),
-        seen_verified=jnp.array([[trials, 0.0, 0.0, 0.0]]))
-    return int(policy.budget(state, active)[0])
-
-  assert budget(policy, 0.5, 2.0) == 1
-  assert budget(plain, 0.5, 2.0) == 0
-  assert budget(policy, 0.5, 1000.0) == 0
-  assert budget(policy, 0.2, 2.0) == 0
-  # From the prior (0.7: two drafts pay at once on these costs), every
-  # draft rejected: a = 0.56 / 1.8 = 0.311 after one trial, bound 0.311 +
-  # 0.327 = 0.638, a hoped-for probe; a = 0.448 / 2.44 = 0.184 after two,
-  # bound 0.408, plain steps.
-  # The trials count every step that verified position 1, undecayed, and
-  # a warm start carries them.
-  budgets, state = _steps(policy, lambda step, budget: 0 * budget, 4)
-  assert budgets == [2, 1, 0, 0], budgets
-  assert float(state.seen_verified[0, 0]) == 2.0
-  warm = policy.warm(state)
-  assert float(warm.pooled(warm.init(2), jnp.ones((2,), bool))[1][0]) == 2.0
-  with pytest.raises(ValueError, match="optimism"):
-    policies.Auto.create(**F_CHEAP, optimism=-1.0)
-
-
-def test_a_deeper_position_rejected_early_is_tried_again():
-  # F_CHEAP, position 1 accepted (a1 near 1): two drafts beat one by the
-  # 3% margin where (1 + a1 + a1 a2) / (331 + 109 + 92) > 1.03 (1 + a1) /
-  # (318 + 109), a2 > 0.60 at a1 = 0.9 and 0.53 at 1. Position 2 rejected
-  # at the first step: its estimate (0 + a1) / (1 + 1) <= 0.5, one draft a
-  # step from then on at the estimates alone (optimism 0), although every
-  # later draft would be accepted. Its bound after one verification,
-  # 0.45 + sqrt(0.45 * 0.55 / 2) = 0.80 at a1 = 0.9, tries two at once.
-  accept_later = lambda step, budget: jnp.where(step == 0, 1, budget)
-  budgets, _ = _steps(policies.Auto.create(**F_CHEAP, optimism=0.0),
-                      accept_later, 12)
-  assert budgets == [2] + [1] * 11, budgets
-  budgets, state = _steps(policies.Auto.create(**F_CHEAP), accept_later, 12)
-  assert budgets[1] == 2 and min(budgets[1:]) >= 2, budgets
-  assert float(state.seen_verified[0, 1]) == 12.0
-  # Where position 2 is always rejected, the bound narrows with its
-  # verifications (after 3: about 0.27 + sqrt(0.27 * 0.73 / 4) = 0.49)
-  # and the policy stops trying it.
-  budgets, state = _steps(policies.Auto.create(**F_CHEAP),
-                          lambda step, budget: jnp.minimum(budget, 1), 40)
-  assert float(state.seen_verified[0, 1]) <= 4.0, budgets
-  assert budgets[-30:] == [1] * 30, budgets
+@pytest.mark.parametrize("batch, costs", [
+    (1, MACHINE_B_B1),
+    pytest.param(8, MACHINE_C_B8, marks=pytest.mark.slow)])
+def test_auto_loses_little_to_the_best_fixed_gamma(batch, costs):
+  """The outcome that matters: over 32 tokens, from its prior (cold) and
+  from what one earlier generation learned (warm), `auto` is within 5% of
+  the best of autoregressive decoding and every fixed γ in hindsight
+  (simulated: no timing noise), at an acceptance where drafting loses
+  and at two where it pays. A fixed γ fails this at one α or another:
+  the check below keeps the bound meaningful."""
+  policy = policies.Auto.from_costs(costs)
+  ratio = lambda p, alpha, **kw: tuning.simulate.over_best(
+      p, costs, alpha=alpha, batch=batch, tokens=32, samples=128, **kw)
+  for alpha in (0.05, 0.8, 0.95):
+    assert ratio(policy, alpha) >= 0.95, alpha
+    assert ratio(policy, alpha, warm_after=1) >= 0.95, alpha
+  assert min(ratio(policies.Fixed(2), a) for a in (0.05, 0.95)) < 0.95
 
 
 def test_a_gain_under_the_margin_is_not_drafted():
@@ -729,35 +558,6 @@ def test_a_gain_under_the_margin_is_not_drafted():
   assert policies.Auto.create(**F_B4, margin=0.02).may_draft()
   with pytest.raises(ValueError, match="margin"):
     policies.Auto.create(**F_B1, margin=-0.01)
-
-
-def test_no_probe_that_the_tokens_left_cannot_repay():
-  # Machine F at B = 4: even certain acceptance saves 2.6% of a plain
-  # step's time per token (K = 2: 3 tokens in 1018 ms against 1 in 348),
-  # 8.7 ms a token, while a probe costs a draft pass and a two-token pass,
-  # 367 ms beyond a plain step: it can pay for itself only with over 42
-  # tokens left. With the F B = 1 costs (a 217 ms probe; with 4 tokens
-  # left, 3 drafts at certain acceptance save 61.5 ms a token, with 3
-  # left 2 save 55.3) it can with 4. (No margin here: a 2.6% gain is
-  # under the default one, which alone would stop every draft at F's
-  # B = 4: `test_a_gain_under_the_margin_is_not_drafted`.)
-  accepted = lambda step, budget: budget
-  for costs, short, long in ((F_B4, 42, 43), (F_B1, 3, 4)):
-    policy = policies.Auto.create(**costs, margin=0.0)
-    assert policy.may_draft()
-    assert _steps(policy, accepted, 1, tokens=short)[0] == [0]
-    assert _steps(policy, accepted, 1, tokens=long)[0] == [1]
-  # The periodic probes too: after a rejected first probe the next is due
-  # at step 5 (`probe_ms` stretches the wait of 2); with 4 tokens left
-  # there it is not made.
-  rejected = lambda step, budget: 0 * budget
-  no_end, _ = _steps(policies.Auto.create(**F_B1, probe_every=2), rejected,
-                     12)
-  assert no_end.count(1) == 2, no_end
-  assert no_end.index(1, 1) == 5, no_end
-  near_end, _ = _steps(policies.Auto.create(**F_B1, probe_every=2),
-                       rejected, 9, tokens=9)
-  assert near_end == [1] + [0] * 8, near_end
 
 
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
@@ -807,6 +607,10 @@ def test_errors_name_the_problem(pair):
     policies.Auto.create(**COSTS, prior=1.5)
   with pytest.raises(ValueError, match="rate"):
     policies.Auto.create(**COSTS, rate=0.0)
+  with pytest.raises(ValueError, match="optimism"):
+    policies.Auto.create(**COSTS, optimism=-1.0)
+  with pytest.raises(ValueError, match="probe_max"):
+    policies.Auto.create(**COSTS, probe_every=8, probe_max=4)
 
 
 def test_auto_times_nothing_inside_a_call(pair, tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from specjax import metrics
+from specjax import policies
 from specjax import testing
 from specjax.tuning import cost
 
@@ -28,8 +29,10 @@ def test_prediction_reduces_to_leviathan():
   alpha, gamma, c = 0.8, 4, 0.25
   target = cost.ForwardCosts(1, {1: 100.0, 5: 100.0})
   draft = cost.ForwardCosts(1, {1: 100.0 * c})
-  spec = cost.predict_tokens_per_s(target, gamma, [alpha] * gamma, draft)
-  ar = cost.predict_tokens_per_s(target, 0, [])
+  spec = policies.StepCosts.for_fixed(gamma, target, draft).tokens_per_s(
+      [alpha] * gamma, gamma, batch=target.batch)
+  ar = policies.StepCosts.for_fixed(0, target).tokens_per_s(
+      [], 0, batch=target.batch)
   assert ar == pytest.approx(10.0)
   assert spec / ar == pytest.approx(metrics.predicted_speedup(alpha, gamma,
                                                               c))
@@ -42,7 +45,8 @@ def test_drafting_pays_a_two_token_first_pass():
   # Measured at T = 1 only, the first pass is priced as one forward.
   assert cost.ForwardCosts(1, {1: 10.0}).drafting_ms(3) == 30.0
   target = cost.ForwardCosts(1, {1: 100.0, 4: 130.0})
-  tps = cost.predict_tokens_per_s(target, 3, [1.0] * 3, draft)
+  tps = policies.StepCosts.for_fixed(3, target, draft).tokens_per_s(
+      [1.0] * 3, 3, batch=target.batch)
   assert tps == pytest.approx(4 / ((130.0 + 34.0) / 1e3))
 
 
@@ -52,7 +56,8 @@ def test_prediction_uses_measured_verify_cost_and_free_drafting():
   with pytest.raises(ValueError, match="outside the measured range"):
     target.at(9)
   # Zero-cost drafter (prompt lookup), B = 2 rows, γ = 4, all accepted.
-  tps = cost.predict_tokens_per_s(target, 4, [1.0] * 4)
+  tps = policies.StepCosts.for_fixed(4, target).tokens_per_s(
+      [1.0] * 4, 4, batch=target.batch)
   assert tps == pytest.approx(2 * 5 / 0.160)
 
 
@@ -99,14 +104,18 @@ def test_expected_steps_by_hand():
 
 def test_prediction_for_a_batch_waits_for_its_slowest_row():
   target = cost.ForwardCosts(16, {1: 100.0, 5: 200.0})
-  steady = cost.predict_tokens_per_s(target, 4, [0.9] * 4)
-  finite = cost.predict_tokens_per_s(target, 4, [0.9] * 4, tokens=32)
+  steady = policies.StepCosts.for_fixed(4, target).tokens_per_s(
+      [0.9] * 4, 4, batch=target.batch)
+  finite = policies.StepCosts.for_fixed(4, target).tokens_per_s(
+      [0.9] * 4, 4, batch=target.batch, tokens=32)
   steps = cost.expected_steps([0.9] * 4, 4, 32, batch=16)
   assert finite == pytest.approx(16 * 32 / (steps * 0.2))
   assert steps > 32 / cost.expected_tokens([0.9] * 4, 4) and finite < steady
   # Plain steps: every row ends after `tokens` steps, as in the steady state.
-  assert cost.predict_tokens_per_s(target, 0, [], tokens=32) == (
-      pytest.approx(cost.predict_tokens_per_s(target, 0, [])))
+  assert policies.StepCosts.for_fixed(0, target).tokens_per_s(
+      [], 0, batch=target.batch, tokens=32) == (
+      pytest.approx(policies.StepCosts.for_fixed(0, target).tokens_per_s(
+      [], 0, batch=target.batch)))
 
 
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step

@@ -14,24 +14,31 @@ maximises the batch's predicted tokens per ms,
 
 E[τ](K) = 1 + Σ_{i≤min(K, r_b - 1)} Π_{j≤i} a_j, d(K) the drafter's cost
 of K tokens. K = 0 is a plain step, kept unless the best K predicts more
-than `margin` over it (`choose`). Around that core, each added where a
-benchmark round found the core alone losing (docs/policies.md):
+than `margin` over it (`choose`). Around that core, the parts that the
+simulator shows to pay (`specjax.tuning.simulate.over_best` on the
+committed cost tables, BENCHMARKS.md "Policies"; a one-deeper draft
+did not, and is gone):
 
 - near the end (no row with over `horizon` tokens left) it prices when the
   slowest row ends (`finish_rate`, `specjax.finish`);
-- once drafted, it verifies only the leading drafts that pay (`trim`);
+- a plain step drafts what an upper confidence bound on the first draft's
+  acceptance hopes for (`hoped`), so an estimate that a few unlucky
+  rejections pulled under the break-even is tested again, and one that
+  keeps seeing rejections stops hoping;
 - while it takes plain steps it probes with one draft now and then, the
   wait stretched to the probe's price and doubled after each probe that
-  changes nothing (`_due`, `probe_ms`), and at once where an upper
-  confidence bound on the first draft's acceptance says drafting would pay
-  (`hoped`); while it drafts, the same bound one position deeper may add
-  a draft (`deepen`);
-- a draft model's prefill guess at the first token is observed for free
-  (`observe`); `warm` starts a next generation from all an earlier one
+  changes nothing, and none that the tokens left cannot repay (`_due`,
+  `probe_ms`, `_pays_back`): the estimates learn only from drafted steps,
+  so without probes a policy that stopped drafting would never see the
+  acceptance come back; unpriced, probes every 16 steps cost 9% at α =
+  0.05 on machine B's B = 1 table;
+- once drafted, it verifies only the leading drafts that pay (`trim`: for
+  a drafter that costs nothing, all the choosing);
+
+Besides, a draft model's prefill guess at the first token is observed for
+free (`observe`); `warm` starts a next generation from all an earlier one
   saw; `may_draft` lets `speculative_generate` run `generate` where even
   certain acceptance could never pay.
-
-docs/policies.md tells the design and the measurements behind each part.
 """
 
 from __future__ import annotations
@@ -199,6 +206,13 @@ class Auto(Estimates, GammaPolicy):
     """`create` priced by `costs` (`StepCosts.for_call`, or measured by
     `specjax.tuning.cost.step_costs`); `kwargs` as `create` takes them."""
     return cls.create(**costs.policy_kwargs(), **kwargs)
+
+  def costs(self) -> StepCosts:
+    """The `StepCosts` this policy prices steps by (host values)."""
+    return StepCosts(max_gamma=self.max_gamma,
+                     target_ms=tuple(map(float, self.target_ms)),
+                     draft_ms=float(self.draft_ms),
+                     first_draft_ms=float(self.first_draft_ms))
 
   def priced(self, target_ms: Sequence[float], draft_ms: float = 0.0,
              first_draft_ms: float | None = None) -> "Auto":
@@ -448,67 +462,12 @@ class Auto(Estimates, GammaPolicy):
       available, remaining: [B] as in `score`, or None.
     """
     pooled, evidence = self.pooled(state, active)  # [G], [G]
-    rate = self._score_bound(state, pooled, evidence, 0, active, remaining,
-                             available)  # [G+1]
+    error = jnp.sqrt(pooled[0] * (1.0 - pooled[0]) / (evidence[0] + 1.0))
+    bound = pooled.at[0].set(jnp.minimum(pooled[0] + self.optimism * error,
+                                         1.0))
+    rate = self.score(jnp.broadcast_to(bound, state.verified.shape), bound,
+                      active, remaining, available)  # [G+1]
     return self.choose(rate, jnp.where(evidence[0] > 0, self.max_gamma, 1))
-
-  def _score_bound(self, state: PolicyState, pooled: jax.Array,
-                   evidence: jax.Array, position: jax.Array | int,
-                   active: jax.Array, remaining: jax.Array | None,
-                   available: jax.Array | None,
-                   drafting: bool = True) -> jax.Array:
-    """[G+1] `score` for every row at the batch's estimates `pooled` [G],
-    with the one at `position` (0-based) raised to its upper confidence
-    bound a + `optimism` · √(a(1 - a) / (n + 1)), n its `evidence` [G]."""
-    error = jnp.sqrt(pooled * (1.0 - pooled) / (evidence + 1.0))
-    bound = jnp.where(jnp.arange(self.max_gamma) == position,
-                      jnp.minimum(pooled + self.optimism * error, 1.0),
-                      pooled)
-    return self.score(jnp.broadcast_to(bound, state.verified.shape), bound,
-                      active, remaining, available, drafting)
-
-  def deepen(self, state: PolicyState, k: jax.Array, active: jax.Array,
-             available: jax.Array | None = None,
-             remaining: jax.Array | None = None,
-             drafting: bool = True) -> jax.Array:
-    """[] the budget `k`, or k + 1 where an upper confidence bound on the
-    acceptance of position k + 1 predicts it beats `k` by more than
-    `margin` (`score` at the batch's pooled estimates, position k + 1 at
-    a + `optimism` · √(a(1 - a) / (n + 1)), n its verifications in the
-    batch, not decayed, and those its start counts stand for); only
-    where `k` > 0 and position k has been verified at least once.
-
-    A deeper position is observed only when a step drafts that deep, so an
-    estimate that a few early rejections pulled under its break-even
-    would otherwise never be tested again: at B = 2, α = 0.8 and machine
-    B's costs, replayed on the tiny pair, `auto` warm-started from a
-    generation whose position 2 was rejected once drafted one token a step
-    for four generations where two pay (BENCHMARKS.md). Drafting one token
-    deeper costs a draft forward and a slightly wider target pass, and the
-    bound narrows as the position is observed, so a position whose
-    acceptance is really low stops being tried.
-
-    Args:
-      state: the policy state.
-      k: [] the budget chosen at the estimates.
-      active: [B] rows that count.
-      available, remaining: [B] as in `score`, or None.
-      drafting: as in `predicted_rate`.
-    """
-    k = jnp.asarray(k, jnp.int32)
-
-    def deeper():
-      pooled, evidence = self.pooled(state, active)  # [G], [G]
-      more = jnp.minimum(k + 1, self.max_gamma)
-      rate = self._score_bound(state, pooled, evidence, more - 1, active,
-                               remaining, available, drafting)  # [G+1]
-      tested = evidence[k - 1] > 0
-      return jnp.where((more > k) & tested
-                       & (rate[more] > rate[k] * (1.0 + self.margin)),
-                       more, k)
-
-    # A plain step (k = 0) has no deeper position to try.
-    return jax.lax.cond(k > 0, deeper, lambda: k)
 
   def _probe(self, state: PolicyState, k: jax.Array, active: jax.Array,
              available: jax.Array | None,
@@ -534,9 +493,9 @@ class Auto(Estimates, GammaPolicy):
     rate = self.score(self.acceptance(state),
                       self.pooled(state, active)[0], active, remaining,
                       usable)  # [G+1]
-    k = self.deepen(state, self.choose(rate), active, usable, remaining)
     k = jnp.where(self.draft_ms > 0,
-                  self._probe(state, k, active, usable, remaining),
+                  self._probe(state, self.choose(rate), active, usable,
+                              remaining),
                   self.max_gamma)
     return jnp.where(active, k, 0).astype(jnp.int32)
 
@@ -551,8 +510,6 @@ class Auto(Estimates, GammaPolicy):
       k = self.choose(self.score(self.acceptance(state),
                                  self.pooled(state, active)[0], active,
                                  remaining, num_drafted, drafting=False))
-      k = self.deepen(state, k, active, num_drafted, remaining,
-                      drafting=False)
       return self._probe(state, k, active, num_drafted,
                          remaining).astype(jnp.int32)
 

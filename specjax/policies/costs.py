@@ -40,7 +40,8 @@ from specjax.verify import verify_widths
 from specjax.verify import width_index
 
 __all__ = ["ForwardCosts", "Roofline", "StepCosts", "catch_up_ms",
-           "check_entry", "check_machine", "drafting_ms", "expected_tokens",
+           "check_entry", "check_machine", "drafting_ms", "expected_steps",
+           "expected_tokens",
            "read_table", "survival", "table_key"]
 
 
@@ -259,6 +260,41 @@ def expected_tokens(acceptance: Sequence[float], gamma: int) -> float:
   return float(survival(acceptance, gamma).sum())
 
 
+def expected_steps(acceptance: Sequence[float], gamma: int, tokens: int,
+                   batch: int = 1) -> float:
+  """E[steps] until every one of `batch` rows has emitted `tokens` tokens.
+
+  A step emits τ tokens per row, P(τ > i) = Π_{j≤i} a_j for i ≤ γ (the
+  last step's are cut at the row's end), independently across rows and
+  steps; the batch runs until its slowest row ends, so this is E[max over
+  rows of a row's steps] = Σ_{s≥0} (1 - F(s)^B), with F(s) the
+  probability that one row is done after s steps (computed exactly by
+  convolving τ's distribution). It exceeds tokens / E[τ] by the last
+  step's overshoot and, for B > 1, by the spread between rows.
+
+  Args:
+    acceptance: a_1, a_2, ...: conditional acceptances, at least γ values.
+    gamma: γ >= 0 (0: one token per step).
+    tokens: tokens per row, >= 1.
+    batch: B rows, >= 1.
+  """
+  if tokens < 1 or batch < 1:
+    raise ValueError(f"tokens and batch must be >= 1, got {tokens} and "
+                     f"{batch}.")
+  survive = survival(acceptance, gamma)  # [γ+1] P(τ > i)
+  emit = survive - np.append(survive[1:], 0.0)  # [γ+1] P(τ = i + 1)
+  # After s steps: done = F(s); left[n] = P(the row has emitted n < tokens).
+  done, left, steps = 0.0, np.eye(1, tokens)[0], 0.0
+  while 1.0 - done ** batch > 1e-12 and left.any():
+    steps += 1.0 - done ** batch
+    spread = np.zeros(tokens + gamma + 1)
+    for i, p in enumerate(emit):
+      spread[i + 1:i + 1 + tokens] += p * left
+    done += spread[tokens:].sum()
+    left = spread[:tokens]
+  return float(steps)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepCosts:
   """The forward costs one call's γ policy prices steps with.
@@ -294,6 +330,24 @@ class StepCosts:
     acceptances a_1, a_2, ... (at least k of them)."""
     return expected_tokens(acceptance, k) / self.step_ms(k)
 
+  def tokens_per_s(self, acceptance: Sequence[float], k: int, *,
+                   batch: int = 1, tokens: int | None = None) -> float:
+    """Predicted tokens/s of B rows drafting k tokens every step (0:
+    autoregressive decoding), at conditional acceptances a_1, a_2, ...
+
+    Args:
+      acceptance: at least k conditional acceptances.
+      k: drafts a step, 0 to G.
+      batch: B rows.
+      tokens: tokens per row of one generation, or None for the steady
+        state. With it, the batch's steps are `expected_steps`: the
+        generation ends with its slowest row, and rows that finished
+        earlier idle through its last steps.
+    """
+    per_step = (expected_tokens(acceptance, k) if tokens is None
+                else tokens / expected_steps(acceptance, k, tokens, batch))
+    return batch * per_step / (self.step_ms(k) / 1e3)
+
   def policy_kwargs(self) -> dict[str, Any]:
     """`Auto.create`'s cost arguments."""
     return {"max_gamma": self.max_gamma, "target_ms": list(self.target_ms),
@@ -310,6 +364,14 @@ class StepCosts:
                draft_ms=draft.at(1) if draft else 0.0,
                first_draft_ms=draft.drafting_ms(1) if draft else 0.0,
                source=source)
+
+  @classmethod
+  def for_fixed(cls, gamma: int, target: ForwardCosts,
+                draft: ForwardCosts | None = None) -> "StepCosts":
+    """The costs of a fixed γ (0: autoregressive decoding), at its own
+    widths, so that its γ + 1-token pass is priced as measured (or
+    interpolated between measured T)."""
+    return cls.from_forwards(max(int(gamma), 1), target, draft)
 
   @classmethod
   def for_call(cls, target: Any, cost_model: Any, *, batch: int,

@@ -9,7 +9,7 @@ A speculative step costs the drafter's work plus one target pass over
 with the same α. Neither holds on real hardware: the (γ+1)-token pass
 costs more than a forward, by an amount that depends on the machine and
 the batch (BENCHMARKS.md), and acceptance falls with the draft position.
-`predict_tokens_per_s` therefore uses
+`policies.StepCosts.tokens_per_s` therefore uses
 
     tokens/s = B · E[τ](γ) / (d(γ) + t_target(B, γ+1)),
     d(γ) = t_draft(B, 2) + (γ-1) · t_draft(B, 1),
@@ -30,9 +30,9 @@ this is Leviathan's formula.
 That is the steady state. One generation of B rows of N tokens each runs
 until its slowest row ends, and rows that finish earlier idle through its
 last steps: at B = 16 and N = 16 that made a fixed γ = 4 measure 1.5x
-slower than the steady state (BENCHMARKS.md). `predict_tokens_per_s(...,
+slower than the steady state (BENCHMARKS.md). `tokens_per_s(...,
 tokens=N)` therefore divides B · N by the expected number of steps of the
-slowest row (`expected_steps`) instead of by N / E[τ].
+slowest row (`policies.costs.expected_steps`) instead of by N / E[τ].
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ from specjax import sampling
 from specjax import padding
 from specjax.models.protocol import model_output
 from specjax.policies.costs import check_entry
+from specjax.policies.costs import expected_steps
 from specjax.policies.costs import expected_tokens
-from specjax.policies.costs import survival
 from specjax.policies.costs import ForwardCosts
 from specjax.policies.costs import StepCosts
 from specjax.verify import verify_widths
@@ -63,7 +63,7 @@ from specjax import store
 __all__ = ["AGREE", "DRIFT", "PASSES", "READ_BYTES", "RECHECK",
            "RECHECK_MIN_S", "ForwardCosts", "compiled_forward_hlo",
            "expected_steps", "expected_tokens", "step_costs",
-           "forward_step", "measure", "predict_tokens_per_s", "read_step"]
+           "forward_step", "measure", "read_step"]
 
 READ_BYTES = 1 << 30
 
@@ -261,68 +261,3 @@ def step_costs(target: Any, drafter: Any, *, batch: int, max_gamma: int,
   draft_costs = None if model is None else measure(model, chunks=(1, 2),
                                                    **where)
   return StepCosts.from_forwards(max_gamma, target_costs, draft_costs)
-
-
-def expected_steps(acceptance: Sequence[float], gamma: int, tokens: int,
-                   batch: int = 1) -> float:
-  """E[steps] until every one of `batch` rows has emitted `tokens` tokens.
-
-  A step emits τ tokens per row, P(τ > i) = Π_{j≤i} a_j for i ≤ γ (the
-  last step's are cut at the row's end), independently across rows and
-  steps; the batch runs until its slowest row ends, so this is E[max over
-  rows of a row's steps] = Σ_{s≥0} (1 - F(s)^B), with F(s) the
-  probability that one row is done after s steps (computed exactly by
-  convolving τ's distribution). It exceeds tokens / E[τ] by the last
-  step's overshoot and, for B > 1, by the spread between rows.
-
-  Args:
-    acceptance: a_1, a_2, ...: conditional acceptances, at least γ values.
-    gamma: γ >= 0 (0: one token per step).
-    tokens: tokens per row, >= 1.
-    batch: B rows, >= 1.
-  """
-  if tokens < 1 or batch < 1:
-    raise ValueError(f"tokens and batch must be >= 1, got {tokens} and "
-                     f"{batch}.")
-  survive = survival(acceptance, gamma)  # [γ+1] P(τ > i)
-  emit = survive - np.append(survive[1:], 0.0)  # [γ+1] P(τ = i + 1)
-  # After s steps: done = F(s); left[n] = P(the row has emitted n < tokens).
-  done, left, steps = 0.0, np.eye(1, tokens)[0], 0.0
-  while 1.0 - done ** batch > 1e-12 and left.any():
-    steps += 1.0 - done ** batch
-    spread = np.zeros(tokens + gamma + 1)
-    for i, p in enumerate(emit):
-      spread[i + 1:i + 1 + tokens] += p * left
-    done += spread[tokens:].sum()
-    left = spread[:tokens]
-  return float(steps)
-
-
-def predict_tokens_per_s(target: ForwardCosts, gamma: int,
-                         acceptance: Sequence[float],
-                         draft: ForwardCosts | None = None,
-                         tokens: int | None = None) -> float:
-  """Predicted tokens/s (all rows) of γ-token speculation; see the module.
-
-  Args:
-    target: the target's forward costs (T = 1 and T = γ+1 measured or
-      bracketed).
-    gamma: γ >= 0; 0 predicts autoregressive decoding.
-    acceptance: conditional per-position acceptance a_1..a_γ.
-    draft: the draft model's costs (T = 1, and T = 2 for its catch-up
-      pass; see `ForwardCosts.drafting_ms`), or None for a drafter that
-      runs no model.
-    tokens: tokens per row of one generation, or None for the steady
-      state. With it, the batch's steps are `expected_steps`: the
-      generation ends with its slowest row, and rows that finished
-      earlier idle through its last steps.
-  """
-  step_ms = target.at(gamma + 1)
-  if gamma and draft is not None:
-    step_ms += draft.drafting_ms(gamma)
-  if tokens is None:
-    per_step = expected_tokens(acceptance, gamma)
-  else:
-    per_step = tokens / expected_steps(acceptance, gamma, tokens,
-                                       target.batch)
-  return target.batch * per_step / (step_ms / 1e3)

@@ -12,27 +12,25 @@ each draft position is accepted with probability α, independently, as in
 verdicts are a synthetic text (`rejection.Synthetic`): the draft of a
 row's n-th token is accepted iff that token's draw is under α, whichever
 step judges it, so the policies simulated with one seed decode the same
-texts and differ by their choices alone. It prices every step
-with the costs the cost model measured, as `speculate_step` would run it:
-the target pass at the smallest compiled width holding the longest
-verified proposal, and, when a row drafts, the draft model's first
-(catch-up) pass, one forward per further draft token, and the catch-up on
-the tokens emitted while it was idle (priced as `Auto.probe_ms` prices
-it). What it reports is therefore the policy's own loss against the best
-fixed choice in hindsight, with the cost model taken as exact; the cost
-model's error is measured apart (`scripts/bench_crossover.py`).
+texts and differ by their choices alone.
 
-A fixed γ is the policy that budgets γ every step; autoregressive decoding
-is γ = 0. For them `simulate` reproduces `cost.predict_tokens_per_s`
-with the same `tokens`, the batch's slowest row included
-(`tests/test_simulate.py`).
+Every step is priced by one `policies.StepCosts`, the costs a call's
+policy chooses by: the target pass at the smallest width of
+`verify_widths(G)` holding the longest verified proposal, and, when a row
+drafts, the drafter's `drafting_ms` and its catch-up on the tokens plain
+steps emitted while it was idle (`catch_up_ms`). What it reports is the
+policy's own loss against the best fixed choice in hindsight, with the
+cost model taken as exact (or, with `truth`, priced by other costs than
+the policy's).
+
+A fixed γ is `policies.Fixed(γ)` (priced at G's widths: γ = 3 of G = 4
+at width 5); autoregressive decoding is one target forward per token.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Sequence
 
 import flax.struct
 import jax
@@ -42,52 +40,7 @@ import numpy as np
 from specjax import policies
 from specjax.step_types import Proposal
 
-__all__ = ["Fixed", "SimCosts", "auto_policy", "over_best", "policy_costs",
-           "settled", "simulate"]
-
-
-@flax.struct.dataclass
-class Fixed(policies.GammaPolicy):
-  """Budgets `gamma` drafts for every active row at every step (0:
-  autoregressive decoding)."""
-
-  gamma: int = flax.struct.field(pytree_node=False)
-  max_gamma: int = flax.struct.field(pytree_node=False)
-
-  def __post_init__(self):
-    # A budget past G would index past the compiled widths, which JAX
-    # clamps silently: the step would be priced at the widest pass.
-    policies.verify_widths(self.max_gamma)  # validates G
-    if not 0 <= self.gamma <= self.max_gamma:
-      raise ValueError(f"gamma must be in [0, max_gamma={self.max_gamma}],"
-                       f" got {self.gamma}.")
-
-  def init(self, batch):
-    return policies.Heuristic(self.max_gamma).init(batch)
-
-  def budget(self, state, active, remaining=None):
-    del state, remaining
-    return jnp.where(active, self.gamma, 0).astype(jnp.int32)
-
-  def update(self, state, budget, proposal, num_accepted, active):
-    del budget, proposal, num_accepted, active
-    return state
-
-
-@dataclasses.dataclass(frozen=True)
-class SimCosts:
-  """What one step costs, in ms.
-
-  Attributes:
-    target_ms: [W] a target pass of each width in `verify_widths(G)`.
-    draft_ms: a draft forward of one token (0: a drafter without a model).
-    first_draft_ms: a step's first draft token (the two-token catch-up
-      pass).
-  """
-
-  target_ms: Sequence[float]
-  draft_ms: float = 0.0
-  first_draft_ms: float = 0.0
+__all__ = ["over_best", "settled", "simulate"]
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -113,22 +66,32 @@ class _State:
   text: jax.Array
 
 
-def _step(policy: policies.GammaPolicy, costs: SimCosts, alpha: jax.Array,
+@flax.struct.dataclass
+class _Prices:
+  """`StepCosts` as traced arrays: [W] target_ms, [] draft_ms and
+  first_draft_ms (so that cost sets share one compiled simulation)."""
+
+  target_ms: jax.Array
+  draft_ms: jax.Array
+  first_draft_ms: jax.Array
+
+
+def _step(policy: policies.GammaPolicy, prices: _Prices, alpha: jax.Array,
           tokens: int, state: _State) -> _State:
   """One speculative step of every row, as `speculate_step` takes it."""
   max_gamma = alpha.shape[0]
-  target_ms = jnp.asarray(costs.target_ms, jnp.float32)
+  widths = policies.verify_widths(max_gamma)
   active = state.generated < tokens  # [B]
   remaining = tokens - state.generated  # [B]
   budget = policy.budget(state.policy, active, remaining)  # [B]
   drafting = jnp.any(budget > 0)
   drafted = jnp.minimum(budget, policy.trim(state.policy, budget, active,
                                             remaining))  # [B]
-  width = policies.width_index(policy.widths, jnp.max(drafted) + 1)
-  draft_ms = (policies.drafting_ms(jnp.max(budget), costs.first_draft_ms,
-                                   costs.draft_ms)
-              + policies.catch_up_ms(state.lag, costs.draft_ms, target_ms,
-                                     max_gamma))
+  width = policies.width_index(widths, jnp.max(drafted) + 1)
+  draft_ms = (policies.drafting_ms(jnp.max(budget), prices.first_draft_ms,
+                                   prices.draft_ms)
+              + policies.catch_up_ms(state.lag, prices.draft_ms,
+                                     prices.target_ms, max_gamma))
   positions = 1 + state.generated[:, None] + jnp.arange(max_gamma)[None]
   accept = jnp.take_along_axis(state.text, positions, axis=1) < alpha
   # The first rejected position, at most the drafts verified.
@@ -144,10 +107,11 @@ def _step(policy: policies.GammaPolicy, costs: SimCosts, alpha: jax.Array,
                            active),
       generated=state.generated + emitted,
       lag=jnp.where(drafting, 0, state.lag + 1),
-      ms=state.ms + target_ms[width] + jnp.where(drafting, draft_ms, 0.0))
+      ms=state.ms + prices.target_ms[width]
+      + jnp.where(drafting, draft_ms, 0.0))
 
 
-def _generation(policy: policies.GammaPolicy, costs: SimCosts,
+def _generation(policy: policies.GammaPolicy, prices: _Prices,
                 alpha: jax.Array, batch: int, tokens: int,
                 observe_first: bool, key: jax.Array) -> _State:
   """One simulated generation of `batch` rows, from `policy.init`."""
@@ -162,15 +126,14 @@ def _generation(policy: policies.GammaPolicy, costs: SimCosts,
                  lag=jnp.int32(0), ms=jnp.float32(0.0), text=text)
   return jax.lax.while_loop(
       lambda s: jnp.any(s.generated < tokens),
-      functools.partial(_step, policy, costs, alpha, tokens), state)
+      functools.partial(_step, policy, prices, alpha, tokens), state)
 
 
-@functools.partial(jax.jit, static_argnames=("costs", "batch", "tokens",
-                                             "samples", "observe_first",
-                                             "warm_after"))
-def _simulate(policy, costs, alpha, batch, tokens, samples, key,
+@functools.partial(jax.jit, static_argnames=("batch", "tokens", "samples",
+                                             "observe_first", "warm_after"))
+def _simulate(policy, prices, alpha, batch, tokens, samples, key,
               observe_first, warm_after):
-  run = functools.partial(_generation, costs=costs, alpha=alpha,
+  run = functools.partial(_generation, prices=prices, alpha=alpha,
                           batch=batch, tokens=tokens,
                           observe_first=observe_first)
 
@@ -196,7 +159,8 @@ def _per_position(alpha: float | Sequence[float], max_gamma: int
   return np.broadcast_to(alpha, (max_gamma,))
 
 
-def simulate(policy: policies.GammaPolicy, costs: SimCosts, *,
+def simulate(policy: policies.GammaPolicy | None,
+             costs: policies.StepCosts, *,
              alpha: float | Sequence[float], batch: int, tokens: int,
              samples: int = 256, seed: int = 0,
              observe_first: bool | None = None,
@@ -204,8 +168,10 @@ def simulate(policy: policies.GammaPolicy, costs: SimCosts, *,
   """Mean predicted tokens/s of `policy` over `samples` generations.
 
   Args:
-    policy: a `GammaPolicy` (`Fixed(γ, G)` for a fixed γ).
-    costs: the step costs at this batch size (`SimCosts`).
+    policy: a `GammaPolicy` with γ_max at most `costs.max_gamma` (`Auto`'s
+      equal to it); None: autoregressive decoding.
+    costs: what each step costs at this batch size (`StepCosts`, G =
+      `costs.max_gamma`).
     alpha: the probability that a draft position is accepted given that
       every earlier one was: one value for all positions, or G values.
     batch: B rows, each generating `tokens` tokens (no EOS).
@@ -216,38 +182,36 @@ def simulate(policy: policies.GammaPolicy, costs: SimCosts, *,
       first step (`GammaPolicy.observe`), as `speculative_generate` lets it
       from a draft model's prefill; None: where the costs have a draft
       model (`draft_ms` > 0).
+    warm_after: generations run before the one timed, each starting from
+      `policy.warm` of the state the one before it ended with.
 
   Returns:
     B · tokens / (mean time of a generation), in tokens per second.
   """
-  max_gamma = policy.max_gamma
-  alpha = _per_position(alpha, max_gamma)  # [G]
+  max_gamma = costs.max_gamma
+  alpha = jnp.asarray(_per_position(alpha, max_gamma))  # [G]
   if batch < 1 or tokens < 1 or samples < 1 or warm_after < 0:
     raise ValueError(f"batch, tokens and samples must be >= 1 and "
                      f"warm_after >= 0, got {batch}, {tokens}, {samples} "
                      f"and {warm_after}.")
-  alpha = jnp.asarray(alpha)
-  if len(costs.target_ms) != len(policy.widths):
+  if len(costs.target_ms) != len(costs.widths):
     raise ValueError(f"costs.target_ms needs one time per width "
-                     f"{policy.widths}, got {len(costs.target_ms)}.")
-  costs = dataclasses.replace(costs,
-                              target_ms=tuple(map(float, costs.target_ms)))
+                     f"{costs.widths}, got {len(costs.target_ms)}.")
+  if policy is None:
+    return batch * 1e3 / float(costs.target_ms[0])
+  if policy.max_gamma > max_gamma or (
+      isinstance(policy, policies.Auto) and policy.max_gamma != max_gamma):
+    raise ValueError(f"The policy's max_gamma={policy.max_gamma} does not "
+                     f"fit costs of max_gamma={max_gamma}.")
   if observe_first is None:
     observe_first = costs.draft_ms > 0
-  ms = _simulate(policy, costs, alpha, batch, tokens, samples,
+  prices = _Prices(jnp.asarray(costs.target_ms, jnp.float32),
+                   jnp.float32(costs.draft_ms),
+                   jnp.float32(costs.first_draft_ms))
+  ms = _simulate(policy, prices, alpha, batch, tokens, samples,
                  jax.random.PRNGKey(seed), bool(observe_first),
                  int(warm_after))
   return batch * tokens / (float(jnp.mean(ms)) / 1e3)
-
-
-def auto_policy(costs: SimCosts, max_gamma: int,
-                **kwargs) -> policies.Auto:
-  """`policies.Auto.create` with these costs (the inverse of
-  `policy_costs`); `kwargs` are its other arguments."""
-  return policies.Auto.create(
-      max_gamma=max_gamma, target_ms=costs.target_ms,
-      draft_ms=costs.draft_ms, first_draft_ms=costs.first_draft_ms,
-      **kwargs)
 
 
 def settled(policy: policies.Auto, alpha: float | Sequence[float],
@@ -264,35 +228,34 @@ def settled(policy: policies.Auto, alpha: float | Sequence[float],
                         first_wait=policy.probe_every)
 
 
-def policy_costs(policy: Any) -> SimCosts:
-  """The `SimCosts` an `Auto` policy was created with."""
-  return SimCosts(target_ms=tuple(map(float, policy.target_ms)),
-                  draft_ms=float(policy.draft_ms),
-                  first_draft_ms=float(policy.first_draft_ms))
-
-
-def over_best(policy: policies.GammaPolicy, costs: SimCosts, *,
+def over_best(policy: policies.GammaPolicy, costs: policies.StepCosts, *,
               alpha: float | Sequence[float], batch: int, tokens: int,
               gammas: Sequence[int] | None = None, samples: int = 256,
               seed: int = 0, observe_first: bool | None = None,
-              warm_after: int = 0) -> float:
+              warm_after: int = 0,
+              truth: policies.StepCosts | None = None) -> float:
   """`policy`'s simulated tokens/s over the best fixed γ in hindsight.
 
   Args:
-    policy: a `GammaPolicy`.
+    policy: a `GammaPolicy`; `Auto` chooses by the costs it was created
+      with.
     costs, alpha, batch, tokens, samples, seed, observe_first: as in
       `simulate`.
     warm_after: as in `simulate`, for `policy` only (a fixed γ learns
       nothing).
     gammas: the fixed γ to compare with (0: autoregressive decoding);
       default 0 to G.
+    truth: the costs every step is priced by (default `costs`): how a
+      policy fares on a table whose error it cannot see.
 
   Returns:
-    simulate(policy) / max over γ of simulate(Fixed(γ, G)).
+    simulate(policy) / max over γ of simulate(Fixed(γ)), all priced by
+    `truth`.
   """
-  gammas = range(policy.max_gamma + 1) if gammas is None else gammas
-  rate = lambda p, **kw: simulate(p, costs, alpha=alpha, batch=batch,
+  truth = costs if truth is None else truth
+  gammas = range(costs.max_gamma + 1) if gammas is None else gammas
+  rate = lambda p, **kw: simulate(p, truth, alpha=alpha, batch=batch,
                                   tokens=tokens, samples=samples, seed=seed,
                                   observe_first=observe_first, **kw)
   return rate(policy, warm_after=warm_after) / max(
-      rate(Fixed(g, policy.max_gamma)) for g in gammas)
+      rate(policies.Fixed(g) if g else None) for g in gammas)
