@@ -102,7 +102,8 @@ def cost_sets() -> list[tuple[str, int, policies.StepCosts]]:
     sets.append((name, 1, policies.StepCosts(
         max_gamma=_MAX_GAMMA.value, target_ms=tuple(_floats(target)),
         draft_ms=draft[0], first_draft_ms=draft[-1])))
-  runs = sorted(run for pattern in _RUNS.value for run in glob.glob(pattern))
+  runs = sorted(run for pattern in _RUNS.value for run in glob.glob(pattern)
+                if os.path.isdir(run))
   for run in runs:
     with open(os.path.join(run, "crossover.json")) as f:
       run_data = json.load(f)

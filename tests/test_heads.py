@@ -49,7 +49,8 @@ def splits(target):
           train.Split(tokens=tokens[40:], hidden=hidden[40:]))
 
 
-@pytest.mark.parametrize("prompt_len", [5, 100])
+@pytest.mark.parametrize("prompt_len", [
+    pytest.param(5, marks=pytest.mark.slow), 100])
 def test_prefill_returns_every_prompt_hidden_state(target, prompt_len):
   # One pass, and the chunked path (a 128-token buffer in 64-token chunks).
   tokens = jnp.asarray(np.arange(128)[None] % 97, jnp.int32)
@@ -65,8 +66,11 @@ def test_prefill_returns_every_prompt_hidden_state(target, prompt_len):
                              rtol=1e-5, atol=1e-5)
 
 
+# The default suite keeps one case of each head; the others run with the
+# slow tests.
 @pytest.mark.parametrize("kind, gamma, num_heads", [
-    ("medusa", 3, 3), ("medusa", 4, 2), ("eagle", 3, 0), ("eagle", 5, 0)])
+    ("medusa", 3, 3), pytest.param("medusa", 4, 2, marks=pytest.mark.slow),
+    ("eagle", 3, 0), pytest.param("eagle", 5, 0, marks=pytest.mark.slow)])
 def test_greedy_equals_autoregressive(target, kind, gamma, num_heads):
   drafter = (testing.random_medusa(target, num_heads) if kind == "medusa"
              else testing.random_eagle(target))
