@@ -132,33 +132,8 @@ _POOL = flags.DEFINE_bool(
 # are what `auto` is measured against.
 _ADAPTIVE = ("auto", "auto warm", "heuristic")
 
-# The real pair's shapes, for random weights where no checkpoint is at hand
-# (Qwen2.5-Coder-1.5B/0.5B-Instruct, from their config.json).
-SHAPES = {
-    "qwen2.5-coder-1.5b-instruct": models.ModelConfig(
-        arch="qwen2", vocab_size=151936, hidden_size=1536,
-        intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2,
-        head_dim=128, rope_theta=1e6, qkv_bias=True, tie_embeddings=True),
-    "qwen2.5-coder-0.5b-instruct": models.ModelConfig(
-        arch="qwen2", vocab_size=151936, hidden_size=896,
-        intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
-        head_dim=64, rope_theta=1e6, qkv_bias=True, tie_embeddings=True),
-}
-
-
 def _values(text: str, kind=int) -> list:
   return [kind(x) for x in text.split("/") if x]
-
-
-def random_model(name: str, seed: int, num_layers: int = 0):
-  """The model `name` of `SHAPES` with random weights (key `seed`) and this
-  machine's matmul plan, as the random-weight benchmarks run it; with
-  `num_layers` > 0, only that many layers."""
-  config = SHAPES[name]
-  if num_layers:
-    config = dataclasses.replace(config, num_layers=num_layers)
-  model = models.init_random(config, jax.random.key(seed))
-  return tuning.apply(model, "auto")[0]
 
 
 def _load(name: str, seed: int):
@@ -166,20 +141,12 @@ def _load(name: str, seed: int):
     return testing.tiny_pair(0)[seed], None
   if _WEIGHTS.value == "real":
     return registry.load_pretrained(name, progress=False)
-  return random_model(name, seed), None
-
-
-def random_prompts(batch: int, vocab: int) -> list[list[int]]:
-  """B prompts of `--prompt_tokens` random ids (seeded by B), as the
-  random-weight benchmarks run them."""
-  rng = np.random.default_rng(batch)
-  return rng.integers(1, min(1000, vocab), (batch, _PROMPT_TOKENS.value)
-                      ).tolist()
+  return testing.random_model(name, seed), None
 
 
 def _prompts(tokenizer, batch: int, vocab: int) -> list[list[int]]:
   if tokenizer is None:
-    return random_prompts(batch, vocab)
+    return testing.random_prompts(batch, vocab, _PROMPT_TOKENS.value)
   prompt_set = prompts_lib.load_prompts("humaneval", batch)
   return [prompts_lib.encode_prompt(tokenizer, p, chat_template=True)
           for p in prompt_set.prompts]

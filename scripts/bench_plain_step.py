@@ -48,7 +48,6 @@ from specjax import drafters
 from specjax import hardware
 from specjax import profiling
 from specjax import testing
-import bench_crossover  # the real pair's models, next to this script
 
 _BATCH = flags.DEFINE_integer("batch", 8, "Rows B.")
 _FIXED = flags.DEFINE_list("fixed_gammas", [], "Fixed γ runs to add (e.g. 4).")
@@ -64,11 +63,10 @@ _FINISH = flags.DEFINE_list(
     "'serial' or 'at_once' (default: by the backend).")
 _COUNT_OPS = flags.DEFINE_bool(
     "count_ops", False, "Count the XLA operations per decoding step.")
-# --tokens (new tokens per row), --prompt_tokens and --repeats (timed calls
-# per shape) come with bench_crossover's flags.
-_REPEATS = bench_crossover._REPEATS  # pylint: disable=protected-access
-_TOKENS = bench_crossover._TOKENS  # pylint: disable=protected-access
-_PROMPT_TOKENS = bench_crossover._PROMPT_TOKENS  # pylint: disable=protected-access
+_TOKENS = flags.DEFINE_integer("tokens", 32, "New tokens per row.")
+_PROMPT_TOKENS = flags.DEFINE_integer(
+    "prompt_tokens", 128, "Prompt length with random weights.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per run.")
 
 
 def _decode_s(runs: dict, tokens: int, repeats: int) -> dict[str, float]:
@@ -102,12 +100,13 @@ def main(argv):
   if _LAYERS.value < 0:
     target, draft = testing.tiny_pair(0)
   else:
-    target = bench_crossover.random_model("qwen2.5-coder-1.5b-instruct", 0,
+    target = testing.random_model("qwen2.5-coder-1.5b-instruct", 0,
                                           _LAYERS.value)
-    draft = bench_crossover.random_model("qwen2.5-coder-0.5b-instruct", 1,
+    draft = testing.random_model("qwen2.5-coder-0.5b-instruct", 1,
                                          _LAYERS.value)
   batch = _BATCH.value
-  prompts = bench_crossover.random_prompts(batch, target.vocab_size)
+  prompts = testing.random_prompts(batch, target.vocab_size,
+                                   _PROMPT_TOKENS.value)
   size = decode.default_cache_size(_PROMPT_TOKENS.value, _TOKENS.value,
                                    reserve=5)
   # Costs do not matter at prior 0: no draft ever predicts a gain.

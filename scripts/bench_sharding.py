@@ -15,7 +15,6 @@ COMMAND (a GPU node): python scripts/bench_sharding.py --mesh=1x8 \
 
 from __future__ import annotations
 
-import sys
 
 from absl import app
 from absl import flags
@@ -27,13 +26,11 @@ from experiments.validation import parse_mesh
 from specjax import hardware
 from specjax import models
 from specjax import sharding
+from specjax import testing
 from specjax.sharding import memory
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-import bench_crossover  # pylint: disable=g-import-not-at-top,wrong-import-position
-
 _TARGET = flags.DEFINE_string("target", "qwen2.5-coder-1.5b-instruct",
-                              "A model of bench_crossover.SHAPES.")
+                              "A model of testing.REAL_SHAPES.")
 _MESH = flags.DEFINE_string("mesh", "1x8", "DATAxMODEL.")
 _BATCH = flags.DEFINE_integer("batch", 1, "B.")
 _GAMMA = flags.DEFINE_integer("gamma", 4, "Verification of γ + 1 tokens.")
@@ -59,7 +56,7 @@ def main(argv):
   del argv
   data, model_axis = parse_mesh(_MESH.value)
   mesh = sharding.make_mesh(data=data, model=model_axis)
-  config = bench_crossover.SHAPES[_TARGET.value]
+  config = testing.REAL_SHAPES[_TARGET.value]
   dtype = jnp.dtype(_DTYPE.value)
   base = models.init_random(config, jax.random.key(0), dtype)
   print(f"{hardware.machine().get('cpu_model', '?')}, jax {jax.__version__},"

@@ -24,6 +24,7 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
+from specjax import testing
 from specjax import decode
 from specjax import loops
 from specjax import policies
@@ -32,24 +33,24 @@ from specjax import hardware
 from specjax import speculate
 from specjax.tuning import cost
 from specjax.verify import verify
-import bench_crossover  # the real pair's models, next to this script
 
 _BATCH = flags.DEFINE_integer("batch", 4, "Rows B.")
 _GAMMA = flags.DEFINE_integer("gamma", 4, "Fixed γ.")
 _ALPHA = flags.DEFINE_float("alpha", 0.95, "Synthetic acceptance.")
-# --tokens, --prompt_tokens and --repeats come with bench_crossover's flags.
-_TOKENS = bench_crossover._TOKENS  # pylint: disable=protected-access
-_PROMPT_TOKENS = bench_crossover._PROMPT_TOKENS  # pylint: disable=protected-access
-_REPEATS = bench_crossover._REPEATS  # pylint: disable=protected-access
+_TOKENS = flags.DEFINE_integer("tokens", 32, "New tokens per row.")
+_PROMPT_TOKENS = flags.DEFINE_integer(
+    "prompt_tokens", 128, "Prompt length with random weights.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per run.")
 
 
 def main(argv):
   del argv
   batch, gamma = _BATCH.value, _GAMMA.value
-  target = bench_crossover.random_model("qwen2.5-coder-1.5b-instruct", 0)
-  draft = bench_crossover.random_model("qwen2.5-coder-0.5b-instruct", 1)
+  target = testing.random_model("qwen2.5-coder-1.5b-instruct", 0)
+  draft = testing.random_model("qwen2.5-coder-0.5b-instruct", 1)
   drafter = drafters.DraftModel(draft)
-  prompts = bench_crossover.random_prompts(batch, target.vocab_size)
+  prompts = testing.random_prompts(batch, target.vocab_size,
+                                   _PROMPT_TOKENS.value)
   size = decode.default_cache_size(_PROMPT_TOKENS.value, _TOKENS.value,
                                    reserve=gamma + 1)
   tokens, lengths, _ = decode.prepare_prompts(

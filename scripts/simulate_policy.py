@@ -6,6 +6,10 @@ model, over the best of autoregressive decoding and every fixed γ <= γ_max
 in hindsight. No timing noise: it scores a policy change on several
 machines' costs in seconds (BENCHMARKS.md, "Never slower, machine G").
 
+COMMAND (BENCHMARKS.md, "Never slower": every committed cost table, cold,
+after a settled start and after one earlier generation):
+  python scripts/simulate_policy.py --runs='results/never_slower/*' \
+    --alphas=0.05/0.5/0.8/0.95 --error=0.9/1/1.1 --samples=128 --warm
 COMMAND (machine G's B = 1 costs against the same policy without its
 confidence bound):
   python scripts/simulate_policy.py \

@@ -5,9 +5,12 @@ Shape letters (`specjax.shapes`): B batch, T chunk, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.heads.eagle import Eagle
 from specjax.heads.eagle import EagleLayer
@@ -17,6 +20,7 @@ from specjax.heads.medusa import MedusaHeads
 from specjax.models import init_random
 from specjax.models import Model
 from specjax.models import ModelConfig
+from specjax.tuning import matmul
 
 TINY_TARGET = ModelConfig(
     arch="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
@@ -35,6 +39,37 @@ SHARDABLE_TARGET = ModelConfig(
 SHARDABLE_DRAFT = ModelConfig(
     arch="llama", vocab_size=256, hidden_size=32, intermediate_size=64,
     num_layers=1, num_heads=8, num_kv_heads=8, head_dim=4)
+
+
+# The real pair's shapes, for random weights where no checkpoint is at hand
+# (Qwen2.5-Coder-1.5B/0.5B-Instruct, from their config.json): what the
+# random-weight benchmarks and the accelerator check run.
+REAL_SHAPES = {
+    "qwen2.5-coder-1.5b-instruct": ModelConfig(
+        arch="qwen2", vocab_size=151936, hidden_size=1536,
+        intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2,
+        head_dim=128, rope_theta=1e6, qkv_bias=True, tie_embeddings=True),
+    "qwen2.5-coder-0.5b-instruct": ModelConfig(
+        arch="qwen2", vocab_size=151936, hidden_size=896,
+        intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+        head_dim=64, rope_theta=1e6, qkv_bias=True, tie_embeddings=True),
+}
+
+
+def random_model(name: str, seed: int, num_layers: int = 0) -> Model:
+  """The model `name` of `REAL_SHAPES` with random weights (key `seed`)
+  and this machine's matmul plan; with `num_layers` > 0, only that many
+  layers."""
+  config = REAL_SHAPES[name]
+  if num_layers:
+    config = dataclasses.replace(config, num_layers=num_layers)
+  return matmul.apply(init_random(config, jax.random.key(seed)), "auto")[0]
+
+
+def random_prompts(batch: int, vocab: int, length: int) -> list[list[int]]:
+  """B prompts of `length` random ids under min(1000, V), seeded by B."""
+  rng = np.random.default_rng(batch)
+  return rng.integers(1, min(1000, vocab), (batch, length)).tolist()
 
 
 def tiny_pair(seed: int = 0, vocab_size: int = 128,
