@@ -16,8 +16,8 @@ E[τ](K) = 1 + Σ_{i≤min(K, r_b - 1)} Π_{j≤i} a_j, d(K) the drafter's cost
 of K tokens. K = 0 is a plain step, kept unless the best K predicts more
 than `margin` over it (`choose`). Around that core, the parts that the
 simulator shows to pay (`specjax.tuning.simulate.over_best` on the
-committed cost tables, BENCHMARKS.md "Policies"; a one-deeper draft
-did not, and is gone):
+committed cost tables, BENCHMARKS.md "Never slower"; a one-deeper
+draft did not, and is gone):
 
 - near the end (no row with over `horizon` tokens left) it prices when the
   slowest row ends (`finish_rate`, `specjax.finish`);
@@ -30,15 +30,16 @@ did not, and is gone):
   changes nothing, and none that the tokens left cannot repay (`_due`,
   `probe_ms`, `_pays_back`): the estimates learn only from drafted steps,
   so without probes a policy that stopped drafting would never see the
-  acceptance come back; unpriced, probes every 16 steps cost 9% at α =
-  0.05 on machine B's B = 1 table;
+  acceptance come back; a variant with unpriced probes every 16 steps
+  lost 9% at α = 0.05 on machine B's B = 1 table;
 - once drafted, it verifies only the leading drafts that pay (`trim`: for
-  a drafter that costs nothing, all the choosing);
+  a drafter that costs nothing, all the choosing).
 
 Besides, a draft model's prefill guess at the first token is observed for
 free (`observe`); `warm` starts a next generation from all an earlier one
-  saw; `may_draft` lets `speculative_generate` run `generate` where even
-  certain acceptance could never pay.
+saw; `may_draft` lets `speculative_generate` run `generate` where even
+certain acceptance could never pay. docs/policies.md tells the design and
+the measurements behind each part.
 """
 
 from __future__ import annotations
