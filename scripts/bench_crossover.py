@@ -55,9 +55,10 @@ from such runs must be labelled synthetic. Rows ignore EOS, so every row
 does the same work.
 
 Predicted tokens/s (`specjax.policies.StepCosts`): for autoregressive and
-fixed γ, `StepCosts.for_fixed(γ, ...).tokens_per_s` with the forward costs measured at this B, the
-measured conditional acceptance per position, and the batch's steps until
-its slowest row ends (`expected_steps`); for the adaptive policies,
+fixed γ, `StepCosts.for_fixed(γ, ...).tokens_per_s` with the forward costs
+measured at this B, the measured conditional acceptance per position, and
+the batch's steps until its slowest row ends (`expected_steps`); for the
+adaptive policies,
 the generated tokens over the predicted time of the steps they took (each
 step's target pass at the width it ran, plus its draft forwards).
 """
@@ -81,11 +82,9 @@ from specjax import policies as policies_lib
 from specjax import decode
 from specjax import drafters
 from specjax import hardware
-from specjax import models
 from specjax import registry
 from specjax import testing
 from specjax.tuning import cost
-from specjax.tuning import matmul as tuning
 from specjax.tuning import simulate
 
 _WEIGHTS = flags.DEFINE_enum("weights", "real", ["real", "random"],

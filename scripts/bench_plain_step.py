@@ -101,9 +101,9 @@ def main(argv):
     target, draft = testing.tiny_pair(0)
   else:
     target = testing.random_model("qwen2.5-coder-1.5b-instruct", 0,
-                                          _LAYERS.value)
+                                  _LAYERS.value)
     draft = testing.random_model("qwen2.5-coder-0.5b-instruct", 1,
-                                         _LAYERS.value)
+                                 _LAYERS.value)
   batch = _BATCH.value
   prompts = testing.random_prompts(batch, target.vocab_size,
                                    _PROMPT_TOKENS.value)

@@ -24,13 +24,13 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
-from specjax import testing
 from specjax import decode
 from specjax import loops
 from specjax import policies
 from specjax import drafters
 from specjax import hardware
 from specjax import speculate
+from specjax import testing
 from specjax.tuning import cost
 from specjax.verify import verify
 
