@@ -6,6 +6,8 @@ Shape letters (`specjax.shapes`): B batch, T chunk, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import flax.struct
 import jax
@@ -85,6 +87,37 @@ def tiny_pair(seed: int = 0, vocab_size: int = 128,
                        dtype)
   draft = init_random(TINY_DRAFT.replace(vocab_size=vocab_size), d_key, dtype)
   return target, draft
+
+
+class Jitted:
+  """`model` with `__call__` and `prefill` jitted; every other attribute is
+  the model's. For tests that call a model many times at a few shapes: op
+  by op, each new shape compiles every primitive of a forward. Keyword
+  arguments that are not arrays (`layers`, `write_cache`) are static."""
+
+  def __init__(self, model: Any):
+    self.model = model
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self.model, name)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return _run_jitted(self.model, "__call__", args, kwargs)
+
+  def prefill(self, *args: Any, **kwargs: Any) -> Any:
+    return _run_jitted(self.model, "prefill", args, kwargs)
+
+
+def _run_jitted(model: Any, method: str, args: tuple, kwargs: dict) -> Any:
+  arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
+  static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
+  return _jitted(method, static)(model, args, arrays)
+
+
+@functools.cache
+def _jitted(method: str, static: tuple) -> Any:
+  return jax.jit(lambda model, args, arrays: getattr(model, method)(
+      *args, **arrays, **dict(static)))
 
 
 @flax.struct.dataclass

@@ -5,6 +5,7 @@ on the same target, the cost model's own `StepCosts.tokens_per_s`, and
 transformers' schedule written out by hand.
 """
 
+import functools
 import json
 
 import flax.struct
@@ -468,16 +469,13 @@ def test_draft_prefill_observes_the_first_acceptance(pair, temperature):
   prompts, lengths, size = decode.prepare_prompts(
       PROMPTS, target.vocab_size, max_new_tokens=8, cache_size=None,
       reserve=GAMMA + 1)
-  start = lambda drafter, **kw: loops.init_spec_state(
+  start = lambda drafter, **kw: _policy_at_start(
       target, drafter, jnp.asarray(prompts), jnp.asarray(lengths),
-      speculate.StepParams.create(temperature=temperature, **kw),
-      jax.random.key(0), policy=policy, max_new_tokens=8, cache_size=size,
-      synthetic="synthetic_acceptance" in kw).policy_state
-
+      speculate.StepParams.create(temperature=temperature, **kw), policy,
+      cache_size=size, synthetic="synthetic_acceptance" in kw)
   def next_probs(model, prompt):
-    out, _ = model(jnp.asarray([prompt], jnp.int32),
-                   model.init_cache(1, size))
-    logits = np.asarray(out.logits[0, -1], np.float64)
+    logits = np.asarray(_last_logits(model, jnp.asarray([prompt], jnp.int32),
+                                     size), np.float64)
     if temperature == 0.0:
       return np.eye(len(logits))[np.argmax(logits)]
     return np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
@@ -504,6 +502,24 @@ def test_draft_prefill_observes_the_first_acceptance(pair, temperature):
   state = start(drafters.PromptLookup(vocab_size=target.vocab_size))
   np.testing.assert_array_equal(state.seen_verified[:, 0], 0.0)
   assert int(state.wait) == 0
+
+
+@functools.partial(jax.jit, static_argnames="cache_size")
+def _last_logits(model, tokens, cache_size):
+  """[V] logits after the one prompt in `tokens` ([1, P]), no cache reuse."""
+  out, _ = model(tokens, model.init_cache(1, cache_size))
+  return out.logits[0, -1]
+
+
+# Jitted once per drafter kind: op by op, a prefill takes seconds here.
+@functools.partial(jax.jit, static_argnames=("cache_size", "synthetic"))
+def _policy_at_start(target, drafter, prompts, lengths, params, policy, *,
+                     cache_size, synthetic):
+  """The policy state `loops.init_spec_state` starts from (N = 8)."""
+  return loops.init_spec_state(
+      target, drafter, prompts, lengths, params, jax.random.key(0),
+      policy=policy, max_new_tokens=8, cache_size=cache_size,
+      synthetic=synthetic).policy_state
 
 
 # Costs measured on machine F at B = 1 (ms; targets at T = 1, 2, 3, 5).

@@ -103,9 +103,9 @@ def test_commit_receives_the_target_outputs():
   prompts = jnp.asarray([[3, 4, 5, 0], [6, 7, 8, 9]], jnp.int32)
   lengths = jnp.array([3, 4], jnp.int32)
   params = speculate.StepParams.create()
-  state = loops.init_spec_state(target, drafter, prompts, lengths, params,
-                                jax.random.key(0), policy=policies.Fixed(2),
-                                max_new_tokens=8, cache_size=32)
+  state = jax.jit(lambda: loops.init_spec_state(
+      target, drafter, prompts, lengths, params, jax.random.key(0),
+      policy=policies.Fixed(2), max_new_tokens=8, cache_size=32))()
   step = jax.jit(lambda s: speculate.speculate_step(
       s, target=target, drafter=drafter, params=params,
       policy=policies.Fixed(2), max_new_tokens=8))
@@ -118,7 +118,8 @@ def test_commit_receives_the_target_outputs():
     first = int(before.last_token[b])
     drafts = [(first + 1) % target.vocab_size, (first + 2) % target.vocab_size]
     text = list(np.asarray(prompts[b, :n])) + [first] + drafts
-    fresh, _ = target(jnp.asarray([text], jnp.int32), target.init_cache(1, 16))
+    fresh, _ = testing.Jitted(target)(jnp.asarray([text], jnp.int32),
+                                      target.init_cache(1, 16))
     np.testing.assert_allclose(state.drafter_state.hidden[b],
                                fresh.hidden[0, -1], atol=1e-5)
   np.testing.assert_array_equal(state.drafter_state.committed,
@@ -176,10 +177,10 @@ def _run_steps(target, drafter, prompts, gamma, max_new, on_step,
       reserve=(num_nodes or gamma) + 1 + drafter.extra_positions)
   params = speculate.StepParams.create()
   policy = policies.Fixed(gamma, num_nodes)
-  state = loops.init_spec_state(
+  state = jax.jit(lambda: loops.init_spec_state(
       target, drafter, jnp.asarray(tokens), jnp.asarray(lengths), params,
       jax.random.key(0), policy=policy, max_new_tokens=max_new,
-      cache_size=size)
+      cache_size=size))()
   step = jax.jit(lambda s: speculate.speculate_step(
       s, target=target, drafter=drafter, params=params, policy=policy,
       max_new_tokens=max_new, num_nodes=num_nodes))

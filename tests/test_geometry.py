@@ -36,9 +36,9 @@ TREE_MASK = np.array([[1, 0, 0, 0],
 def model(request):
   m = models.init_random(_CONFIGS[request.param], jax.random.key(11))
   # Non-zero biases, so they matter.
-  return m.replace(params=jax.tree.map_with_path(
+  return testing.Jitted(m.replace(params=jax.tree.map_with_path(
       lambda p, x: x + 0.1 if "bias" in jax.tree_util.keystr(p) else x,
-      m.params))
+      m.params)))
 
 
 def _rms(x, scale, eps):

@@ -30,7 +30,7 @@ def model(request):
     m = m.replace(params=jax.tree.map_with_path(
         lambda p, x: x + 0.1 if "bias" in jax.tree_util.keystr(p) else x,
         m.params))
-  return m
+  return testing.Jitted(m)
 
 
 def _tokens(batch, length, seed=0):

@@ -1,12 +1,14 @@
-"""Runs the README's "Use from your own model" snippets.
+"""Runs the README's "Use from your own model" snippet and the drafter
+snippet of docs/drafters.md after it.
 
-The snippet is the first fenced `python` block under the heading
-`## Use from your own model` in README.md. It wraps a Flax GRU language model (not a
-specjax transformer) in a `LanguageModel` adapter, decodes with
+The model snippet is the first fenced `python` block under the heading
+`## Use from your own model` in README.md. It wraps a Flax GRU language
+model (not a specjax transformer) in a `LanguageModel` adapter, decodes with
 `speculative_generate` and asserts greedy equality with `generate`, so a
-protocol change that breaks user models fails here. The second block, run
-after the first in the same namespace, writes a `Drafter` subclass against
-the declared protocol and drafts with it for the GRU target.
+protocol change that breaks user models fails here. The drafter snippet,
+the first block under `## The protocol: ...` in docs/drafters.md, run after
+it in the same namespace, writes a `Drafter` subclass against the declared
+protocol and drafts with it for the GRU target.
 """
 
 from __future__ import annotations
@@ -16,16 +18,20 @@ import re
 import sys
 import types
 
+import pytest
+
 import specjax.drafters
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-HEADING = "## Use from your own model"
+MODEL = (ROOT / "README.md", "## Use from your own model")
+DRAFTER = (ROOT / "docs" / "drafters.md",
+           "## The protocol: `specjax.drafters.Drafter`")
 
 
-def _section(text: str) -> str:
-  """The lines after HEADING up to the next level-1/2 heading."""
+def _section(text: str, heading: str) -> str:
+  """The lines after `heading` up to the next level-1/2 heading."""
   lines = text.splitlines(keepends=True)
-  start = next(i for i, l in enumerate(lines) if l.rstrip() == HEADING) + 1
+  start = next(i for i, l in enumerate(lines) if l.rstrip() == heading) + 1
   fenced = False
   for end in range(start, len(lines)):
     if lines[end].startswith("```"):
@@ -37,18 +43,13 @@ def _section(text: str) -> str:
   return "".join(lines[start:end])
 
 
-def snippets() -> tuple[list[str], pathlib.Path]:
-  """(code of every python block in the section, the file they came from)."""
-  source = ROOT / "README.md"
+def snippet(where: tuple[pathlib.Path, str] = MODEL
+            ) -> tuple[str, pathlib.Path]:
+  """(code of the first python block under `where`'s heading, its file)."""
+  source, heading = where
   blocks = re.findall(r"^```python\n(.*?)^```", _section(
-      source.read_text("utf-8")), flags=re.MULTILINE | re.DOTALL)
-  assert blocks, f"No ```python block under {HEADING!r} in {source}."
-  return blocks, source
-
-
-def snippet() -> tuple[str, pathlib.Path]:
-  """(code of the first python block in the section, the file it came from)."""
-  blocks, source = snippets()
+      source.read_text("utf-8"), heading), flags=re.MULTILINE | re.DOTALL)
+  assert blocks, f"No ```python block under {heading!r} in {source}."
   return blocks[0], source
 
 
@@ -69,8 +70,9 @@ def _run(codes: list[str], source: pathlib.Path) -> dict:
   return module.__dict__
 
 
-def test_snippet_ends_with_an_assert():
-  code, source = snippet()
+@pytest.mark.parametrize("where", [MODEL, DRAFTER], ids=["model", "drafter"])
+def test_snippet_ends_with_an_assert(where):
+  code, source = snippet(where)
   last = [l for l in code.splitlines() if l.strip()][-1]
   assert last.startswith("assert "), (
       f"The snippet in {source} should end by asserting its result.")
@@ -88,14 +90,8 @@ def test_own_model_snippet_runs():
 
 
 def test_own_drafter_snippet_runs():
-  blocks, source = snippets()
-  assert len(blocks) >= 2, (
-      f"No second ```python block (your own drafter) under {HEADING!r} in "
-      f"{source}.")
-  last = [l for l in blocks[1].splitlines() if l.strip()][-1]
-  assert last.startswith("assert "), (
-      f"The drafter snippet in {source} should end by asserting its result.")
-  namespace = _run(blocks[:2], source)
+  (model, source), (drafter_code, _) = snippet(MODEL), snippet(DRAFTER)
+  namespace = _run([model, drafter_code], source)
   drafter, out, ref = namespace["drafter"], namespace["out"], namespace["ref"]
   # A user's own Drafter subclass drafted for the user's own target.
   assert isinstance(drafter, specjax.drafters.Drafter)

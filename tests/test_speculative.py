@@ -126,11 +126,19 @@ def test_early_stop_threshold_limits_drafting(pair, baseline):
   assert out.stats.proposed_by_position[0] > 0
 
 
-def test_synthetic_acceptance_reads_one_text_per_key(pair):
+def _markov_pair(vocab=128):
+  """Fixed-logit (target, draft): synthetic verdicts ignore both models,
+  and these compile in a fraction of a transformer's time."""
+  table = jax.random.normal(jax.random.key(0), (vocab, vocab))
+  return (testing.FixedLogitsModel(table),
+          testing.FixedLogitsModel(0.5 * table))
+
+
+def test_synthetic_acceptance_reads_one_text_per_key():
   """Every step's verdicts are the text's (`decode.synthetic_text`) at
   the drafts' sequence positions: rebuilt step by step from the prompt
   lengths, for two γ run with one key."""
-  target, draft = pair
+  target, draft = _markov_pair()
   prompts = [[3, 1, 4], [1], [5, 9]]
   text = rejection.Synthetic(rate=jnp.float32(0.5),
                              text=decode.synthetic_text(5))
@@ -151,8 +159,8 @@ def test_synthetic_acceptance_reads_one_text_per_key(pair):
         position += int(count) + 1
 
 
-def test_synthetic_acceptance_is_labelled_and_follows_the_rate(pair):
-  target, draft = pair
+def test_synthetic_acceptance_is_labelled_and_follows_the_rate():
+  target, draft = _markov_pair()
   out = decode.speculative_generate(target, draft, [[1]] * 16, gamma=4,
                                     max_new_tokens=40,
                                     synthetic_acceptance=1.0)
