@@ -20,6 +20,7 @@ from specjax import drafters
 from specjax import hardware
 from specjax import loops
 from specjax import speculate
+from specjax import testing
 from specjax.drafters.base import Proposal
 from specjax import tuning
 from specjax.tuning import cost
@@ -473,9 +474,11 @@ def test_draft_prefill_observes_the_first_acceptance(pair, temperature):
       target, drafter, jnp.asarray(prompts), jnp.asarray(lengths),
       speculate.StepParams.create(temperature=temperature, **kw), policy,
       cache_size=size, synthetic="synthetic_acceptance" in kw)
+
   def next_probs(model, prompt):
-    logits = np.asarray(_last_logits(model, jnp.asarray([prompt], jnp.int32),
-                                     size), np.float64)
+    out, _ = testing.Jitted(model)(jnp.asarray([prompt], jnp.int32),
+                                   model.init_cache(1, size))
+    logits = np.asarray(out.logits[0, -1], np.float64)
     if temperature == 0.0:
       return np.eye(len(logits))[np.argmax(logits)]
     return np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
@@ -502,13 +505,6 @@ def test_draft_prefill_observes_the_first_acceptance(pair, temperature):
   state = start(drafters.PromptLookup(vocab_size=target.vocab_size))
   np.testing.assert_array_equal(state.seen_verified[:, 0], 0.0)
   assert int(state.wait) == 0
-
-
-@functools.partial(jax.jit, static_argnames="cache_size")
-def _last_logits(model, tokens, cache_size):
-  """[V] logits after the one prompt in `tokens` ([1, P]), no cache reuse."""
-  out, _ = model(tokens, model.init_cache(1, cache_size))
-  return out.logits[0, -1]
 
 
 # Jitted once per drafter kind: op by op, a prefill takes seconds here.
