@@ -1,4 +1,5 @@
-"""Tiny configs and fakes for tests, notebooks and smoke runs.
+"""Tiny models and fakes for tests, notebooks and smoke runs (the tiny
+configs live in `specjax.models.tiny`, re-exported here).
 
 Shape letters (`specjax.shapes`): B batch, T chunk, V vocab.
 """
@@ -22,26 +23,12 @@ from specjax.heads.medusa import MedusaHeads
 from specjax.models import init_random
 from specjax.models import Model
 from specjax.models import ModelConfig
+from specjax.models.tiny import SHARDABLE_DRAFT
+from specjax.models.tiny import SHARDABLE_TARGET
+from specjax.models.tiny import TINY_DRAFT
+from specjax.models.tiny import TINY_TARGET
+from specjax.models.tiny import tiny_pair
 from specjax.tuning import matmul
-
-TINY_TARGET = ModelConfig(
-    arch="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
-    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
-TINY_DRAFT = ModelConfig(
-    arch="llama", vocab_size=128, hidden_size=32, intermediate_size=64,
-    num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
-
-# Every split dimension divisible by 8 (heads, key/value heads, MLP, vocab),
-# with Qwen2's q/k/v biases, so each rule of `specjax.sharding` applies on a
-# model axis of up to 8 devices.
-SHARDABLE_TARGET = ModelConfig(
-    arch="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
-    num_layers=2, num_heads=8, num_kv_heads=8, head_dim=8, qkv_bias=True,
-    tie_embeddings=False)
-SHARDABLE_DRAFT = ModelConfig(
-    arch="llama", vocab_size=256, hidden_size=32, intermediate_size=64,
-    num_layers=1, num_heads=8, num_kv_heads=8, head_dim=4)
-
 
 # The real pair's shapes, for random weights where no checkpoint is at hand
 # (Qwen2.5-Coder-1.5B/0.5B-Instruct, from their config.json): what the
@@ -72,21 +59,6 @@ def random_prompts(batch: int, vocab: int, length: int) -> list[list[int]]:
   """B prompts of `length` random ids under min(1000, V), seeded by B."""
   rng = np.random.default_rng(batch)
   return rng.integers(1, min(1000, vocab), (batch, length)).tolist()
-
-
-def tiny_pair(seed: int = 0, vocab_size: int = 128,
-              dtype=jnp.float32, shardable: bool = False
-              ) -> tuple[Model, Model]:
-  """A random tiny (target, draft) pair sharing a vocabulary
-  (`shardable`: the SHARDABLE_* configs, vocab_size ignored)."""
-  t_key, d_key = jax.random.split(jax.random.key(seed))
-  if shardable:
-    return (init_random(SHARDABLE_TARGET, t_key, dtype),
-            init_random(SHARDABLE_DRAFT, d_key, dtype))
-  target = init_random(TINY_TARGET.replace(vocab_size=vocab_size), t_key,
-                       dtype)
-  draft = init_random(TINY_DRAFT.replace(vocab_size=vocab_size), d_key, dtype)
-  return target, draft
 
 
 class Jitted:
@@ -126,12 +98,20 @@ class LengthCache:
 
   Attributes:
     lengths: [B] int32.
+    size: S, the slots a real cache would hold (static).
   """
 
   lengths: jax.Array
+  size: int = flax.struct.field(pytree_node=False, default=0)
 
   def rollback(self, lengths: jax.Array) -> "LengthCache":
     return self.replace(lengths=lengths.astype(jnp.int32))
+
+  def compact(self, src_slots: jax.Array, lengths: jax.Array
+              ) -> "LengthCache":
+    """`KVCache.compact` with nothing to move: `lengths` [B] + T of
+    `src_slots` [B, T]."""
+    return self.rollback(lengths + src_slots.shape[1])
 
 
 @flax.struct.dataclass
@@ -152,10 +132,13 @@ class FixedLogitsModel:
     return self.table.shape[0]
 
   def init_cache(self, batch: int, size: int) -> LengthCache:
-    del size
-    return LengthCache(jnp.zeros((batch,), jnp.int32))
+    return LengthCache(jnp.zeros((batch,), jnp.int32), size)
 
-  def __call__(self, tokens, cache):
+  def __call__(self, tokens, cache, positions=None, mask=None,
+               cache_mask=None):
+    # A token tree's positions and masks change nothing: each node's
+    # logits follow its own token.
+    del positions, mask, cache_mask
     return self.table[tokens], cache.rollback(cache.lengths + tokens.shape[1])
 
   def prefill(self, tokens, lengths, cache):

@@ -202,11 +202,21 @@ def test_compact_then_decode_equals_a_fresh_prefill_of_the_path(model):
                                atol=1e-5, rtol=1e-5)
 
 
+class _RollbackOnly:
+  """A cache that resumes from any length but cannot move slots (as the
+  README's GRU)."""
+
+  def rollback(self, lengths):
+    return self
+
+
 def test_compaction_is_declared_by_the_cache():
   target, _ = testing.tiny_pair()
   assert models.supports_compaction(target.init_cache(1, 8))
+  # A stateless fake's cache has nothing to move: trees verify on it.
   fake = testing.FixedLogitsModel(jnp.zeros((4, 4)))
-  assert not models.supports_compaction(fake.init_cache(1, 8))
+  assert models.supports_compaction(fake.init_cache(1, 8))
+  assert not models.supports_compaction(_RollbackOnly())
 
 
 def test_layer_ranges_compose_and_hidden_layers_are_returned(model):

@@ -16,10 +16,10 @@ import numpy as np
 import tqdm
 
 from specjax import registry
-from specjax import testing
 from specjax import weights
 from specjax.heads import data
 from specjax.heads import train
+from specjax.models import tiny
 
 __all__ = ["load_target", "run", "train_config"]
 
@@ -30,7 +30,7 @@ def load_target(config: Any) -> tuple[Any, Callable[[str], list[int]],
   """The target, a text encoder, a chat renderer and the document
   separator ids. `tiny`: a random tiny model over bytes."""
   if config.target == "tiny":
-    target, _ = testing.tiny_pair(config.seed, vocab_size=256)
+    target, _ = tiny.tiny_pair(config.seed, vocab_size=256)
     encode = lambda text: list(text.encode("utf-8"))
     render = lambda messages: "\n".join(m["content"] for m in messages)
     return target, encode, render, (0,)
