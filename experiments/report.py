@@ -135,7 +135,7 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
       f"specjax speculative decoding: draft {cfg['draft']} -> target "
       f"{cfg['target']}{synthetic}",
       f"device {dev['platform']} ({dev['device_kind']}, "
-      f"{results.get('machine', {}).get('cpu_model', '?')}, "
+      f"{dev.get('cpu_model', '?')}, "
       f"{dev['cpu_cores']} cores, jax {dev['jax_version']}), dtype "
       f"{results['models']['target'].get('dtype', cfg['dtype'])}, "
       f"prompts {prompts['set']} x{prompts['count']} "

@@ -2,10 +2,13 @@ r"""Runs one speculative-decoding experiment from an ml-collections config.
 
 COMMAND: python -m experiments.run --config=configs/llama_pair.py
   (smoke: --config=configs/tiny_pair.py --config.output_dir=/tmp/x;
-  sweeps: --config.gammas=1,2,4,8 --config.batch_sizes=1,2,4,8)
+  sweeps: --config.gammas=1,2,4,8 --config.batch_sizes=1,2,4,8;
+  the policies' batch crossover: --config=configs/crossover.py)
 
 Prints a table and writes results.json and plots into config.output_dir. All
-the work is in `experiments.bench.run_experiment`, which notebooks call too.
+the work is in `experiments.bench.run_experiment` (or, for a config with
+`experiment = "crossover"`, `experiments.crossover.run`), which notebooks
+call too.
 
 Multi-process (`specjax.sharding.distributed`): every process runs this
 command with the same config (`mesh=` spanning all their devices) plus
@@ -24,6 +27,7 @@ import jax
 from ml_collections import config_flags
 
 from experiments import bench
+from experiments import crossover
 from experiments import report
 from specjax.sharding import distributed
 
@@ -44,6 +48,16 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config = _CONFIG.value
+  if config.get("experiment") == "crossover":
+    jax.config.update("jax_compilation_cache_dir",
+                      bench.jax_cache_dir(config))
+    try:
+      results = crossover.run(config)
+    except bench.ConfigError as e:
+      raise app.UsageError(str(e)) from None
+    print(crossover.table(results))
+    print(f"wrote {config.output_dir}/crossover.json, crossover.png")
+    return
   try:
     bench.validate_config(config)  # Before any loading or compilation.
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value,

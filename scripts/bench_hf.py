@@ -40,7 +40,9 @@ from ml_collections import config_flags
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from experiments import bench
+from experiments import pair
 from experiments import report
+from specjax import hardware
 from specjax import metrics
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -145,7 +147,7 @@ def run(config, specjax_path: str | None, output_dir: str,
   gamma = config.gamma
   start = time.perf_counter()
   tokenizer = load_tokenizer(config.target, cache_dir)
-  prompt_set, encoded = bench.encode_prompts(config, tokenizer)
+  prompt_set, encoded = pair.encode_prompts(config, tokenizer)
   target = load_model(config.target, dtype, cache_dir)
   draft = None
   if "assisted" in modes:
@@ -254,7 +256,7 @@ def run(config, specjax_path: str | None, output_dir: str,
       "per_prompt": rows,
       "config": config.to_dict(),
       "device": {"platform": "cpu", "torch_threads": torch.get_num_threads(),
-                 "cpu_cores": bench.num_cores(), "dtype": str(dtype)},
+                 "cpu_cores": hardware.num_cores(), "dtype": str(dtype)},
       "prompts": {"set": prompt_set.name, "source": prompt_set.source,
                   "count": len(encoded), "tokens": [len(p) for p in encoded],
                   "chat_template": config.chat_template},
@@ -331,7 +333,7 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config = _CONFIG.value
   output_dir = _OUTPUT_DIR.value or os.path.join(config.output_dir, "hf")
-  threads = _THREADS.value or bench.num_cores()
+  threads = _THREADS.value or hardware.num_cores()
   run(config, _SPECJAX.value, output_dir, threads,
       _MODES.value)
 

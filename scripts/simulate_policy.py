@@ -18,7 +18,7 @@ COMMAND (the choice by the steady state, horizon 0, against the choice by
 when the batch ends, on the costs of sweep runs, cold and warm):
   python scripts/simulate_policy.py --runs=/tmp/bench/g_b16a8 \
     --horizon=0/64 --warm
-COMMAND (the costs a `bench_crossover.py` run measured, each B and α row):
+COMMAND (the costs a crossover run measured, each B and α row):
   python scripts/simulate_policy.py --runs=/tmp/bench/e_b1,/tmp/bench/e_b2
 COMMAND (`Auto.margin` against a table whose drafting steps are 10% off,
 either way, the worst and mean cell of each margin at the end):
@@ -58,7 +58,7 @@ from specjax.tuning import simulate
 
 _COSTS = flags.DEFINE_list("costs", [], "Cost sets, NAME=T/T/T/T:D/D.")
 _RUNS = flags.DEFINE_list(
-    "runs", [], "bench_crossover output dirs (or glob patterns) whose "
+    "runs", [], "crossover output dirs (or glob patterns) whose "
     "measured costs to use, e.g. 'results/never_slower/*' (the committed "
     "ones).")
 _ALPHAS = flags.DEFINE_string(

@@ -4,23 +4,34 @@ Speed figures and tuning decisions depend on the CPU: they are recorded and
 cached under `machine_key()`, which names the CPU (`cpu_id`: its model name,
 and its family, model and SIMD extensions, since under a hypervisor one name
 such as "AMD EPYC" covers Zen 1 to Zen 4), the core count and the JAX
-version. Timings are medians of calls interleaved round-robin, so
-load changes on a shared machine spread over every candidate instead of
-biasing whichever ran during a busy spell.
+version. `machine()` is the one record written next to every figure (CPU,
+cores, JAX, backend and devices, XLA flags, and the commit the code came
+from).
+
+Timing, for every benchmark and tuning step: `median_ms` times steps
+interleaved round-robin, so load changes on a shared machine spread over
+every candidate instead of biasing whichever ran during a busy spell;
+`timed_call` times a whole generate call as a user runs it, and its
+prefill alone, so the decoding phase can be reported apart.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import platform
 import statistics
+import subprocess
 import time
 from typing import Any, Callable, Mapping
 
 import jax
+import numpy as np
 
-__all__ = ["cpu_id", "cpu_model", "machine", "machine_key", "median_ms"]
+__all__ = ["Call", "cpu_id", "cpu_model", "cpu_simd", "machine",
+           "machine_key", "median_ms", "num_cores", "source_version", "timed_call",
+           "warm_up"]
 
 # SIMD extensions that change which code is fastest, or which code runs.
 _SIMD = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
@@ -53,7 +64,8 @@ def _cpu_flags() -> frozenset[str]:
   return frozenset(_cpuinfo().get("flags", "").split())
 
 
-def _simd() -> list[str]:
+def cpu_simd() -> list[str]:
+  """The SIMD extensions of `_SIMD` this CPU has."""
   flags = _cpu_flags()
   return [f for f in _SIMD if f in flags]
 
@@ -65,20 +77,53 @@ def cpu_id() -> str:
   info = _cpuinfo()
   detail = [f"{k.split()[-1]} {info[k]}" for k in ("cpu family", "model")
             if k in info]
-  detail = "; ".join(filter(None, [" ".join(detail), ",".join(_simd())]))
+  detail = "; ".join(filter(None, [" ".join(detail),
+                                   ",".join(cpu_simd())]))
   return f"{cpu_model()} ({detail})" if detail else cpu_model()
 
 
+def num_cores() -> int:
+  """CPU cores this process may use."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:
+    return os.cpu_count() or 1
+
+
+def source_version(path: str | None = None) -> str | None:
+  """The commit the code at `path` (default: this package) came from, as
+  `git describe --always --dirty` writes it ("-dirty" when the tree has
+  uncommitted changes), or None outside a git checkout (an installed
+  wheel)."""
+  try:
+    out = subprocess.run(
+        ["git", "describe", "--always", "--dirty"], capture_output=True,
+        text=True, check=True, timeout=10,
+        cwd=path or os.path.dirname(os.path.abspath(__file__)))
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out.stdout.strip() or None
+
+
 def machine() -> dict[str, Any]:
-  """A JSON-ready description to record next to every figure."""
+  """A JSON-ready description to record next to every figure: the CPU,
+  the cores this process may use, JAX, its backend and devices, the XLA
+  flags and the commit (`source_version`)."""
+  devices = jax.devices()
   return {
       "cpu_model": cpu_model(),
       "cpu_id": cpu_id(),
-      "cpu_simd": _simd(),
+      "cpu_simd": cpu_simd(),
       "cpu_count": os.cpu_count(),
+      "cpu_cores": num_cores(),
       "jax_version": jax.__version__,
       "backend": jax.default_backend(),
-      "devices": [str(d) for d in jax.devices()],
+      "platform": jax.default_backend(),
+      "device_kind": devices[0].device_kind,
+      "devices": [str(d) for d in devices],
+      "num_devices": len(devices),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      "source": source_version(),
   }
 
 
@@ -110,3 +155,75 @@ def median_ms(steps: Mapping[str, Callable[[], Any]], repeats: int,
       jax.block_until_ready(step())
       times[name].append(time.perf_counter() - start)
   return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+@dataclasses.dataclass
+class Call:
+  """One timed generate call (`timed_call`).
+
+  Attributes:
+    output: the call's `GenerateOutput` or `SpecOutput`.
+    seconds: its wall time, reduced over repeats (median by default).
+    warmup_s: the untimed first calls (compilation and a run), 0 if warm.
+    prefill_s: wall time of the same call with one new token.
+  """
+
+  output: Any
+  seconds: float
+  warmup_s: float
+  prefill_s: float
+
+  @property
+  def decode_s(self) -> float:
+    """Time of the decoding phase: everything after the first token."""
+    return max(self.seconds - self.prefill_s, 0.0)
+
+  @property
+  def decode_tokens(self) -> int:
+    return int(np.sum(np.maximum(self.output.lengths - 1, 0)))
+
+
+def _time(fn: Callable[[], Any], repeats: int,
+          summary: Callable[[list[float]], float]) -> tuple[float, Any]:
+  """`summary` of `repeats` timings of fn() (seconds), and its first
+  output."""
+  times, out = [], None
+  for _ in range(repeats):
+    start = time.perf_counter()
+    result = fn()  # returns numpy arrays: the device work is done
+    times.append(time.perf_counter() - start)
+    out = result if out is None else out
+  return summary(times), out
+
+
+def warm_up(fn: Callable[..., Any], key: tuple, seen: set
+            ) -> tuple[Any, float]:
+  """Runs `fn()` and `fn(max_new_tokens=1)` once untimed (compilation) and
+  records `key` in `seen`; returns fn()'s output and the seconds both
+  took."""
+  start = time.perf_counter()
+  out = fn()
+  fn(max_new_tokens=1)
+  seen.add(key)
+  return out, time.perf_counter() - start
+
+
+def timed_call(fn: Callable[..., Any], key: tuple, seen: set,
+               repeats: int,
+               summary: Callable[[list[float]], float] = statistics.median
+               ) -> Call:
+  """Times `fn(max_new_tokens=N)` and its prefill, `fn(max_new_tokens=1)`,
+  each `repeats` times, reduced by `summary` (the median; `min` where
+  every repeat does the same work, so that only interference from
+  elsewhere on the machine tells the timings apart).
+
+  Both shapes run once untimed first (`warm_up`) unless `key` is in `seen`.
+  The prefill call (prompt pass(es) and the first token, the loop exits at
+  once) lets the decoding phase be reported apart from the prompt: the
+  Leviathan et al. prediction models only the decoding phase.
+  """
+  prefill = functools.partial(fn, max_new_tokens=1)
+  warmup = 0.0 if key in seen else warm_up(fn, key, seen)[1]
+  seconds, out = _time(fn, repeats, summary)
+  prefill_s, _ = _time(prefill, repeats, summary)
+  return Call(out, seconds, warmup, prefill_s)

@@ -65,7 +65,8 @@ class Jitted:
   """`model` with `__call__` and `prefill` jitted; every other attribute is
   the model's. For tests that call a model many times at a few shapes: op
   by op, each new shape compiles every primitive of a forward. Keyword
-  arguments that are not arrays (`layers`, `write_cache`) are static."""
+  arguments that are not arrays, jax or numpy (`layers`, `write_cache`),
+  are static."""
 
   def __init__(self, model: Any):
     self.model = model
@@ -81,7 +82,8 @@ class Jitted:
 
 
 def _run_jitted(model: Any, method: str, args: tuple, kwargs: dict) -> Any:
-  arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
+  arrays = {k: v for k, v in kwargs.items()
+            if isinstance(v, (jax.Array, np.ndarray))}
   static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
   return _jitted(method, static)(model, args, arrays)
 

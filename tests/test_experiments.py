@@ -27,11 +27,14 @@ if str(REPO) not in sys.path:
   sys.path.insert(0, str(REPO))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+from configs import crossover as crossover_config
 from configs import llama_pair
 from configs import tiny_pair
 from experiments import bench
+from experiments import crossover
 from experiments import prompts as prompts_lib
 from experiments import report
+from specjax import hardware
 from specjax import testing
 from specjax.heads import train as heads_train
 
@@ -89,7 +92,7 @@ def test_tiny_end_to_end(tiny_results):
       saved["spec_tokens_per_s"] / saved["baseline_tokens_per_s"])
   assert saved["config"]["target"] == "tiny"
   assert saved["device"]["platform"] == jax.default_backend()
-  assert saved["device"]["source"] == bench.source_version()
+  assert saved["device"]["source"] == hardware.source_version()
   assert saved["prompts"]["source"] == "builtin:code"
   for name in ("acceptance_by_position.png", "speedup_vs_gamma.png"):
     assert (out / name).stat().st_size > 1000, name
@@ -143,7 +146,7 @@ def _simulate_greedy(last: int, target_next, draft_next, gamma: int,
 
 
 def test_source_version_names_the_commit(tmp_path):
-  assert bench.source_version(str(tmp_path)) is None  # not a checkout
+  assert hardware.source_version(str(tmp_path)) is None  # not a checkout
   git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
   run = lambda *args: subprocess.run(
       git + list(args), cwd=tmp_path, check=True, capture_output=True,
@@ -153,10 +156,10 @@ def test_source_version_names_the_commit(tmp_path):
   run("add", "a.py")
   run("commit", "-q", "-m", "one")
   head = run("rev-parse", "HEAD")
-  clean = bench.source_version(str(tmp_path))
+  clean = hardware.source_version(str(tmp_path))
   assert clean and head.startswith(clean)
   (tmp_path / "a.py").write_text("x = 2\n")
-  assert bench.source_version(str(tmp_path)) == clean + "-dirty"
+  assert hardware.source_version(str(tmp_path)) == clean + "-dirty"
 
 
 def test_fixed_logits_acceptance_matches_simulation(tmp_path):
@@ -410,3 +413,33 @@ def test_bad_policy_and_tree_config(field, value, message):
   config[field] = value
   with pytest.raises(bench.ConfigError, match=message):
     bench.run_experiment(config)
+
+
+@pytest.mark.slow
+def test_crossover_sweep_and_merge(tmp_path):
+  # The batch crossover on the tiny pair: every policy timed at one B and
+  # α, its cell written; then two runs merged into one table and plot.
+  config = crossover_config.get_config(
+      "weights=random,target=tiny,draft=tiny,batches=1,alphas=0.5,"
+      "gammas=1/2,max_gamma=2,tokens=8,repeats=2,prompt_tokens=16")
+  config.output_dir = str(tmp_path / "run")
+  (cell,) = crossover.run(config)
+  assert (cell["batch"], cell["alpha"]) == (1, 0.5)
+  assert set(cell["policies"]) == {"ar", "γ=1", "γ=2", "heuristic", "auto",
+                                   "auto warm"}
+  assert all(len(row["tokens_per_s_rounds"]) == 2
+             for row in cell["policies"].values())
+  saved = json.loads((tmp_path / "run" / "crossover.json").read_text())
+  assert saved["machine"]["cpu_model"] and saved["results"][0]["alpha"] == 0.5
+  assert "auto/best" in crossover.table([cell])
+
+  config.merge = f"{tmp_path / 'run'},{tmp_path / 'run'}"
+  config.pool = True
+  config.output_dir = str(tmp_path / "merged")
+  (pooled,) = crossover.run(config)
+  assert pooled["pooled"] == 2 and pooled["repeats"] == 4
+  assert (tmp_path / "merged" / "crossover.png").exists()
+  config.weights = "real"
+  config.merge = ""
+  with pytest.raises(bench.ConfigError, match="needs config.weights"):
+    crossover.run(config)

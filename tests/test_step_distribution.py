@@ -244,7 +244,10 @@ def patch():
 def test_the_test_rejects_a_sampler_that_resamples_from_p(patch):
   # Accepting by min(1, p/q) but drawing a rejected position's token from
   # p instead of norm(max(0, p - q)) (no draft law at the rejection) is
-  # biased towards the draft.
+  # biased towards the draft. (Ignoring q altogether is not: verifying a
+  # sampled draft as a deterministic guess, accept x with probability p(x)
+  # and else draw from p without x, emits p exactly, at a lower acceptance
+  # rate. So the controls break the sampler in ways that bias it.)
   patch(rejection, "_q_at", lambda q, draft_tokens, proposed, index, vocab:
         jnp.zeros((len(index), vocab)))
   samples = _samples(drafters.DraftModel(DRAFT), policies.Fixed(2), T1,

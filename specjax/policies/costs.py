@@ -175,7 +175,7 @@ class Roofline:
     backend = jax.default_backend()
     if backend == "cpu":
       cores = os.cpu_count() or 1
-      simd = hardware.machine()["cpu_simd"]
+      simd = hardware.cpu_simd()
       per_core = 100e9 if "avx512f" in simd else (
           50e9 if "avx2" in simd else 10e9)
       return cls(min(10e9 * cores, 200e9), per_core * cores, 0.05)

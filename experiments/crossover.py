@@ -1,4 +1,4 @@
-r"""Batch crossover: decoding tokens/s against B for every γ policy.
+"""The batch crossover: decoding tokens/s against B for every γ policy.
 
 For each batch size B, runs autoregressive decoding, speculative decoding at
 each fixed γ, transformers' heuristic schedule and `gamma="auto"`
@@ -6,15 +6,15 @@ each fixed γ, transformers' heuristic schedule and `gamma="auto"`
 `auto warm`, started from the estimates the cold run ended with, then each
 round from the round before it, as a server carries them from request to
 request), and reports the decoding-phase tokens/s of each (the first token's
-prompt pass timed apart and subtracted, as in `experiments.bench`), the ratio
+prompt pass timed apart and subtracted, `hardware.timed_call`), the ratio
 of `auto` to the best of the others, and the cost model's prediction beside
 each measurement.
 Each program first runs once untimed (compilation; the cold `auto` run
-is the generation `auto warm` starts from). Then `--repeats` rounds run
+is the generation `auto warm` starts from). Then `repeats` rounds run
 every policy in an order shuffled by round, so a drift in the machine's
 speed, or a program's running faster after itself, reaches all policies
-alike (each call timed `--timings` times over the same work, in as many
-passes over the policies, their mean kept, or the fastest: `--keep`); each
+alike (each call timed `timings` times over the same work, in as many
+passes over the policies, their mean kept, or the fastest: `keep`); each
 figure is the rounds' tokens over their time (`_policy_row`; the paired
 ratio is the median over rounds of `auto` over the best policy in the
 same round, which cancels a drift between rounds). Round r runs every
@@ -27,40 +27,16 @@ expects from the same policies and costs over many draws (the policy's
 own loss, without the machine's noise or the cost model's error). The
 forward costs are read as `gamma="auto"` reads them, before each round:
 from the cost cache, timed at the first read and again when due
-(`cost.measure`); `--refresh_costs` first discards the cached passes.
+(`cost.measure`); `refresh_costs` first discards the cached passes.
 
-COMMAND (the real pair, HumanEval chat prompts, the draft model drafting):
-  python scripts/bench_crossover.py --weights=real --batches=1/2/4 \
-    --output_dir=/tmp/bench/crossover_real
-COMMAND (random weights at the pair's shapes, synthetic acceptance):
-  python scripts/bench_crossover.py --weights=random \
-    --batches=1/2/4/8/16/32 --alphas=0.05/0.5/0.8/0.95 \
-    --output_dir=/tmp/bench/crossover_random
-One process holding every B's compiled programs at the 1.5B shapes can run
-out of memory on a small machine: run one B per process, then `--merge`
-their results into one table and plot:
-  for b in 1 2 4 8 16 32; do python scripts/bench_crossover.py \
-    --weights=random --batches=$b --output_dir=/tmp/bench/cross_b$b; done
-  python scripts/bench_crossover.py --output_dir=/tmp/bench/cross_all \
-    --merge=/tmp/bench/cross_b1,/tmp/bench/cross_b2,...
-Reruns of one B on the same policy can be pooled, every round of each
-counted, instead of the last one kept (`--pool`):
-  python scripts/bench_crossover.py --output_dir=/tmp/bench/b1_pooled \
-    --merge=/tmp/bench/cross_b1,/tmp/bench/cross_b1_again --pool
+Config: `configs/crossover.py` (its docstring has the commands); run by
+`python -m experiments.run --config=configs/crossover.py:...`.
 
 With random weights, acceptance is synthetic (`synthetic_acceptance`: each
 draft accepted with probability α by its position's draw in the
-generation's synthetic text, not distribution-preserving); figures
-from such runs must be labelled synthetic. Rows ignore EOS, so every row
-does the same work.
-
-Predicted tokens/s (`specjax.policies.StepCosts`): for autoregressive and
-fixed γ, `StepCosts.for_fixed(γ, ...).tokens_per_s` with the forward costs
-measured at this B, the measured conditional acceptance per position, and
-the batch's steps until its slowest row ends (`expected_steps`); for the
-adaptive policies,
-the generated tokens over the predicted time of the steps they took (each
-step's target pass at the width it ran, plus its draft forwards).
+generation's synthetic text, not distribution-preserving); figures from
+such runs must be labelled synthetic. Rows ignore EOS, so every row does
+the same work.
 """
 
 from __future__ import annotations
@@ -71,81 +47,40 @@ import json
 import os
 from typing import Any, Callable
 
-from absl import app
-from absl import flags
 import jax
 import numpy as np
 
-from experiments import bench
 from experiments import prompts as prompts_lib
-from specjax import policies as policies_lib
+from experiments.validation import ConfigError
 from specjax import decode
 from specjax import drafters
 from specjax import hardware
+from specjax import policies as policies_lib
 from specjax import registry
 from specjax import testing
 from specjax.tuning import cost
 from specjax.tuning import simulate
 
-_WEIGHTS = flags.DEFINE_enum("weights", "real", ["real", "random"],
-                             "Checkpoints, or random weights at their shapes.")
-_TARGET = flags.DEFINE_string("target", "qwen2.5-coder-1.5b-instruct",
-                              "Registry name, or 'tiny' (smoke runs).")
-_DRAFT = flags.DEFINE_string("draft", "qwen2.5-coder-0.5b-instruct",
-                             "Registry name, or 'tiny'.")
-_DRAFTER = flags.DEFINE_enum("drafter", "model", ["model", "lookup"], "")
-_BATCHES = flags.DEFINE_string("batches", "1/2/4", "B values, /-separated.")
-_GAMMAS = flags.DEFINE_string("gammas", "1/2/4", "Fixed γ values.")
-_MAX_GAMMA = flags.DEFINE_integer("max_gamma", 4, "γ_max of the policies.")
-_ALPHAS = flags.DEFINE_string(
-    "alphas", "", "Synthetic acceptance rates (random weights only).")
-_TOKENS = flags.DEFINE_integer("tokens", 32, "New tokens per row.")
-_REPEATS = flags.DEFINE_integer(
-    "repeats", 3, "Timed rounds over all policies.")
-_TIMINGS = flags.DEFINE_integer(
-    "timings", 1, "Timings of each policy per round, one pass over the "
-    "policies each, kept as their mean or the fastest (`--keep`): a "
-    "round's call does the same work each time (one key, one synthetic "
-    "text).")
-_KEEP = flags.DEFINE_enum(
-    "keep", "mean", ["fastest", "mean"], "Of a policy's `--timings` "
-    "calls in a round, keep their mean (what a user gets, also where the "
-    "machine's speed alternates between states that last about a call: "
-    "machine B at B = 1, BENCHMARKS.md) or the fastest (the least "
-    "disturbed, where the machine's slow moments pass).")
-_REFRESH = flags.DEFINE_bool(
-    "refresh_costs", False, "Discard the cost cache's passes and measure "
-    "the forward costs afresh at each B's start.")
-_PROMPT_TOKENS = flags.DEFINE_integer(
-    "prompt_tokens", 128, "Prompt length with random weights.")
-_OUTPUT = flags.DEFINE_string("output_dir", "/tmp/specjax/crossover", "")
-_MERGE = flags.DEFINE_list(
-    "merge", [], "Output dirs of earlier runs (e.g. one per B) whose "
-    "results to join into one table and plot in --output_dir; runs nothing.")
-_POOL = flags.DEFINE_bool(
-    "pool", False, "With --merge, join the rounds of runs that hold the "
-    "same α and B (reruns of one policy) into one cell, instead of keeping "
-    "the last run's: its ratios and interval then rest on all their rounds.")
+__all__ = ["merge", "run", "table"]
 
 # The policies that choose γ as they go; the others (`ar`, each fixed γ)
 # are what `auto` is measured against.
 _ADAPTIVE = ("auto", "auto warm", "heuristic")
 
-def _values(text: str, kind=int) -> list:
-  return [kind(x) for x in text.split("/") if x]
 
-
-def _load(name: str, seed: int):
+def _load(config: Any, name: str, seed: int):
   if name == "tiny":  # smoke runs: the random tiny pair
     return testing.tiny_pair(0)[seed], None
-  if _WEIGHTS.value == "real":
-    return registry.load_pretrained(name, progress=False)
+  if config.weights == "real":
+    return registry.load_pretrained(name, progress=False,
+                                    cache_dir=config.cache_dir or None)
   return testing.random_model(name, seed), None
 
 
-def _prompts(tokenizer, batch: int, vocab: int) -> list[list[int]]:
+def _prompts(config: Any, tokenizer, batch: int,
+             vocab: int) -> list[list[int]]:
   if tokenizer is None:
-    return testing.random_prompts(batch, vocab, _PROMPT_TOKENS.value)
+    return testing.random_prompts(batch, vocab, config.prompt_tokens)
   prompt_set = prompts_lib.load_prompts("humaneval", batch)
   return [prompts_lib.encode_prompt(tokenizer, p, chat_template=True)
           for p in prompt_set.prompts]
@@ -185,6 +120,7 @@ class _Setup:
   measure: Callable[..., cost.ForwardCosts]
   target: Any
   draft: Any
+  config: Any
 
   def costs(self) -> tuple[cost.ForwardCosts, cost.ForwardCosts | None]:
     """The target's and the draft model's (None for prompt lookup) costs,
@@ -193,57 +129,60 @@ class _Setup:
     outvoted while the sweep goes on."""
     return (self.measure(self.target, chunks=self.widths),
             self.measure(self.draft, chunks=(1, 2))
-            if _DRAFTER.value == "model" else None)
+            if self.config.drafter == "model" else None)
 
   def auto_costs(self) -> dict[str, Any]:
     """`policies_lib.Auto.create`'s cost arguments from `costs`."""
     target_costs, draft_costs = self.costs()
     return {"target_ms": [target_costs.at(w) for w in
-                          policies_lib.verify_widths(_MAX_GAMMA.value)],
+                          policies_lib.verify_widths(
+                              self.config.max_gamma)],
             **(policies_lib.Auto.draft_costs(draft_costs)
                if draft_costs else {})}
 
 
-def _setup(target, draft, prompts, gammas) -> _Setup:
-  """One B's `_Setup`; with `--refresh_costs`, its cost tables measured
+def _setup(config: Any, target, draft, prompts) -> _Setup:
+  """One B's `_Setup`; with ``refresh_costs``, its cost tables measured
   anew (else `cost.measure` times them at their first read, and discards
   them itself where the machine has changed)."""
-  batch = len(prompts)
+  batch, gammas = len(prompts), config.gammas
   widths = sorted({1, *(g + 1 for g in gammas),
-                   *policies_lib.verify_widths(_MAX_GAMMA.value)})
+                   *policies_lib.verify_widths(config.max_gamma)})
   cache_size = decode.default_cache_size(
-      max(map(len, prompts)), _TOKENS.value, reserve=widths[-1])
+      max(map(len, prompts)), config.max_new_tokens, reserve=widths[-1])
   measure = functools.partial(cost.measure, batch=batch,
                               cache_size=cache_size)
-  setup = _Setup(cache_size, widths, measure, target, draft)
-  if _REFRESH.value:
+  setup = _Setup(cache_size, widths, measure, target, draft, config)
+  if config.refresh_costs:
     dataclasses.replace(
         setup, measure=functools.partial(measure, refresh=True)).costs()
   return setup
 
 
-def _run_batch(target, drafter, prompts, alpha, gammas, seen,
-               setup: _Setup):
-  batch = len(prompts)
+def _run_batch(config: Any, target, drafter, prompts, alpha, seen,
+               setup: _Setup) -> dict:
+  """Every policy at one B and α: warm-up, `repeats` timed rounds, and
+  the table's cell (`crossover.json`'s `results` entry)."""
+  batch, gammas = len(prompts), config.gammas
   cache_size, widths = setup.cache_size, setup.widths
   policies = {"ar": None, **{f"γ={g}": g for g in gammas},
-              "heuristic": policies_lib.Heuristic(_MAX_GAMMA.value),
-              "auto": policies_lib.Auto.create(max_gamma=_MAX_GAMMA.value,
+              "heuristic": policies_lib.Heuristic(config.max_gamma),
+              "auto": policies_lib.Auto.create(max_gamma=config.max_gamma,
                                            **setup.auto_costs())}
-  kwargs = dict(max_new_tokens=_TOKENS.value, cache_size=cache_size)
+  kwargs = dict(max_new_tokens=config.max_new_tokens, cache_size=cache_size)
   make = lambda gamma: (
       functools.partial(decode.generate, target, prompts, **kwargs)
       if gamma is None else functools.partial(
           decode.speculative_generate, target, drafter, prompts,
           gamma=gamma, synthetic_acceptance=alpha, **kwargs))
   calls = {name: (gamma, make(gamma)) for name, gamma in policies.items()}
-  # Every program compiles and runs once untimed (`bench.warm_up`), with a
+  # Every program compiles and runs once untimed (`hardware.warm_up`), with a
   # key no timed round uses. As a server would, the estimates the cold
   # `auto` warm-up observed start the next request (`Auto.warm`): `auto
   # warm`, the same program, nothing compiles; each of its rounds then
   # starts from what the one before it ended with.
   for name, (_, fn) in list(calls.items()):
-    warmed, _ = bench.warm_up(functools.partial(fn, key=_REPEATS.value),
+    warmed, _ = hardware.warm_up(functools.partial(fn, key=config.repeats),
                               (name, batch), seen)
     if name == "auto":
       warm = policies["auto"].warm(warmed.policy_state)
@@ -256,7 +195,7 @@ def _run_batch(target, drafter, prompts, alpha, gammas, seen,
   # synthetic α one synthetic text for all policies within a round,
   # another text from round to round.
   runs = {}
-  for round_key in range(_REPEATS.value):
+  for round_key in range(config.repeats):
     # Both `auto`s price their steps by the cost table as it is now, as
     # `gamma="auto"` reads it at each call: timed again when due, so the
     # table comes to stand for the machine over the run, not the moment
@@ -266,27 +205,27 @@ def _run_batch(target, drafter, prompts, alpha, gammas, seen,
       policy = calls[name][0].priced(**costs)
       calls[name] = policy, make(policy)
     timed = {}
-    # A round times every policy `--timings` times, one pass over them
+    # A round times every policy ``timings`` times, one pass over them
     # all per timing, each pass in its own order, and keeps each one's
-    # mean (or fastest, `--keep`): a policy's timings lie a whole pass
+    # mean (or fastest, ``keep``): a policy's timings lie a whole pass
     # apart, so they sample the machine at different moments (timed back
     # to back, both would fall in one of its states or slow moments).
-    for timing in range(_TIMINGS.value):
+    for timing in range(config.timings):
       for name in np.random.default_rng((round_key, timing)).permutation(
           list(calls)).tolist():
         # α and the key are traced (nothing compiles anew).
-        timed.setdefault(name, []).append(bench.timed_call(
+        timed.setdefault(name, []).append(hardware.timed_call(
             functools.partial(calls[name][1], key=round_key),
             (name.split()[0], batch), seen, 1))
-    keep = min if _KEEP.value == "fastest" else np.mean
+    keep = min if config.keep == "fastest" else np.mean
     kept = {name: dataclasses.replace(
         times[0], seconds=float(keep([c.seconds for c in times])),
         prefill_s=float(keep([c.prefill_s for c in times])))
             for name, times in timed.items()}
     for name, call in kept.items():
       if not call.decode_s:
-        raise app.UsageError(f"{name}: decoding took no longer than the "
-                             "prompt pass alone; raise --tokens.")
+        raise ConfigError(f"{name}: decoding took no longer than the "
+                             "prompt pass alone; raise max_new_tokens.")
       runs.setdefault(name, []).append(call)
     # As a server: the next request starts from all this one learned too,
     # so each round is another warm start (round r after r + 1
@@ -300,12 +239,12 @@ def _run_batch(target, drafter, prompts, alpha, gammas, seen,
   rows = {name: _policy_row(gamma, runs[name], batch, target_costs,
                             draft_costs)
           for name, (gamma, _) in calls.items()}
-  return {"batch": batch, "alpha": alpha, "tokens": _TOKENS.value,
-          "repeats": _REPEATS.value, "keep": _KEEP.value,
+  return {"batch": batch, "alpha": alpha, "tokens": config.max_new_tokens,
+          "repeats": config.repeats, "keep": config.keep,
           "prompt_tokens": (
-              _PROMPT_TOKENS.value if _WEIGHTS.value == "random" else None),
+              config.prompt_tokens if config.weights == "random" else None),
           "policies": rows, **_over_best(rows),
-          **_simulated(policies, rows, batch, alpha),
+          **_simulated(policies, rows, batch, alpha, config.max_new_tokens),
           "cache_size": cache_size,
           "target_ms": {str(w): target_costs.at(w) for w in widths},
           "draft_ms": ({str(t): draft_costs.at(t) for t in (1, 2)}
@@ -393,7 +332,7 @@ def _predicted(gamma, call, target_costs, draft_costs) -> float:
 
 
 def _policy_row(gamma, runs, batch, target_costs, draft_costs) -> dict:
-  """One policy's figures over its rounds (`runs`: `bench.Call`s).
+  """One policy's figures over its rounds (`runs`: `hardware.Call`s).
 
   Its tokens/s is the rounds' decoding tokens over their decoding time:
   the throughput of the workload they make up. Not the median of the
@@ -430,7 +369,7 @@ def _policy_row(gamma, runs, batch, target_costs, draft_costs) -> dict:
   return row
 
 
-def _simulated(policies, rows, batch, alpha) -> dict:
+def _simulated(policies, rows, batch, alpha, tokens: int) -> dict:
   """`auto`, cold and warm from one generation (`warm_after=1`, as `auto warm`'s
   first round runs; later rounds start after more: at machine G's B = 4 costs
   and α = 0.8 the simulator expects 0.990 after one, 0.992 after two, 0.995
@@ -447,12 +386,13 @@ def _simulated(policies, rows, batch, alpha) -> dict:
     alpha = (measured + measured[-1:] * auto.max_gamma)[:auto.max_gamma]
   ratio = functools.partial(
       simulate.over_best, auto, auto.costs(), alpha=alpha,
-      batch=batch, tokens=_TOKENS.value, gammas=fixed)
+      batch=batch, tokens=tokens, gammas=fixed)
   return {"auto_over_best_simulated": ratio(),
           "auto_warm_over_best_simulated": ratio(warm_after=1)}
 
 
-def _table(results) -> str:
+def table(results: list[dict]) -> str:
+  """The cells as a markdown table, then predicted over measured."""
   names = list(results[0]["policies"])
   head = ["α", "B", "N"] + names + [
       "auto/best", "auto warm/best", "90% interval", "paired",
@@ -509,19 +449,22 @@ def _plot(results, path: str) -> None:
   fig.savefig(path, dpi=120)
 
 
-def _write(results: list[dict], gammas: list[int], **fields) -> None:
-  os.makedirs(_OUTPUT.value, exist_ok=True)
+def _write(config: Any, results: list[dict], **fields) -> None:
+  """crossover.json in `config.output_dir`: the machine, the settings
+  (`fields` override the config's, as a merge keeps its runs') and the
+  cells."""
+  os.makedirs(config.output_dir, exist_ok=True)
   out = {"machine": hardware.machine(), "jax": jax.__version__,
-         "source": bench.source_version(),
-         "weights": _WEIGHTS.value, "drafter": _DRAFTER.value,
-         "gammas": gammas,
-         "max_gamma": _MAX_GAMMA.value, **fields, "results": results}
-  with open(os.path.join(_OUTPUT.value, "crossover.json"), "w") as f:
+         "source": hardware.source_version(),
+         "weights": config.weights, "drafter": config.drafter,
+         "gammas": list(config.gammas),
+         "max_gamma": config.max_gamma, **fields, "results": results}
+  with open(os.path.join(config.output_dir, "crossover.json"), "w") as f:
     json.dump(out, f, indent=1)
 
 
 def _pooled(like: list[dict]) -> dict:
-  """One cell from several runs' cells at one α and B (`--pool`): each
+  """One cell from several runs' cells at one α and B (``pool``): each
   policy's rounds joined, its tokens/s their decoding tokens over their
   decoding time as `_policy_row` pools one run's, the ratios to the best
   taken again (a round of any run still runs every policy back to back,
@@ -531,8 +474,8 @@ def _pooled(like: list[dict]) -> dict:
   if len(like) == 1:
     return like[0]
   if len({r["tokens"] for r in like}) > 1:
-    raise app.UsageError(
-        f"--pool: the runs at α = {like[0]['alpha']}, B = "
+    raise ConfigError(
+        f"`pool`: the runs at α = {like[0]['alpha']}, B = "
         f"{like[0]['batch']} decoded {[r['tokens'] for r in like]} tokens "
         "per row; only cells of one length can be pooled.")
   rows = {}
@@ -557,67 +500,76 @@ def _pooled(like: list[dict]) -> dict:
           "source": "+".join(str(r["source"]) for r in like)}
 
 
-def _merge(dirs: list[str]) -> None:
-  """Joins the crossover.json of several runs (one B per process, on one
-  machine with the same policies; each result keeps its own tokens per row
-  and repeats, shorter at large B) into one, sorted by α then B, with its
-  table and plot. Where several runs hold the same α and B (a cell rerun
-  with more rounds), the one listed last is kept, or with `--pool`
-  all of them are joined (`_pooled`). Each cell keeps the
-  commit it ran on (`source`); the merged file lists them all."""
+def merge(config: Any) -> list[dict]:
+  """Joins the crossover.json of the runs in `config.merge` (one B per
+  process, on one machine with the same policies; each result keeps its
+  own tokens per row and repeats, shorter at large B) into one in
+  `config.output_dir`, sorted by α then B, with its table and plot. Where
+  several runs hold the same α and B (a cell rerun with more rounds), the
+  one listed last is kept, or with `config.pool` all of them are joined
+  (`_pooled`). Each cell keeps the commit it ran on (`source`); the
+  merged file lists them all.
+
+  Raises:
+    ConfigError: the runs differ in machine, weights, drafter or γ.
+  """
+  dirs = [d for d in config.merge.split(",") if d]
   runs = []
   for path in dirs:
     with open(os.path.join(path, "crossover.json")) as f:
       runs.append(json.load(f))
   settings = ("machine", "weights", "drafter", "gammas", "max_gamma")
-  for run, path in zip(runs[1:], dirs[1:]):
-    differ = [k for k in settings if run.get(k) != runs[0].get(k)]
+  # One machine: the same CPU and cores (its record also names the
+  # commit, which may differ from run to run).
+  like = lambda run_, k: (
+      (run_[k].get("cpu_id"), run_[k].get("cpu_count")) if k == "machine"
+      else run_.get(k))
+  for run_, path in zip(runs[1:], dirs[1:]):
+    differ = [k for k in settings if like(run_, k) != like(runs[0], k)]
     if differ:
-      raise app.UsageError(f"{path} was run with other {differ} than "
-                           f"{dirs[0]}; only like runs can be merged.")
+      raise ConfigError(f"{path} was run with other {differ} than "
+                        f"{dirs[0]}; only like runs can be merged.")
   cells = {}
-  for run in runs:
-    for r in run["results"]:
+  for run_ in runs:
+    for r in run_["results"]:
       cells.setdefault((r["alpha"], r["batch"]), []).append(
-          {"source": run.get("source"), **r})
-  join = _pooled if _POOL.value else lambda like: like[-1]
+          {"source": run_.get("source"), **r})
+  join = _pooled if config.pool else lambda like: like[-1]
   results = sorted(map(join, cells.values()),
                    key=lambda r: (r["alpha"] or 0, r["batch"]))
-  first = runs[0]
-  _write(results, first["gammas"], **{k: first[k] for k in settings
-                                      if k != "gammas"}, merged=dirs,
+  _write(config, results, **{k: runs[0][k] for k in settings}, merged=dirs,
          source=sorted({str(r["source"]) for r in results}))
-  _plot(results, os.path.join(_OUTPUT.value, "crossover.png"))
-  print(_table(results))
-  print(f"wrote {_OUTPUT.value}/crossover.json, crossover.png")
+  return results
 
 
-def main(argv):
-  del argv
-  if _MERGE.value:
-    _merge(_MERGE.value)
-    return
-  gammas = _values(_GAMMAS.value)
-  alphas = _values(_ALPHAS.value, float) or [None]
-  if _WEIGHTS.value == "real" and alphas != [None]:
-    raise app.UsageError("--alphas needs --weights=random.")
-  target, tokenizer = _load(_TARGET.value, 0)
-  draft, _ = _load(_DRAFT.value, 1)
-  drafter = (drafters.DraftModel(draft) if _DRAFTER.value == "model"
-             else drafters.PromptLookup(target.vocab_size))
-  results, seen = [], set()
-  for batch in _values(_BATCHES.value):
-    prompts = _prompts(tokenizer, batch, target.vocab_size)
-    setup = _setup(target, draft, prompts, gammas)
-    for alpha in alphas:
-      results.append(_run_batch(target, drafter, prompts, alpha, gammas,
-                                seen, setup))
-      print(_table(results[-1:]), flush=True)
-      _write(results, gammas)  # after each (B, α): a long sweep keeps it
-  _plot(results, os.path.join(_OUTPUT.value, "crossover.png"))
-  print(_table(results))
-  print(f"wrote {_OUTPUT.value}/crossover.json, crossover.png")
+def run(config: Any) -> list[dict]:
+  """The sweep `config` describes (`configs/crossover.py`), or the merge
+  of earlier runs (`config.merge`): writes crossover.json and
+  crossover.png into `config.output_dir`, prints each cell's table as it
+  is done, and returns the cells.
 
-
-if __name__ == "__main__":
-  app.run(main)
+  Raises:
+    ConfigError: α given with real weights, or runs that cannot merge.
+  """
+  if config.merge:
+    results = merge(config)
+  else:
+    alphas = list(config.alphas) or [None]
+    if config.weights == "real" and alphas != [None]:
+      raise ConfigError("config.alphas (synthetic acceptance) needs "
+                        "config.weights='random'.")
+    target, tokenizer = _load(config, config.target, 0)
+    draft, _ = _load(config, config.draft, 1)
+    drafter = (drafters.DraftModel(draft) if config.drafter == "model"
+               else drafters.PromptLookup(target.vocab_size))
+    results, seen = [], set()
+    for batch in config.batch_sizes:
+      prompts = _prompts(config, tokenizer, batch, target.vocab_size)
+      setup = _setup(config, target, draft, prompts)
+      for alpha in alphas:
+        results.append(_run_batch(config, target, drafter, prompts, alpha,
+                                  seen, setup))
+        print(table(results[-1:]), flush=True)
+        _write(config, results)  # after each (B, α): a long sweep keeps it
+  _plot(results, os.path.join(config.output_dir, "crossover.png"))
+  return results

@@ -1,0 +1,228 @@
+"""Loading what an experiment config names: the pair, its drafters,
+tokenizer and prompts.
+
+`load_pair(config)` loads the target, the draft and their shared tokenizer
+(`specjax.registry`, or random tiny models for `tiny`), `make_drafter`
+builds a named drafter from them (`configs/llama_pair.py`'s `drafter=`),
+and `encode_prompts` turns the config's prompt set into token ids. The
+experiments (`experiments.bench`, `experiments.crossover`) and the
+notebooks share them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+
+from experiments import prompts as prompts_lib
+from experiments.validation import ConfigError
+from experiments.validation import drafter_kind
+from experiments.validation import parse_mesh
+from specjax import drafters
+from specjax import registry
+from specjax import sharding
+from specjax import testing
+from specjax.heads import train as heads_train
+from specjax.sharding import memory
+from specjax.tuning import matmul as tuning
+
+__all__ = ["Pair", "default_skip", "drafter_names", "encode_prompts",
+           "load_pair", "make_drafter", "make_mesh", "matmul_info",
+           "memory_plan", "model_info", "resolve_dtype", "tune_rows"]
+
+
+
+@dataclasses.dataclass
+class Pair:
+  """A loaded (target, draft) pair and their shared tokenizer.
+
+  Attributes:
+    target: the verifying `LanguageModel`.
+    draft: the drafting `LanguageModel` (may be `target` itself).
+    tokenizer: shared tokenizer (`specjax.tokenizer.Tokenizer`, or
+      `prompts.ByteTokenizer` for tiny models).
+    load_s: seconds spent loading.
+  """
+
+  target: Any
+  draft: Any
+  tokenizer: Any
+  load_s: float = 0.0
+
+
+def resolve_dtype(name: str) -> jnp.dtype:
+  """`auto` is `registry.default_dtype()`: float32 on CPU, else bfloat16."""
+  return registry.default_dtype() if name == "auto" else jnp.dtype(name)
+
+
+def load_pair(config: Any) -> Pair:
+  """Loads target, draft and tokenizer as the config says.
+
+  `tiny` builds random tiny models (`specjax.testing.tiny_pair`) with the
+  byte-level stand-in tokenizer; anything else goes through
+  `specjax.registry.load_pretrained` (registry names, local directories,
+  Hub ids).
+
+  Raises:
+    ConfigError: the draft's vocabulary differs from the target's.
+  """
+  start = time.perf_counter()
+  dtype = resolve_dtype(config.dtype)
+  rows = tune_rows(config)
+  mesh = make_mesh(config)
+  if config.target == "tiny":
+    tokenizer = prompts_lib.ByteTokenizer()
+    target, draft = testing.tiny_pair(config.seed, tokenizer.vocab_size,
+                                      dtype=dtype)
+    target, _ = tuning.apply(target, config.matmul, rows=rows,
+                             cache_dir=config.cache_dir or None)
+    draft, _ = tuning.apply(draft, config.matmul, rows=rows,
+                            cache_dir=config.cache_dir or None)
+  else:
+    load = functools.partial(registry.load_pretrained, dtype=dtype,
+                             cache_dir=config.cache_dir or None,
+                             progress=config.progress, matmul=config.matmul,
+                             tune_rows=rows, mesh=mesh)
+    logging.info("Loading target %s (%s)", config.target, dtype)
+    target, tokenizer = load(config.target)
+    draft = None
+    if config.draft != "same":
+      logging.info("Loading draft %s (%s)", config.draft, dtype)
+      draft, _ = load(config.draft, split=config.draft_split)
+  if config.draft == "same":
+    draft = target
+  elif mesh is not None:  # the tiny pair; loaders placed the others
+    target = sharding.shard(target, mesh)
+    draft = sharding.shard(draft, mesh, split=config.draft_split)
+  if draft.vocab_size != target.vocab_size:
+    raise ConfigError(
+        f"config.draft {config.draft!r} has a vocabulary of "
+        f"{draft.vocab_size} ids but config.target {config.target!r} has "
+        f"{target.vocab_size}; speculative decoding needs a shared "
+        "tokenizer.")
+  return Pair(target, draft, tokenizer, time.perf_counter() - start)
+
+
+def make_mesh(config: Any) -> jax.sharding.Mesh | None:
+  """The mesh `config.mesh` names over every process's devices, or None.
+
+  Raises:
+    ConfigError: its size is not the number of devices.
+  """
+  if not config.get("mesh"):
+    return None
+  data, model = parse_mesh(config.mesh)
+  if data * model != jax.device_count():
+    raise ConfigError(
+        f"config.mesh={config.mesh!r} needs {data * model} devices; this "
+        f"run has {jax.device_count()} ({jax.process_count()} process(es)).")
+  return sharding.make_mesh(data=data, model=model)
+
+
+def memory_plan(config: Any, pair: Pair, cache_size: int,
+                widest: int) -> dict[str, Any]:
+  """The weights and caches of the largest batch, per device, checked
+  against device memory before anything compiles (results.json
+  `memory`).
+
+  Raises:
+    MemoryError: naming the sizes, when a device cannot hold them.
+  """
+  batch = max(tuple(config.batch_sizes) or (config.batch_size,))
+  plan = memory.plan({"target": pair.target, "draft": pair.draft},
+                     batch=batch, cache_size=cache_size, chunk=widest + 1)
+  plan.check()
+  return {"table": plan.table(), "per_device_bytes": plan.per_device,
+          "limit_bytes": plan.limit, "devices": plan.devices,
+          "mesh": config.get("mesh", "")}
+
+
+def make_drafter(name: str, config: Any, pair: Pair) -> Any:
+  """The drafter `name` (`validation.DRAFTERS`, or `early_exit@E`) built
+  from the pair."""
+  kind, exit_layer = drafter_kind(name)
+  lookup = drafters.PromptLookup(vocab_size=pair.target.vocab_size)
+  if kind == "lookup":
+    return lookup
+  if kind == "fallback":
+    return drafters.Fallback(lookup, drafters.DraftModel(pair.draft))
+  if kind == "cascade":
+    return drafters.Cascade(pair.draft, lookup, config.cascade_gamma)
+  if kind == "early_exit":
+    return drafters.EarlyExit(pair.target, exit_layer or config.exit_layer
+                              or pair.target.config.num_layers // 2)
+  if kind in ("medusa", "eagle"):
+    path = config[f"{kind}_path"]
+    drafter = heads_train.load_heads(path, pair.target)
+    if type(drafter).__name__.lower() != kind:
+      raise ConfigError(f"config.{kind}_path {path!r} holds "
+                        f"{type(drafter).__name__} heads, not {kind}.")
+    return drafter
+  if kind == "layer_skip":
+    return drafters.EarlyExit(pair.target, None, skip=config.skip_layers or
+                              default_skip(pair.target.config.num_layers))
+  return drafters.DraftModel(pair.draft)
+
+
+def default_skip(num_layers: int) -> tuple[int, ...]:
+  """Layers `layer_skip` leaves out unless told: every other layer of the
+  second half (Draft & Verify and SWIFT find that later layers are the
+  more redundant; this is a fixed choice, not their search)."""
+  return tuple(range(num_layers // 2 + 1, num_layers - 1, 2))
+
+
+def drafter_names(config: Any) -> tuple[str, ...]:
+  """The drafters a run compares: the sweep, else `config.drafter`."""
+  return tuple(config.get("drafters", ())) or (config.drafter,)
+
+
+def tune_rows(config: Any) -> tuple[int, int]:
+  """Rows of the headline decode step and verification pass: B, B(γ+1)."""
+  return config.batch_size, config.batch_size * (config.gamma + 1)
+
+
+def matmul_info(config: Any, model: Any) -> dict[str, Any] | None:
+  """The model's matmul plan and the timings it was chosen by (cached)."""
+  if not hasattr(model, "plan"):
+    return None
+  return tuning.tune(model.config, model.dtype, rows=tune_rows(config),
+                     matmul=config.matmul,
+                     cache_dir=config.cache_dir or None).to_json()
+
+
+def encode_prompts(config: Any, tokenizer: Any
+                   ) -> tuple[prompts_lib.PromptSet, list[list[int]]]:
+  """The first `config.num_prompts` prompts, as token ids."""
+  if config.prompt_file:
+    prompt_set = prompts_lib.load_prompt_file(config.prompt_file,
+                                              config.num_prompts)
+  else:
+    prompt_set = prompts_lib.load_prompts(
+        config.prompt_set, config.num_prompts,
+        cache_dir=config.cache_dir or None)
+  ids = [prompts_lib.encode_prompt(
+      tokenizer, p, chat_template=config.chat_template,
+      max_prompt_tokens=config.max_prompt_tokens) for p in prompt_set.prompts]
+  return prompt_set, ids
+
+
+def model_info(name: str, model: Any) -> dict[str, Any]:
+  """A model's name, config and parameter count (results.json `models`)."""
+  info = {"name": name}
+  config = getattr(model, "config", None)
+  if dataclasses.is_dataclass(config):
+    info["config"] = {k: (v if isinstance(v, (int, float, str, bool,
+                                               type(None))) else str(v))
+                      for k, v in dataclasses.asdict(config).items()}
+  params = getattr(model, "params", None)
+  if params is not None:
+    leaves = jax.tree.leaves(params)
+    info["num_params"] = int(sum(x.size for x in leaves))
+    info["dtype"] = str(leaves[0].dtype)
+  return info
