@@ -53,7 +53,6 @@ from specjax import hardware
 from specjax import heads
 from specjax import metrics
 from specjax import policies
-from specjax.hardware import median_ms
 from specjax.hardware import timed_call
 from specjax.sharding import distributed
 from specjax.tuning import cost as tuning_cost
@@ -86,7 +85,7 @@ def drafter_cost_ratio(drafter: Any, pair: Pair, cost: dict[str, Any],
                            prompt_hidden=hidden)
       pass_ = jax.jit(lambda d, h: d.target.logits(d.step(
           h, jnp.zeros(h.shape[:2], jnp.int32), state.cache)[0]))
-    ms = median_ms({"heads": lambda: pass_(drafter, hidden),
+    ms = hardware.median_ms({"heads": lambda: pass_(drafter, hidden),
                     "target": cost_lib.forward_step(pair.target, batch,
                                                     cache_size, 1)}, repeats)
     return ms["heads"] / ms["target"]

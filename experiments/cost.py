@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from specjax.hardware import median_ms
+from specjax import hardware
 from specjax.tuning.cost import compiled_forward_hlo
 from specjax.tuning.cost import forward_step
 from specjax.tuning.cost import READ_BYTES
 from specjax.tuning.cost import read_step
 
 __all__ = ["compiled_forward_hlo", "forward_step", "measure_cost",
-           "median_ms", "read_step"]
+           "read_step"]
 
 def measure_cost(target: Any, draft: Any, prompts: Sequence[Sequence[int]],
                  cache_size: int, gammas: Sequence[int],
@@ -53,7 +53,7 @@ def measure_cost(target: Any, draft: Any, prompts: Sequence[Sequence[int]],
                   for name, model in models.items()}
   if weight_bytes["target"]:
     steps["read"] = read_step()
-  ms = median_ms(steps, repeats)
+  ms = hardware.median_ms(steps, repeats)
   out = {"batch_size": len(prompts), "repeats": repeats}
   for name in models:
     forward = ms[(name, 1)]

@@ -15,6 +15,7 @@ or a dropped bias), at a scale that keeps logits O(1).
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 
@@ -51,6 +52,30 @@ def pytest_configure(config):
   directory = os.path.join(str(config.rootpath), ".xla_test_cache", worker)
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def _scripted_ms(steps, repeats, warmup=2):
+  """Stands in for `hardware.median_ms` in the default suite: runs each
+  step once (so every code path still compiles and executes) and returns
+  a fixed, distinct time per step name instead of a measurement."""
+  del repeats, warmup
+  import jax  # pylint: disable=g-import-not-at-top
+  out = {}
+  for name, step in steps.items():
+    jax.block_until_ready(step())
+    out[name] = 1.0 + zlib.crc32(repr(name).encode()) % 1000 / 1000
+  return out
+
+
+@pytest.fixture(autouse=True)
+def _no_timing_in_the_default_suite(request, monkeypatch):
+  """The default suite times no forward: tuning steps and experiment cost
+  ratios read `_scripted_ms`. Tests marked `slow` or `real_models` time
+  for real, and a test may patch `median_ms` itself."""
+  if not any(request.node.get_closest_marker(m)
+             for m in ("slow", "real_models")):
+    from specjax import hardware  # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(hardware, "median_ms", _scripted_ms)
 
 
 HF_ARCHS = ("llama", "mistral", "qwen2")
