@@ -1,38 +1,14 @@
-"""Measured forward costs, and the speculative throughput they predict.
+"""Measured forward costs: the tuning step behind `gamma="auto"`.
 
 Shape letters (`specjax.shapes`): B batch, P padded prompt, S cache size, T
 tokens per forward, G = γ.
 
-A speculative step costs the drafter's work plus one target pass over
-γ+1 tokens, and emits the accepted drafts plus one token. Leviathan et al.
-(2023) assume the pass costs one forward and every position is accepted
-with the same α. Neither holds on real hardware: the (γ+1)-token pass
-costs more than a forward, by an amount that depends on the machine and
-the batch (BENCHMARKS.md), and acceptance falls with the draft position.
-`policies.StepCosts.tokens_per_s` therefore uses
-
-    tokens/s = B · E[τ](γ) / (d(γ) + t_target(B, γ+1)),
-    d(γ) = t_draft(B, 2) + (γ-1) · t_draft(B, 1),
-    E[τ](γ) = 1 + Σ_{i=1..γ} Π_{j≤i} a_j,
-
-with t measured per model, batch size and chunk length T (`measure`,
-cached on disk per machine and shapes), and a_j the probability that
-draft position j is accepted given that every earlier one was (the
-per-position acceptance specjax reports). A draft model proposes γ
-tokens with one two-token pass (it catches up on the last committed
-token, and on the block's last draft when the whole block was accepted;
-`drafters.track.catch_up`) and γ-1 one-token forwards (`drafting_ms`).
-γ = 0 is a plain autoregressive step: B tokens per t_target(B, 1). A
-drafter without a model (prompt lookup) has d = 0. With a constant a_j =
-α, t_target(B, γ+1) = t_target(B, 1) and t_draft(B, 2) = t_draft(B, 1)
-this is Leviathan's formula.
-
-That is the steady state. One generation of B rows of N tokens each runs
-until its slowest row ends, and rows that finish earlier idle through its
-last steps: at B = 16 and N = 16 that made a fixed γ = 4 measure 1.5x
-slower than the steady state (BENCHMARKS.md). `tokens_per_s(...,
-tokens=N)` therefore divides B · N by the expected number of steps of the
-slowest row (`policies.costs.expected_steps`) instead of by N / E[τ].
+`measure` times each model's forward at the chunk lengths T a step runs,
+per batch size and cache size, and caches the table on disk per machine
+and shapes; `step_costs` turns the tables into the `policies.StepCosts`
+that `gamma="auto"` prices its steps by (the throughput model itself is
+described in `specjax.policies.costs`). This is the explicit tuning step
+(`python -m specjax.tune`); nothing here runs inside a user's call.
 """
 
 from __future__ import annotations
