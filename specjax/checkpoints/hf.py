@@ -1,4 +1,4 @@
-"""Loads Hugging Face safetensors checkpoints (Llama, Mistral, Qwen2).
+"""Loads Hugging Face safetensors checkpoints (Llama, Mistral, Qwen2, Gemma 3).
 
 A checkpoint is a directory with `config.json` and either `model.safetensors`
 or `model.safetensors.index.json` plus the shards it names, or a Hub id that
