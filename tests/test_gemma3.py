@@ -258,3 +258,30 @@ def test_speculative_sampling_matches_exact_distribution(kind):
   samples = _spec_samples((target, drafter), 2, settings, seed=7)
   stat, critical = _chi_square(samples, joint)
   assert stat < critical, (stat, critical)
+
+
+def test_sentencepiece_bpe_merges_in_file_order():
+  """Gemma's tokenizer rebuilt from a GGUF vocabulary: merges ranked by
+  the merged token's id, runs of spaces respelled '▁', byte fallback for
+  what the vocabulary lacks, control tokens whole."""
+  # pylint: disable-next=g-import-not-at-top
+  from specjax import tokenizer as tokenizer_lib
+  tokens = ["<pad>", "<eos>", "<bos>", "<unk>"]
+  tokens += [f"<0x{b:02X}>" for b in range(256)]
+  first = len(tokens)
+  tokens += ["\u2581", "h", "e", "l", "o", "he", "ll", "hell", "hello",
+             "\u2581hello", "  ", "<start_of_turn>", "el", "hel"]
+  types = [3, 3, 3, 2] + [6] * 256 + [1] * 10 + [4, 3, 1, 1]
+  backend = tokenizer_lib.sentencepiece_bpe(tokens, types, unk_id=3)
+  tok = tokenizer_lib.Tokenizer(backend, bos_id=2, eos_ids=[1])
+  ids = {t: i for i, t in enumerate(tokens)}
+  assert tok.encode("hello hello") == [ids["hello"], ids["\u2581hello"]]
+  # h-e (the merge of id first + 5) goes before l-l (+ 6) and e-l (+ 12):
+  # 'hell' is he + ll, 'hel' is he + l.
+  assert tok.encode("hell") == [ids["hell"]]
+  assert tok.encode("hel") == [ids["hel"]]
+  assert tok.encode("  ") == [first + 10]  # the two-space token
+  assert tok.encode("é") == [4 + 0xC3, 4 + 0xA9]  # UTF-8 bytes
+  assert tok.encode("<start_of_turn>h") == [ids["<start_of_turn>"],
+                                             ids["h"]]
+  assert tok.decode(tok.encode("hello  é")) == "hello  é"
