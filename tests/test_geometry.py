@@ -3,8 +3,14 @@ ranges, hidden states, and cache compaction.
 
 The reference is a NumPy Llama forward written here from the parameters
 alone (embedding, RMSNorm, rotary halves, grouped-query attention under an
-arbitrary mask, SwiGLU), sharing no code with `specjax.models`.
+arbitrary mask, SwiGLU), sharing no code with `specjax.models`; for Gemma 3
+it adds the scaled embedding, (1 + w) norms, QK-norm, post-norms, GeGLU,
+local and global layers with their own window and rope, the query scalar
+and the logit soft-cap.
 """
+
+import math
+
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +25,9 @@ _CONFIGS = {
     "qwen2": testing.TINY_TARGET.replace(arch="qwen2", qkv_bias=True),
     "mistral_window": testing.TINY_TARGET.replace(arch="mistral",
                                                   sliding_window=3),
+    # Two layers (local, global) so that layer ranges split it in two.
+    "gemma3": testing.TINY_GEMMA3_TARGET.replace(
+        num_layers=2, sliding_window=3, sliding_window_pattern=2),
 }
 PREFIX = 5
 # A token tree after the prefix: node 0 at depth 0, nodes 1 and 2 its two
@@ -35,14 +44,29 @@ TREE_MASK = np.array([[1, 0, 0, 0],
 @pytest.fixture(params=sorted(_CONFIGS))
 def model(request):
   m = models.init_random(_CONFIGS[request.param], jax.random.key(11))
-  # Non-zero biases, so they matter.
+  # Non-zero biases, and Gemma's (1 + w) norm scales away from w = 0, so
+  # they matter.
+  rng = np.random.default_rng(12)
+
+  def perturb(path, x):
+    name = jax.tree_util.keystr(path)
+    if "bias" in name:
+      return x + 0.1
+    if "norm" in name and m.config.norm_plus_one:
+      return x + 0.3 * rng.standard_normal(x.shape).astype(np.float32)
+    return x
+
   return testing.Jitted(m.replace(params=jax.tree.map_with_path(
-      lambda p, x: x + 0.1 if "bias" in jax.tree_util.keystr(p) else x,
-      m.params)))
+      perturb, m.params)))
 
 
-def _rms(x, scale, eps):
+def _rms(x, scale, eps, plus_one=False):
+  scale = 1 + scale if plus_one else scale
   return scale * x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
+
+
+def _gelu_tanh(x):
+  return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
 def _rope(x, positions, theta):
@@ -61,34 +85,54 @@ def _reference_logits(model, tokens, positions, mask):
   c = model.config
   assert c.rope_scaling is None and model.plan.layout == "in_out"
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), model.params)
-  mask = np.array(mask, bool)
-  if c.sliding_window is not None:
-    mask &= positions[:, None] - positions[None, :] < c.sliding_window
-  x = p["embed"][tokens]
+  causal = np.array(mask, bool)
+  gemma = c.arch == "gemma3"
+  x = p["embed"][tokens] * (np.sqrt(c.hidden_size) if gemma else 1)
   h_q, h_kv, d = c.num_heads, c.num_kv_heads, c.head_dim
+
+  def rms(x, scale):
+    return _rms(x, scale, c.rms_norm_eps, plus_one=gemma)
+
   for i in range(c.num_layers):
     lp = p[f"layers_{i}"]
-    h = _rms(x, lp["attn_norm"], c.rms_norm_eps)
+    # Gemma: every `sliding_window_pattern`-th layer is global; Mistral:
+    # every layer slides.
+    local = c.sliding_window is not None and (
+        not gemma or (i + 1) % c.sliding_window_pattern)
+    mask = causal.copy()
+    if local:
+      mask &= positions[:, None] - positions[None, :] < c.sliding_window
+    theta = c.rope_local_theta if gemma and local else c.rope_theta
+    h = rms(x, lp["attn_norm"])
     q, k, v = h @ lp["q"], h @ lp["k"], h @ lp["v"]
     if c.qkv_bias:
       q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
-    q = _rope(q.reshape(-1, h_q, d), positions, c.rope_theta)
-    k = _rope(k.reshape(-1, h_kv, d), positions, c.rope_theta)
+    q, k = q.reshape(-1, h_q, d), k.reshape(-1, h_kv, d)
+    if gemma:
+      q, k = rms(q, lp["q_norm"]), rms(k, lp["k_norm"])
+    q, k = _rope(q, positions, theta), _rope(k, positions, theta)
     v = v.reshape(-1, h_kv, d)
     heads = []
     for head in range(h_q):
       kv = head // (h_q // h_kv)
-      scores = q[:, head] @ k[:, kv].T / np.sqrt(d)
+      scores = q[:, head] @ k[:, kv].T / np.sqrt(
+          c.query_pre_attn_scalar or d)
       scores = np.where(mask, scores, -np.inf)
       w = np.exp(scores - scores.max(-1, keepdims=True))
       heads.append((w / w.sum(-1, keepdims=True)) @ v[:, kv])
-    x = x + np.concatenate(heads, -1) @ lp["o"]
-    h = _rms(x, lp["mlp_norm"], c.rms_norm_eps)
+    out = np.concatenate(heads, -1) @ lp["o"]
+    x = x + (rms(out, lp["attn_post_norm"]) if gemma else out)
+    h = rms(x, lp["mlp_norm"])
     gate = h @ lp["gate"]
-    x = x + (gate / (1 + np.exp(-gate)) * (h @ lp["up"])) @ lp["down"]
-  x = _rms(x, p["final_norm"], c.rms_norm_eps)
+    act = _gelu_tanh(gate) if gemma else gate / (1 + np.exp(-gate))
+    out = (act * (h @ lp["up"])) @ lp["down"]
+    x = x + (rms(out, lp["mlp_post_norm"]) if gemma else out)
+  x = rms(x, p["final_norm"])
   head = p["embed"].T if c.tie_embeddings else p["lm_head"]
-  return x @ head
+  logits = x @ head
+  if c.final_logit_softcap:
+    logits = c.final_logit_softcap * np.tanh(logits / c.final_logit_softcap)
+  return logits
 
 
 def _prefilled(model, tokens, size=32):
@@ -241,6 +285,7 @@ def test_layer_ranges_compose_and_hidden_layers_are_returned(model):
 
 def test_param_layout_declared_in_config_matches_the_module():
   for config in list(_CONFIGS.values()) + [
+      testing.TINY_GEMMA3_TARGET,
       testing.TINY_DRAFT.replace(tie_embeddings=True)]:
     declared = models.param_shapes(config)
     module = models.Transformer(config)

@@ -161,6 +161,12 @@ def test_decode_chunks_at_per_row_offsets_matches_hf(loaded, hf_arch, plan):
 @pytest.mark.parametrize("arch,field,value", [
     ("llama", "rope_scaling", None),
     ("mistral", "sliding_window", None),
+    ("gemma3", "sliding_window_pattern", None),  # every layer local
+    ("gemma3", "rope_local_theta", None),  # local layers with global rope
+    ("gemma3", "rope_scaling", None),
+    ("gemma3", "query_pre_attn_scalar", None),
+    ("gemma3", "final_logit_softcap", None),
+    ("gemma3", "scale_embeddings", False),
 ])
 def test_reference_depends_on_mapped_feature(loaded, arch, field, value):
   """Dropping llama3 scaling or the window would break the comparisons."""
@@ -191,6 +197,14 @@ def test_config_from_saved_checkpoints(loaded):
   assert qwen2.sliding_window is None
   assert qwen2.rope_theta == 1e6
   assert "lm_head" not in loaded("qwen2")[0].params
+  gemma3 = loaded("gemma3")[0].config
+  assert (gemma3.sliding_window, gemma3.sliding_window_pattern) == (4, 3)
+  assert [gemma3.layer_window(i) for i in range(4)] == [4, 4, None, 4]
+  assert gemma3.layer_rope(0) == (10000.0, None)
+  assert gemma3.layer_rope(2) == (1e6, convert.LinearRopeScaling(2.0))
+  assert (gemma3.head_dim, gemma3.query_pre_attn_scalar) == (24, 20.0)
+  assert gemma3.tie_embeddings and gemma3.final_logit_softcap == 3.0
+  assert "lm_head" not in loaded("gemma3")[0].params
 
 
 def _legacy_config(**overrides):

@@ -1,4 +1,5 @@
-"""Hugging Face names and configs -> specjax `ModelConfig` and parameters.
+"""Hugging Face names and configs -> specjax `ModelConfig` and parameters
+(Llama, Mistral, Qwen2 and Gemma 3 text).
 
 Shared by every loader that can present its tensors under Hugging Face names:
 `hf.py` reads them from safetensors, and a GGUF loader can rename llama.cpp
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.config import check_params
+from specjax.models.config import LinearRopeScaling
 from specjax.models.config import ModelConfig
 from specjax.models.config import param_shapes
 from specjax.models.config import RopeScaling
@@ -34,11 +36,18 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Gemma3ForCausalLM": "gemma3",
 }
-_MODEL_TYPES = {arch: name for name, arch in SUPPORTED_ARCHITECTURES.items()}
+# `model_type` -> specjax arch, for configs without `architectures`.
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
+                "gemma3_text": "gemma3"}
+# Multimodal wrappers whose text decoder specjax could run, but whose
+# checkpoints it does not read.
+_MULTIMODAL = {"Gemma3ForConditionalGeneration": "gemma3"}
 
 # Hugging Face defaults where a config.json leaves a field out.
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768,
+                          "gemma3": 131072}
 
 # Per-layer tensor suffix -> (specjax name, whether to transpose [out, in]).
 _LAYER_TENSORS = {
@@ -55,6 +64,17 @@ _LAYER_TENSORS = {
     "mlp.up_proj.weight": ("up", True),
     "mlp.down_proj.weight": ("down", True),
 }
+# Gemma 3 names its four layer norms differently: its
+# `post_attention_layernorm` follows attention (Llama's precedes the MLP).
+_GEMMA3_LAYER_TENSORS = {
+    **{k: v for k, v in _LAYER_TENSORS.items()
+       if not k.startswith("post_attention")},
+    "post_attention_layernorm.weight": ("attn_post_norm", False),
+    "pre_feedforward_layernorm.weight": ("mlp_norm", False),
+    "post_feedforward_layernorm.weight": ("mlp_post_norm", False),
+    "self_attn.q_norm.weight": ("q_norm", False),
+    "self_attn.k_norm.weight": ("k_norm", False),
+}
 _GLOBAL_TENSORS = {
     "model.embed_tokens.weight": ("embed", False),
     "model.norm.weight": ("final_norm", False),
@@ -66,11 +86,16 @@ _IGNORED_RE = re.compile(r".*\.rotary_emb\.inv_freq")
 _MAX_PROBLEMS = 20
 
 
-def hf_to_specjax(name: str) -> tuple[str, bool] | None:
+def _layer_tensors(arch: str) -> dict[str, tuple[str, bool]]:
+  return _GEMMA3_LAYER_TENSORS if arch == "gemma3" else _LAYER_TENSORS
+
+
+def hf_to_specjax(name: str, arch: str = "llama") -> tuple[str, bool] | None:
   """Maps a Hugging Face tensor name to a specjax parameter path.
 
   Args:
     name: e.g. `model.layers.3.self_attn.q_proj.weight`.
+    arch: the specjax arch, which fixes the layer norms' names.
 
   Returns:
     (path, transpose), e.g. `('layers_3/q', True)`, where `path` joins the
@@ -81,19 +106,20 @@ def hf_to_specjax(name: str) -> tuple[str, bool] | None:
   if name in _GLOBAL_TENSORS:
     return _GLOBAL_TENSORS[name]
   match = _LAYER_RE.fullmatch(name)
-  if match and match.group(2) in _LAYER_TENSORS:
-    local, transpose = _LAYER_TENSORS[match.group(2)]
+  layer_tensors = _layer_tensors(arch)
+  if match and match.group(2) in layer_tensors:
+    local, transpose = layer_tensors[match.group(2)]
     return f"layers_{int(match.group(1))}/{local}", transpose
   return None
 
 
-def specjax_to_hf(path: str) -> str:
+def specjax_to_hf(path: str, arch: str = "llama") -> str:
   """The inverse of `hf_to_specjax`: `'layers_3/q'` -> its HF tensor name."""
   for name, (local, _) in _GLOBAL_TENSORS.items():
     if path == local:
       return name
   layer, _, local = path.partition("/")
-  for suffix, (target, _) in _LAYER_TENSORS.items():
+  for suffix, (target, _) in _layer_tensors(arch).items():
     if local == target and layer.startswith("layers_"):
       return f"model.layers.{layer[len('layers_'):]}.{suffix}"
   raise KeyError(f"No Hugging Face name for specjax parameter {path!r}.")
@@ -119,6 +145,8 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
       layers).
   """
   arch = _arch(config)
+  if arch == "gemma3":
+    return _gemma3_config(config)
 
   def get(key, default=None):
     value = config.get(key)
@@ -177,6 +205,15 @@ def _arch(config: Mapping[str, Any]) -> str:
   for name in names:
     if name in SUPPORTED_ARCHITECTURES:
       return SUPPORTED_ARCHITECTURES[name]
+  multimodal = [n for n in names if n in _MULTIMODAL] or (
+      ["Gemma3ForConditionalGeneration"] if config.get("model_type") ==
+      "gemma3" and not names else [])
+  if multimodal or "vision_config" in config:
+    raise ValueError(
+        f"{(multimodal or names)[0]} checkpoints (vision_tower, "
+        "multi_modal_projector, language_model under model.) are not "
+        "supported: specjax runs text-only Gemma 3. Load a "
+        "Gemma3ForCausalLM checkpoint (model_type gemma3_text).")
   if not names and config.get("model_type") in _MODEL_TYPES:
     return _MODEL_TYPES[config["model_type"]]
   found = names or config.get("model_type")
@@ -185,14 +222,18 @@ def _arch(config: Mapping[str, Any]) -> str:
       f"{', '.join(SUPPORTED_ARCHITECTURES)}.")
 
 
-def _rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
-  """(rope_theta, llama3 scaling or None) from either config layout."""
+def _rope(config: Mapping[str, Any], allow_linear: bool = False
+          ) -> tuple[float, RopeScaling | LinearRopeScaling | None]:
+  """(rope_theta, llama3 scaling, linear scaling if `allow_linear`, or None)
+  from either config layout."""
   rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
   theta = rope.get("rope_theta", config.get("rope_theta"))
   theta = 10000.0 if theta is None else float(theta)
   rope_type = rope.get("rope_type", rope.get("type", "default"))
   if rope_type == "default":
     return theta, None
+  if rope_type == "linear" and allow_linear:
+    return theta, LinearRopeScaling(factor=float(rope["factor"]))
   if rope_type != "llama3":
     raise ValueError(
         f"Unsupported rope_type {rope_type!r}; specjax supports 'default' "
@@ -207,6 +248,101 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
   except KeyError as e:
     raise ValueError(f"llama3 rope scaling lacks {e.args[0]!r}.") from None
   return theta, scaling
+
+
+def _gemma3_config(config: Mapping[str, Any]) -> ModelConfig:
+  """`config_from_hf` for a Gemma3ForCausalLM (gemma3_text) config.
+
+  Reads both layouts: transformers 5 (`layer_types`, `rope_parameters` per
+  layer type) and 4 (`sliding_window_pattern`, `rope_theta`,
+  `rope_local_base_freq`, `rope_scaling` of the global layers).
+  """
+
+  def required(key):
+    if config.get(key) is None:
+      raise ValueError(f"Hugging Face config for gemma3 lacks {key!r}.")
+    return config[key]
+
+  act = config.get("hidden_activation") or config.get("hidden_act")
+  if act not in (None, "gelu_pytorch_tanh", "gelu_tanh"):
+    raise ValueError(f"hidden_activation={act!r} is not supported for "
+                     "gemma3; specjax implements GeGLU with gelu's tanh "
+                     "approximation (gelu_pytorch_tanh).")
+  for key in ("attention_bias", "use_bidirectional_attention"):
+    if config.get(key):
+      raise ValueError(f"Gemma 3 with {key}=True is not supported.")
+  if config.get("attn_logit_softcapping") is not None:
+    # transformers' Gemma3Attention ignores it; Google's gemma has none.
+    raise ValueError(
+        "Gemma 3 with attn_logit_softcapping="
+        f"{config['attn_logit_softcapping']} is not supported: transformers "
+        "does not apply it to Gemma 3, so its meaning is ambiguous.")
+  num_layers = int(required("num_hidden_layers"))
+  window = int(required("sliding_window"))
+  pattern = _gemma3_pattern(config, num_layers)
+  rope = config.get("rope_parameters") or {}
+  if "full_attention" in rope or "sliding_attention" in rope:
+    full = rope.get("full_attention") or {}
+    local = rope.get("sliding_attention") or {}
+  else:  # transformers 4
+    full = dict(config.get("rope_scaling") or {})
+    full.setdefault("rope_theta", config.get("rope_theta"))
+    local = {"rope_theta": config.get("rope_local_base_freq")}
+  local_type = local.get("rope_type", local.get("type", "default"))
+  if local_type != "default":
+    raise ValueError(f"Gemma 3 local layers with rope_type {local_type!r} "
+                     "are not supported (only 'default').")
+  theta, scaling = _rope({"rope_parameters": full}, allow_linear=True)
+  local_theta = local.get("rope_theta")
+  final_cap = config.get("final_logit_softcapping")
+  num_heads = int(required("num_attention_heads"))
+  head_dim = int(config.get("head_dim") or 256)
+  return ModelConfig(
+      arch="gemma3",
+      vocab_size=int(required("vocab_size")),
+      hidden_size=int(required("hidden_size")),
+      intermediate_size=int(required("intermediate_size")),
+      num_layers=num_layers,
+      num_heads=num_heads,
+      num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+      head_dim=head_dim,
+      rope_theta=1e6 if full.get("rope_theta") is None else theta,
+      rope_scaling=scaling,
+      rms_norm_eps=float(config.get("rms_norm_eps") or 1e-6),
+      tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+      sliding_window=window,
+      max_position_embeddings=int(
+          config.get("max_position_embeddings") or 131072),
+      sliding_window_pattern=pattern,
+      rope_local_theta=10000.0 if local_theta is None else float(local_theta),
+      norm_plus_one=True, qk_norm=True, post_norms=True,
+      activation="gelu_tanh", scale_embeddings=True,
+      query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or 256),
+      final_logit_softcap=None if final_cap is None else float(final_cap),
+  )
+
+
+def _gemma3_pattern(config: Mapping[str, Any], num_layers: int) -> int:
+  """The local:global period of a Gemma 3 config's `layer_types` (or its
+  `sliding_window_pattern`, default 6)."""
+  types = config.get("layer_types")
+  if types is None:
+    return int(config.get("sliding_window_pattern") or 6)
+  types = list(types)[:num_layers]
+  if len(types) != num_layers or set(types) - {"sliding_attention",
+                                               "full_attention"}:
+    raise ValueError(f"Gemma 3 layer_types {types} must name "
+                     f"'sliding_attention' or 'full_attention' for each of "
+                     f"the {num_layers} layers.")
+  globals_ = [i for i, t in enumerate(types) if t == "full_attention"]
+  pattern = globals_[0] + 1 if globals_ else num_layers + 1
+  want = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+          for i in range(num_layers)]
+  if types != want:
+    raise ValueError(f"Gemma 3 layer_types {types} do not repeat one "
+                     "local:global pattern (every n-th layer global), the "
+                     "only layouts specjax supports.")
+  return pattern
 
 
 def _sliding_window(config: Mapping[str, Any], arch: str,
@@ -272,10 +408,11 @@ def params_from_tensors(config: ModelConfig,
 
   sources = {}  # specjax path -> (HF name, transpose)
   problems = []
+  arch = config.arch
   for name in tensors:
     if _IGNORED_RE.fullmatch(name):
       continue
-    target = hf_to_specjax(name)
+    target = hf_to_specjax(name, arch)
     if target is None or target[0] not in expected:
       if name == "lm_head.weight" and config.tie_embeddings:
         _check_tied_head(tensors)
@@ -296,8 +433,8 @@ def params_from_tensors(config: ModelConfig,
           f"{', transposed' if transpose else ''})")
   for path, shape in expected.items():
     if path not in sources:
-      name = specjax_to_hf(path)
-      hf_shape = shape[::-1] if hf_to_specjax(name)[1] else shape
+      name = specjax_to_hf(path, arch)
+      hf_shape = shape[::-1] if hf_to_specjax(name, arch)[1] else shape
       problems.append(f"missing tensor {name!r} (shape {hf_shape}, specjax "
                       f"{path!r})")
   if problems:

@@ -10,7 +10,9 @@ first, i.e. reversed with respect to numpy: a PyTorch `[out, in]` weight is
 `gguf.quants.dequantize` returns `[out, in]` float32, the layout of the
 Hugging Face checkpoint the file was converted from. So this loader renames
 the tensors to their Hugging Face names, undoes llama.cpp's Q/K row
-permutation for the `llama` architecture, and hands them to
+permutation for the `llama` architecture and the +1 it adds to every Gemma 3
+norm scale (its converter stores Gemma's (1 + w) as w + 1, as transformers'
+GGUF loader undoes too), and hands them to
 `specjax.checkpoints.convert.params_from_tensors`, the one place that knows
 how Hugging Face tensors map to specjax parameters.
 
@@ -33,12 +35,13 @@ import tqdm
 
 from specjax.checkpoints.gguf_reader import GGUFFile
 from specjax.models import check_params
+from specjax.models import LinearRopeScaling
 from specjax.models import Model
 from specjax.models import ModelConfig
 
 GGMLQuantizationType = gguf.GGMLQuantizationType
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
 # Per-layer GGUF tensor names -> Hugging Face names (`{i}` is the layer).
 _LAYER_NAMES = {
@@ -55,6 +58,19 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3's own layer tensors (its `ffn_norm` precedes the MLP, after the
+# attention's post-norm).
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# Gemma 3 hyper-parameters llama.cpp fixes in code rather than the file.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_ROPE_LOCAL_THETA = 10000.0
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -71,18 +87,23 @@ def supported_quantization_types() -> frozenset[GGMLQuantizationType]:
                     GGMLQuantizationType.F64, *traits})
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
   """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`.
 
+  Args:
+    gguf_name: the llama.cpp tensor name.
+    arch: the file's `general.architecture`, which fixes the norms' names.
+
   Raises:
-    ValueError: the tensor has no Hugging Face Llama/Qwen2 counterpart.
+    ValueError: the tensor has no Hugging Face counterpart in `arch`.
   """
   if gguf_name in _GLOBAL_NAMES:
     return _GLOBAL_NAMES[gguf_name]
+  names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
   m = _LAYER_RE.match(gguf_name)
-  if m and m.group(2) in _LAYER_NAMES:
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-  raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a Llama/Qwen2 "
+  if m and m.group(2) in names:
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
+  raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a {arch} "
                    "decoder that specjax supports.")
 
 
@@ -135,7 +156,10 @@ def read_config(reader: GGUFFile) -> ModelConfig:
                      "rope scaling), which the GGUF loader does not support; "
                      "load the Hugging Face checkpoint instead.")
   scaling = get("rope.scaling.type", required=False)
-  if scaling not in (None, "none"):
+  rope_scaling = None
+  if scaling == "linear" and arch == "gemma3":
+    rope_scaling = LinearRopeScaling(float(get("rope.scaling.factor")))
+  elif scaling not in (None, "none"):
     raise ValueError(f"Unsupported GGUF rope scaling type {scaling!r}.")
 
   hidden = int(get("embedding_length"))
@@ -152,6 +176,20 @@ def read_config(reader: GGUFFile) -> ModelConfig:
                      f"dim {head_dim}) are unsupported.")
   # ne = [E, V]: the vocabulary is the embedding's slow (second) dimension.
   vocab_size = int(tensors["token_embd.weight"].shape[1])
+  gemma = {}
+  if arch == "gemma3":
+    # llama.cpp scales queries by head_dim ** -0.5 (27B aside), which is
+    # query_pre_attn_scalar for 270M, 1B, 4B and 12B; local layers use a
+    # base of 10000 and, unless the file says otherwise, 5 local : 1 global.
+    gemma = dict(
+        sliding_window=int(get("attention.sliding_window")),
+        sliding_window_pattern=_window_pattern(
+            get("attention.sliding_window_pattern", required=False),
+            int(get("block_count"))),
+        rope_local_theta=GEMMA3_ROPE_LOCAL_THETA, norm_plus_one=True,
+        qk_norm=True, post_norms=True, activation="gelu_tanh",
+        scale_embeddings=True, query_pre_attn_scalar=float(head_dim),
+        final_logit_softcap=get("final_logit_softcapping", required=False))
   return ModelConfig(
       arch=arch,
       vocab_size=vocab_size,
@@ -162,11 +200,31 @@ def read_config(reader: GGUFFile) -> ModelConfig:
       num_kv_heads=int(num_kv_heads),
       head_dim=head_dim,
       rope_theta=float(get("rope.freq_base", 10000.0)),
+      rope_scaling=rope_scaling,
       rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
       qkv_bias="blk.0.attn_q.bias" in tensors,
       tie_embeddings="output.weight" not in tensors,
       max_position_embeddings=int(get("context_length", 4096)),
+      **gemma,
   )
+
+
+def _window_pattern(value: Any, num_layers: int) -> int:
+  """The local:global period from `attention.sliding_window_pattern`: a
+  period, a per-layer list of booleans (True: sliding), or None (llama.cpp's
+  Gemma 3 default, 6)."""
+  if value is None:
+    return GEMMA3_SLIDING_WINDOW_PATTERN
+  if not isinstance(value, list):
+    return int(value)
+  sliding = [bool(v) for v in value][:num_layers]
+  period = sliding.index(False) + 1 if False in sliding else num_layers + 1
+  if len(sliding) != num_layers or sliding != [
+      bool((i + 1) % period) for i in range(num_layers)]:
+    raise ValueError(f"GGUF sliding_window_pattern {value} is not one "
+                     "repeating local:global pattern (every n-th layer "
+                     "global), the only layout specjax supports.")
+  return period
 
 
 class LazyTensor:
@@ -196,7 +254,8 @@ class LazyTensor:
     return len(self.shape)
 
   def load(self) -> np.ndarray:
-    """Dequantizes: [*shape] float32, Q/K permutation undone for llama."""
+    """Dequantizes: [*shape] float32, Q/K permutation undone for llama,
+    the +1 on norm scales for gemma3."""
     t = self._tensor
     try:
       if t.tensor_type == GGMLQuantizationType.F64:
@@ -214,6 +273,8 @@ class LazyTensor:
         w = unpermute_qk(w, c.num_heads)
       elif ".k_proj." in self.name:
         w = unpermute_qk(w, c.num_kv_heads)
+    elif c.arch == "gemma3" and self.name.endswith("norm.weight"):
+      w = w - np.float32(1.0)
     if self._on_load is not None:
       self._on_load()
     return w
@@ -244,7 +305,7 @@ class HFTensors(Mapping):
                           unit="tensor", disable=not progress)
     self._tensors = {}
     for t in reader.tensors:
-      name = hf_name(t.name)
+      name = hf_name(t.name, config.arch)
       self._tensors[name] = LazyTensor(t, name, config, self._advance)
 
   def _advance(self) -> None:
@@ -267,7 +328,7 @@ class HFTensors(Mapping):
 
 def load_gguf(path: str | os.PathLike, dtype: Any = jnp.float32,
               progress: bool = True) -> Model:
-  """Loads a Llama or Qwen2 GGUF file, dequantizing every tensor.
+  """Loads a Llama, Qwen2 or Gemma 3 GGUF file, dequantizing every tensor.
 
   Args:
     path: the `.gguf` file.

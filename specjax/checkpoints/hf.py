@@ -1,4 +1,4 @@
-"""Loads Hugging Face safetensors checkpoints (Llama, Mistral, Qwen2).
+"""Loads Hugging Face safetensors checkpoints (Llama, Mistral, Qwen2, Gemma 3).
 
 A checkpoint is a directory with `config.json` and either `model.safetensors`
 or `model.safetensors.index.json` plus the shards it names, or a Hub id that
@@ -53,7 +53,7 @@ _HUB_ID_RE = re.compile(r"[\w.-]+(/[\w.-]+)?")
 def load_hf(path: str | os.PathLike[str],
             dtype: Any = jnp.float32, *, mesh: Any = None,
             split: bool = True) -> Model:
-  """Loads a Hugging Face Llama-family checkpoint as a specjax `Model`.
+  """Loads a Hugging Face Llama-family or Gemma 3 checkpoint as a `Model`.
 
   Args:
     path: a local checkpoint directory, or a Hugging Face Hub id such as

@@ -1,4 +1,5 @@
-"""Llama-family models: `ModelConfig`, the Flax `Transformer`, and `Model`.
+"""Llama- and Gemma-family models: `ModelConfig`, the Flax `Transformer`,
+and `Model`.
 
 Shape letters (`specjax.shapes`): B batch, T chunk, P padded prompt, S cache
 size, E hidden, V vocab.
@@ -23,6 +24,7 @@ from specjax import cache as cache_lib
 from specjax.models.config import ARCHITECTURES
 from specjax.models.config import check_params
 from specjax.models.config import flatten
+from specjax.models.config import LinearRopeScaling
 from specjax.models.config import matrix_paths
 from specjax.models.config import unflatten
 from specjax.models.config import ModelConfig
@@ -39,7 +41,8 @@ from specjax.models.transformer import Transformer
 from specjax.models.transformer import TransformerOutput
 
 __all__ = [
-    "ARCHITECTURES", "Decoder", "LanguageModel", "LayerSubset", "MatmulPlan",
+    "ARCHITECTURES", "Decoder", "LanguageModel", "LayerSubset",
+    "LinearRopeScaling", "MatmulPlan",
     "Model", "ModelConfig",
     "ModelOutput", "RopeScaling", "Transformer", "TransformerOutput",
     "check_params", "init_random", "matrix_paths", "model_output",

@@ -1,4 +1,5 @@
-"""`ModelConfig`: the static description of a Llama-family transformer.
+"""`ModelConfig`: the static description of a Llama- or Gemma-family
+transformer.
 
 The config is frozen and hashable, so it can be a static argument of `jax.jit`
 (it fixes every shape); parameters live in a separate plain pytree whose layout
@@ -13,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +36,27 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+  """Linear rope scaling (`rope_type: linear`): positions divided by
+  `factor` (Gemma 3's global layers, 4B and up).
+
+  Attributes:
+    factor: how much the positions are compressed.
+  """
+
+  factor: float
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM).
+  """Hyper-parameters of a decoder: Llama, Mistral, Qwen2, SmolLM, Gemma 3.
+
+  The Llama family is the default (every Gemma field off). Gemma 3 text
+  (`arch="gemma3"`) sets the fields below the line: local (sliding) layers
+  interleaved with global ones, each kind with its own rope, RMSNorm on q
+  and k per head, norms before and after attention and the MLP with a
+  (1 + w) scale, a GeGLU MLP, the embedding scaled by sqrt(E), and
+  `query_pre_attn_scalar` in place of D in the attention scale.
 
   Attributes:
     arch: one of `ARCHITECTURES`; informational, the math is set by the flags.
@@ -47,13 +68,34 @@ class ModelConfig:
     num_kv_heads: K, key/value heads (grouped-query attention when K < H).
     head_dim: D.
     rope_theta: rotary base frequency.
-    rope_scaling: Llama 3 rope scaling, or None.
+    rope_scaling: Llama 3 or linear rope scaling, or None; with
+      `rope_local_theta`, of the global layers only.
     rms_norm_eps: epsilon of every RMSNorm.
     qkv_bias: whether q, k and v projections have a bias (Qwen2).
     tie_embeddings: whether the output projection reuses the input embedding.
     sliding_window: attend only to the last `sliding_window` positions
-      (Mistral), or None for full causal attention.
+      (Mistral; Gemma's local layers), or None for full causal attention.
     max_position_embeddings: the longest context the model supports.
+    sliding_window_pattern: with `sliding_window`, layer i is global (full
+      attention) when (i + 1) % pattern == 0 and local otherwise (Gemma 3:
+      6, five local layers to one global); None: every layer slides.
+    rope_local_theta: rope base of the local layers, which then use no
+      rope scaling (Gemma 3: 10000); None: the same rope as global layers.
+    norm_plus_one: RMSNorm scales by (1 + w) in float32 (Gemma) instead
+      of w.
+    qk_norm: RMSNorm over D on each query and key head before rope
+      (parameters `q_norm`, `k_norm` [D]).
+    post_norms: RMSNorm on the attention and MLP outputs before they join
+      the residual (`attn_post_norm`, `mlp_post_norm` [E]); `mlp_norm` is
+      then Gemma's pre-feed-forward norm.
+    activation: the gated MLP's activation, one of `ACTIVATIONS`: "silu"
+      (SwiGLU) or "gelu_tanh" (GeGLU, gelu's tanh approximation).
+    scale_embeddings: multiply embeddings by sqrt(E), in their dtype.
+    query_pre_attn_scalar: attention scores are scaled by this ** -0.5
+      instead of D ** -0.5; None: D.
+    attn_logit_softcap: scores become cap * tanh(scores / cap) before the
+      mask, or None.
+    final_logit_softcap: the same on the output logits, or None.
   """
 
   arch: str
@@ -71,6 +113,16 @@ class ModelConfig:
   tie_embeddings: bool = False
   sliding_window: int | None = None
   max_position_embeddings: int = 4096
+  sliding_window_pattern: int | None = None
+  rope_local_theta: float | None = None
+  norm_plus_one: bool = False
+  qk_norm: bool = False
+  post_norms: bool = False
+  activation: str = "silu"
+  scale_embeddings: bool = False
+  query_pre_attn_scalar: float | None = None
+  attn_logit_softcap: float | None = None
+  final_logit_softcap: float | None = None
 
   def __post_init__(self):
     if self.arch not in ARCHITECTURES:
@@ -86,6 +138,39 @@ class ModelConfig:
       raise ValueError(
           f"num_heads={self.num_heads} is not a multiple of "
           f"num_kv_heads={self.num_kv_heads}.")
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"Unknown activation {self.activation!r}; expected "
+                       f"one of {ACTIVATIONS}.")
+    if self.sliding_window_pattern is not None and (
+        self.sliding_window is None or self.sliding_window_pattern < 1):
+      raise ValueError(
+          f"sliding_window_pattern={self.sliding_window_pattern} needs a "
+          f"sliding_window and a pattern >= 1 (sliding_window="
+          f"{self.sliding_window}).")
+    for name in ("attn_logit_softcap", "final_logit_softcap",
+                 "query_pre_attn_scalar", "sliding_window"):
+      value = getattr(self, name)
+      if value is not None and value <= 0:
+        raise ValueError(f"ModelConfig.{name} must be positive or None, "
+                         f"got {value}.")
+
+  def is_local(self, layer: int) -> bool:
+    """Whether layer `layer` attends through the sliding window."""
+    if self.sliding_window is None:
+      return False
+    pattern = self.sliding_window_pattern
+    return pattern is None or (layer + 1) % pattern != 0
+
+  def layer_window(self, layer: int) -> int | None:
+    """The sliding window of layer `layer`, or None (full attention)."""
+    return self.sliding_window if self.is_local(layer) else None
+
+  def layer_rope(self, layer: int
+                 ) -> tuple[float, RopeScaling | LinearRopeScaling | None]:
+    """(rope base, rope scaling) of layer `layer`."""
+    if self.rope_local_theta is not None and self.is_local(layer):
+      return self.rope_local_theta, None
+    return self.rope_theta, self.rope_scaling
 
   @property
   def num_params(self) -> int:
@@ -100,10 +185,13 @@ class ModelConfig:
 
   @classmethod
   def from_dict(cls, fields: dict[str, Any]) -> "ModelConfig":
-    """Inverts `to_dict`, rebuilding `RopeScaling`."""
+    """Inverts `to_dict`, rebuilding `RopeScaling` or `LinearRopeScaling`
+    (told apart by their fields)."""
     fields = dict(fields)
-    if fields.get("rope_scaling") is not None:
-      fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    scaling = fields.get("rope_scaling")
+    if scaling is not None:
+      kind = RopeScaling if "low_freq_factor" in scaling else LinearRopeScaling
+      fields["rope_scaling"] = kind(**scaling)
     return cls(**fields)
 
 
@@ -127,7 +215,9 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
     'layers_{L-1}': layer}` where each layer is `{'attn_norm': (E,),
     'q': (E, H*D), 'k': (E, K*D), 'v': (E, K*D), 'o': (H*D, E),
     'mlp_norm': (E,), 'gate': (E, F), 'up': (E, F), 'down': (F, E)}` plus
-    `q_bias`, `k_bias`, `v_bias` when `config.qkv_bias`; and
+    `q_bias`, `k_bias`, `v_bias` when `config.qkv_bias`; `q_norm`,
+    `k_norm` (D,) when `config.qk_norm`; `attn_post_norm`, `mlp_post_norm`
+    (E,) when `config.post_norms`; and
     `'lm_head': (E, V)` when embeddings are not tied (tied models project
     with `embed`).
   """
@@ -147,6 +237,10 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
   }
   if c.qkv_bias:
     layer.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
+  if c.qk_norm:
+    layer.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
+  if c.post_norms:
+    layer.update(attn_post_norm=(e,), mlp_post_norm=(e,))
   shapes = {"embed": (c.vocab_size, e), "final_norm": (e,)}
   shapes.update({f"layers_{i}": dict(layer) for i in range(c.num_layers)})
   if not c.tie_embeddings:

@@ -1,4 +1,5 @@
-"""A Llama-family decoder as a Flax module with an explicit KV cache.
+"""A Llama- or Gemma-family decoder as a Flax module with an explicit KV
+cache.
 
 Shape letters (`specjax.shapes`): B batch, T tokens in this call, S cache
 size, L layers, E hidden size, F MLP size, H query heads, K key/value heads,
@@ -12,6 +13,8 @@ geometry: the T tokens of row b are written to cache slots
 Queries also read the row's valid cache slots; cache slots hold consecutive
 positions (slot s is position s, which `KVCache.compact` maintains), so a
 sliding window is computed from positions, never from index differences.
+Gemma 3's local and global layers each read their own mask and rope
+(`ModelConfig.layer_window`, `ModelConfig.layer_rope`).
 Stale cache entries past a row's length are never read, so rollback is only a
 change of `cache.lengths`. The cache is read once per layer and never copied
 whole: only the new chunk is written.
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import cache as cache_lib
+from specjax.models.config import LinearRopeScaling
 from specjax.models.config import ModelConfig
 from specjax.models.matmul import MatmulPlan
 from specjax.models.matmul import project
@@ -35,13 +39,16 @@ from specjax.models.matmul import project
 _INIT = nn.initializers.normal(0.02)
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-  """Rotary inverse frequencies [D // 2], with Llama 3 scaling if configured."""
+def rope_inv_freq(config: ModelConfig, layer: int = 0) -> np.ndarray:
+  """Rotary inverse frequencies [D // 2] of layer `layer`, with Llama 3 or
+  linear scaling if configured."""
   d = config.head_dim
-  inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, np.float64) / d))
-  s = config.rope_scaling
+  theta, s = config.layer_rope(layer)
+  inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, np.float64) / d))
   if s is None:
     return inv_freq.astype(np.float32)
+  if isinstance(s, LinearRopeScaling):
+    return (inv_freq / s.factor).astype(np.float32)
   low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
   high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
   wavelen = 2 * np.pi / inv_freq
@@ -73,11 +80,25 @@ def apply_rope(x: jax.Array, positions: jax.Array,
   return out.astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-  """[..., E] -> [..., E]; statistics in fp32 like the reference."""
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float,
+             plus_one: bool = False) -> jax.Array:
+  """[..., E] -> [..., E]; statistics in fp32 like the reference.
+
+  Llama scales the normalised x, cast back to x's dtype, by `scale`; Gemma
+  (`plus_one`) scales it in float32 by (1 + scale), then casts.
+  """
   x32 = x.astype(jnp.float32)
   x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  if plus_one:
+    return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
   return scale * x32.astype(x.dtype)
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+  """cap * tanh(x / cap) elementwise (Gemma's soft-capping); x if None."""
+  if cap is None:
+    return x
+  return cap * jnp.tanh(x / cap)
 
 
 def default_positions(offsets: jax.Array, num_tokens: int) -> jax.Array:
@@ -143,11 +164,21 @@ class TransformerOutput:
 
 
 class Block(nn.Module):
-  """Pre-norm decoder layer: grouped-query attention and a SwiGLU MLP."""
+  """Pre-norm decoder layer: grouped-query attention and a gated MLP
+  (SwiGLU, or Gemma's GeGLU with QK-norm and post-norms).
+
+  Attributes:
+    config: the model.
+    param_dtype: dtype of freshly initialised parameters.
+    plan: how matrix products are computed.
+    layer: this layer's index, which fixes its rope (`config.layer_rope`);
+      its window comes in through the masks the caller passes.
+  """
 
   config: ModelConfig
   param_dtype: jnp.dtype = jnp.float32
   plan: MatmulPlan = MatmulPlan()
+  layer: int = 0
 
   def _param(self, name, shape, init=_INIT):
     return self.param(name, init, shape, self.param_dtype)
@@ -157,6 +188,14 @@ class Block(nn.Module):
     """x [B, T, in] times weight `name` (stored as the plan says) -> out."""
     w = self._param(name, self.plan.stored_shape((features_in, features_out)))
     return project(x, w, self.plan)
+
+  def _norm(self, x: jax.Array, name: str) -> jax.Array:
+    """RMSNorm over x's last axis with scale `name` [x.shape[-1]]; a
+    (1 + w) scale starts at w = 0."""
+    c = self.config
+    init = nn.initializers.zeros if c.norm_plus_one else nn.initializers.ones
+    scale = self._param(name, (x.shape[-1],), init)
+    return rms_norm(x, scale, c.rms_norm_eps, c.norm_plus_one)
 
   @nn.compact
   def __call__(self, x: jax.Array, k_cache: jax.Array | None,
@@ -179,10 +218,9 @@ class Block(nn.Module):
     c = self.config
     e, nh, nk, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     b, t, _ = x.shape
-    ones = nn.initializers.ones
 
     with jax.named_scope("attention"):
-      h = rms_norm(x, self._param("attn_norm", (e,), ones), c.rms_norm_eps)
+      h = self._norm(x, "attn_norm")
       q = self._dense(h, "q", e, nh * d)
       k = self._dense(h, "k", e, nk * d)
       v = self._dense(h, "v", e, nk * d)
@@ -191,20 +229,26 @@ class Block(nn.Module):
         q += self._param("q_bias", (nh * d,), zeros)
         k += self._param("k_bias", (nk * d,), zeros)
         v += self._param("v_bias", (nk * d,), zeros)
-      inv_freq = rope_inv_freq(c)
-      q = apply_rope(q.reshape(b, t, nh, d), positions, inv_freq)
-      k = apply_rope(k.reshape(b, t, nk, d), positions, inv_freq)
+      q, k = q.reshape(b, t, nh, d), k.reshape(b, t, nk, d)
+      if c.qk_norm:
+        q, k = self._norm(q, "q_norm"), self._norm(k, "k_norm")
+      inv_freq = rope_inv_freq(c, self.layer)
+      q = apply_rope(q, positions, inv_freq)
+      k = apply_rope(k, positions, inv_freq)
       v = v.reshape(b, t, nk, d)
 
       # Queries grouped by key/value head: [B, T, H, D] -> [B, T, K, R, D].
-      q = q.reshape(b, t, nk, nh // nk, d) / np.sqrt(d).astype(q.dtype)
+      scale = c.query_pre_attn_scalar or d
+      q = q.reshape(b, t, nk, nh // nk, d) / np.sqrt(scale).astype(q.dtype)
       f32 = jnp.float32
       scores = jnp.einsum("btkrd,bukd->bkrtu", q, k,
                           preferred_element_type=f32)  # [B, K, R, T, T]
+      scores = softcap(scores, c.attn_logit_softcap)
       scores = jnp.where(chunk_mask[:, None, None], scores, -jnp.inf)
       if k_cache is not None:
         s_cache = jnp.einsum("btkrd,bskd->bkrts", q, k_cache.astype(q.dtype),
                              preferred_element_type=f32)  # [B, K, R, T, S]
+        s_cache = softcap(s_cache, c.attn_logit_softcap)
         s_cache = jnp.where(cache_mask[:, None, None], s_cache, -jnp.inf)
         scores = jnp.concatenate([s_cache, scores], -1)  # [B, K, R, T, S+T]
       probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
@@ -212,14 +256,23 @@ class Block(nn.Module):
       if k_cache is not None:
         attn += jnp.einsum("bkrts,bskd->btkrd", probs[..., :-t],
                            v_cache.astype(v.dtype))  # [B, T, K, R, D]
-      x = x + self._dense(attn.reshape(b, t, nh * d), "o", nh * d, e)
+      out = self._dense(attn.reshape(b, t, nh * d), "o", nh * d, e)
+      if c.post_norms:
+        out = self._norm(out, "attn_post_norm")
+      x = x + out
 
     with jax.named_scope("mlp"):
-      h = rms_norm(x, self._param("mlp_norm", (e,), ones), c.rms_norm_eps)
+      h = self._norm(x, "mlp_norm")
       gate = self._dense(h, "gate", e, c.intermediate_size)
       up = self._dense(h, "up", e, c.intermediate_size)
-      x = x + self._dense(jax.nn.silu(gate) * up, "down",
-                          c.intermediate_size, e)
+      if c.activation == "gelu_tanh":
+        gate = jax.nn.gelu(gate, approximate=True)
+      else:
+        gate = jax.nn.silu(gate)
+      out = self._dense(gate * up, "down", c.intermediate_size, e)
+      if c.post_norms:
+        out = self._norm(out, "mlp_post_norm")
+      x = x + out
     return x, k, v
 
 
@@ -239,9 +292,11 @@ class Transformer(nn.Module):
     c = self.config
     self.embed = self.param("embed", _INIT, (c.vocab_size, c.hidden_size),
                             self.param_dtype)
-    self.layers = [Block(c, self.param_dtype, self.plan)
-                   for _ in range(c.num_layers)]
-    self.final_norm = self.param("final_norm", nn.initializers.ones,
+    self.layers = [Block(c, self.param_dtype, self.plan, layer=i)
+                   for i in range(c.num_layers)]
+    norm_init = (nn.initializers.zeros if c.norm_plus_one
+                 else nn.initializers.ones)
+    self.final_norm = self.param("final_norm", norm_init,
                                  (c.hidden_size,), self.param_dtype)
     if not c.tie_embeddings:
       self.lm_head = self.param(
@@ -298,26 +353,37 @@ class Transformer(nn.Module):
                        f"{c.num_layers} layers.")
     if (residual is None) == (tokens is None):
       raise ValueError("Pass exactly one of tokens and residual.")
-    x = jnp.take(self.embed, tokens, axis=0) if residual is None else residual
+    if residual is None:
+      x = jnp.take(self.embed, tokens, axis=0)  # [B, T, E]
+      if c.scale_embeddings:
+        # sqrt(E) rounded to the embedding's dtype first, as Gemma does.
+        x = x * jnp.asarray(np.float32(np.sqrt(c.hidden_size)), x.dtype)
+    else:
+      x = residual
     batch, num_tokens, _ = x.shape  # [B, T, E]
     offsets = cache.lengths
     if positions is None:
       positions = default_positions(offsets, num_tokens)
     if mask is None:
       mask = causal_mask(num_tokens)
-    visible = cache_mask
-    cache_mask, chunk_mask = attention_masks(offsets, positions, mask,
-                                             cache.size, c.sliding_window)
-    if visible is not None:
-      cache_mask &= visible
+    # (cache mask [B, T, S], chunk mask [B or 1, T, T]) per window run.
+    masks = {}
+    for window in sorted({c.layer_window(i) for i in range(first, stop)},
+                         key=str):
+      cache_m, chunk_m = attention_masks(offsets, positions, mask, cache.size,
+                                         window)
+      if cache_mask is not None:
+        cache_m &= cache_mask
+      masks[window] = (cache_m, chunk_m)
     ks, vs, chosen = [], [], {}
     for i in range(first, stop):
+      cache_m, chunk_m = masks[c.layer_window(i)]
       with jax.named_scope(f"layer_{i}"):
         if cache_is_empty:
-          x, k, v = self.layers[i](x, None, None, positions, None, chunk_mask)
+          x, k, v = self.layers[i](x, None, None, positions, None, chunk_m)
         else:
           x, k, v = self.layers[i](x, cache.k[i], cache.v[i], positions,
-                                   cache_mask, chunk_mask)
+                                   cache_m, chunk_m)
       ks.append(k)
       vs.append(v)
       if i in hidden_layers:
@@ -326,7 +392,7 @@ class Transformer(nn.Module):
     if missing:
       raise ValueError(f"hidden_layers {sorted(missing)} are not run by "
                        f"layers={layers}.")
-    hidden = rms_norm(x, self.final_norm, c.rms_norm_eps)
+    hidden = rms_norm(x, self.final_norm, c.rms_norm_eps, c.norm_plus_one)
     keys, values = jnp.stack(ks), jnp.stack(vs)  # [l, B, T, K, D]
     layer_hidden = tuple(chosen[i] for i in hidden_layers)
     if not write_cache:
@@ -341,10 +407,11 @@ class Transformer(nn.Module):
         layer_hidden=layer_hidden)
 
   def logits(self, hidden: jax.Array) -> jax.Array:
-    """[..., E] -> [..., V] float32."""
+    """[..., E] -> [..., V] float32 (soft-capped if the config says so)."""
     if self.config.tie_embeddings:
       # The embedding [V, E] is always stored [out, in] for this product.
       head, plan = self.embed, dataclasses.replace(self.plan, layout="out_in")
     else:
       head, plan = self.lm_head, self.plan
-    return project(hidden, head, plan, out_dtype=jnp.float32)
+    return softcap(project(hidden, head, plan, out_dtype=jnp.float32),
+                   self.config.final_logit_softcap)
