@@ -13,19 +13,21 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import cache as cache_lib
 
 
-def eos_array(eos_id) -> jnp.ndarray:
-  """None | int | sequence of ints -> [Y] int32 (-1 never matches)."""
+def eos_array(eos_id) -> np.ndarray:
+  """None | int | sequence of ints -> [Y] int32 (-1 never matches), a
+  numpy array (`jnp.asarray` would compile a program per Y)."""
   if eos_id is None:
     ids = [-1]
   elif isinstance(eos_id, int):
     ids = [eos_id]
   else:
     ids = [int(i) for i in eos_id] or [-1]
-  return jnp.asarray(ids, jnp.int32)
+  return np.asarray(ids, np.int32)
 
 
 def emit(buffer: jax.Array, counts: jax.Array, done: jax.Array,

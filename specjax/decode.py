@@ -10,12 +10,15 @@ prefill, then a `lax.while_loop` that runs until every row hit EOS or N
 tokens. This module validates arguments, places models and rows on a mesh,
 resolves the γ policy, and calls the loops.
 
-Compile once per shape: a program is fixed by B, γ, the models and two coarse
-caps, the prompt buffer P and the output buffer N_cap (`specjax.padding`), so
-prompts of 5 to 600 tokens and any N <= 64 compile at most 7 programs per (B,
-γ) (`tests/test_compile.py` checks the bound). Temperature, top-k, top-p,
-EOS ids, seeds, N and the draft stop threshold are traced, so changing them
-never recompiles. Every compilation is logged on the "specjax" logger with
+Compile once per cache class: a program is fixed by B, γ, the models and
+the cache size S, whose default is a power of two >= 256 holding the
+longest prompt + N + γ + 1; the prompt buffer and the output buffer are
+derived from S (`specjax.padding`), and the prompt's length and N are
+traced. Prompts of 5 to 600 tokens with N <= 100 compile three programs per
+(B, γ), and a call compiles nothing else: inputs travel as numpy arrays
+and seeds become keys on the host (`tests/test_compile.py` counts every
+backend compilation). Temperature, top-k, top-p, EOS ids, seeds, N and the
+draft stop threshold are traced, so changing them never recompiles. Every compilation is logged on the "specjax" logger with
 its time (`specjax.compilation`); JAX's persistent compilation cache is
 turned on at the first call (`$SPECJAX_CACHE/xla_cache`;
 `SPECJAX_NO_COMPILE_CACHE=1` opts out), never at import, and `warmup`
@@ -46,7 +49,7 @@ from specjax.loops import speculative_loop
 from specjax.loops import synthetic_text
 from specjax.models import LanguageModel
 from specjax.padding import default_cache_size
-from specjax.padding import max_new_tokens_cap
+from specjax.padding import cache_class
 from specjax.padding import output_cap
 from specjax.padding import prepare_prompts
 from specjax.padding import prompt_bucket
@@ -56,8 +59,8 @@ from specjax.step_types import StepParams
 
 __all__ = [
     "GenerateOutput", "SpecOutput", "SpecStats", "StepParams",
-    "default_cache_size", "generate", "max_new_tokens_cap",
-    "prepare_prompts", "prompt_bucket", "resolve_policy",
+    "cache_class", "default_cache_size", "generate", "prepare_prompts",
+    "prompt_bucket", "resolve_policy",
     "speculative_generate", "synthetic_text", "warmup",
 ]
 
@@ -147,10 +150,10 @@ def generate(model: LanguageModel, prompts: Sequence[Sequence[int]], *,
     top_p: nucleus mass in (0, 1] (1 disables).
     eos_id: one id or several; a row stops after emitting one.
     key: PRNG key or int seed (default seed 0).
-    cache_size: S; default P + N_cap + 1 rounded up to 128 (module doc).
+    cache_size: S; default the class of the longest prompt + N + 1 (a
+      power of two >= 256; module doc). It fixes the program.
     pad_id: written after each row's end.
-    tokens_cap: N_cap, the static output width (>= N); default
-      `max_new_tokens_cap(N)`.
+    tokens_cap: N_cap, the static output width (>= N); default S.
     mesh: run over this `specjax.sharding.make_mesh` mesh (the model is
       placed on it if it is not yet; default: the mesh the model was
       placed on by `specjax.sharding.shard`, or one device). B need not
@@ -162,21 +165,30 @@ def generate(model: LanguageModel, prompts: Sequence[Sequence[int]], *,
   _check_model(model, "model")
   _check_eos(eos_id, model.vocab_size)
   params = sampling.SamplingParams.create(temperature, top_k, top_p)
-  cap = output_cap(max_new_tokens, tokens_cap)
   tokens, lengths, cache_size = prepare_prompts(
       prompts, model.vocab_size, max_new_tokens=max_new_tokens,
-      cache_size=cache_size, reserve=1, tokens_cap=cap)
+      cache_size=cache_size, reserve=1,
+      tokens_cap=_checked_cap(max_new_tokens, tokens_cap))
+  cap = output_cap(max_new_tokens, tokens_cap, cache_size)
   where, (model,) = Placement.resolve(mesh, len(tokens), model)
   where.check_memory({"model": model}, cache_size=cache_size, chunk=1)
   tokens, lengths, budget = where.inputs(tokens, lengths, max_new_tokens)
   out, counts = compilation.call(
       generate_loop, "generate",
-      f"B={tokens.shape[0]}, P={tokens.shape[1]}, S={cache_size}, "
-      f"N<={cap}", model, tokens, lengths, params,
+      f"B={tokens.shape[0]}, S={cache_size}, N_cap={cap}", model, tokens,
+      lengths, params,
       buffers.eos_array(eos_id), prng_key(key), budget,
       tokens_cap=cap, cache_size=cache_size, pad_id=pad_id)
   out, counts = where.rows((out, counts))
   return GenerateOutput(tokens=out[:, :max_new_tokens], lengths=counts)
+
+
+def _checked_cap(max_new_tokens: int, tokens_cap: int | None
+                 ) -> int | None:
+  """`tokens_cap`, validated against N before it sizes the cache."""
+  if tokens_cap is not None:
+    output_cap(max_new_tokens, tokens_cap, 0)
+  return tokens_cap
 
 
 def resolve_policy(gamma: int | str | policies.GammaPolicy, *,
@@ -296,14 +308,14 @@ def speculative_generate(
       synthetic_acceptance=synthetic_acceptance)
   synthetic = synthetic_acceptance is not None
   extra = drafter.extra_positions
-  cap = output_cap(max_new_tokens, tokens_cap)
   tokens, lengths, cache_size = prepare_prompts(
       prompts, target.vocab_size, max_new_tokens=max_new_tokens,
       cache_size=cache_size, reserve=(num_nodes or bound) + 1 + extra,
-      tokens_cap=cap,
+      tokens_cap=_checked_cap(max_new_tokens, tokens_cap),
       reserve_note=f" (gamma + 1, and {extra} for the drafter's inner "
       "levels: a Cascade's inner gamma + 1)" if extra else (
           " (num_nodes + 1)" if num_nodes else ""))
+  cap = output_cap(max_new_tokens, tokens_cap, cache_size)
   where.check_memory({"target": target, "draft": draft},
                      cache_size=cache_size, chunk=(num_nodes or bound) + 1)
   policy = resolve_policy(gamma, max_gamma=max_gamma, target=target,
@@ -326,8 +338,8 @@ def speculative_generate(
   tokens, lengths, budget = where.inputs(tokens, lengths, max_new_tokens)
   out, counts, stats, policy_state = compilation.call(
       speculative_loop, "speculative_generate",
-      f"B={tokens.shape[0]}, P={tokens.shape[1]}, S={cache_size}, "
-      f"N<={cap}, gamma={gamma}{_policy_name(policy, ' ')}"
+      f"B={tokens.shape[0]}, S={cache_size}, N_cap={cap}, "
+      f"gamma={gamma}{_policy_name(policy, ' ')}"
       f"{f', num_nodes={num_nodes}' if num_nodes else ''}", target, drafter,
       tokens, lengths, params, prng_key(key), budget, policy, tokens_cap=cap,
       cache_size=cache_size, pad_id=pad_id,
@@ -378,20 +390,25 @@ def warmup(target: LanguageModel, draft: LanguageModel | Drafter | None = None,
   """Compiles ahead of time what later calls with these shapes will run.
 
   Runs `generate` (and `speculative_generate` when `draft` and `gamma` are
-  given) once on dummy prompts of `prompt_len` tokens with one new token:
-  N is traced under the same N_cap, so the program is the one a call with
-  `max_new_tokens` uses, and the run itself is one prefill and one step.
-  With the persistent compilation cache on, later processes reuse it too.
+  given) once on dummy prompts of `prompt_len` tokens with one new token,
+  in the cache a call with `max_new_tokens` gets (its class, or
+  `cache_size`): N and the prompt's length are traced within it, so the
+  program is the one such calls use, and the run itself is one prefill and
+  one step. With the persistent compilation cache on, later processes
+  reuse it too.
 
   Returns:
     The number of programs compiled.
   """
   before = compilation.num_compiled()
   prompts = [[0] * prompt_len] * batch
-  # cache_size None sizes each call's cache exactly as a real call would.
-  kwargs = dict(max_new_tokens=1, cache_size=cache_size, eos_id=eos_id,
-                tokens_cap=max_new_tokens_cap(max_new_tokens))
-  generate(target, prompts, **kwargs)
+  size = lambda reserve: cache_size or default_cache_size(
+      prompt_len, max_new_tokens, reserve)
+  generate(target, prompts, max_new_tokens=1, cache_size=size(1),
+           eos_id=eos_id)
   if draft is not None and gamma is not None:
-    speculative_generate(target, draft, prompts, gamma=gamma, **kwargs)
+    drafter = draft if isinstance(draft, Drafter) else DraftModel(draft)
+    speculative_generate(
+        target, draft, prompts, gamma=gamma, max_new_tokens=1,
+        cache_size=size(gamma + 1 + drafter.extra_positions), eos_id=eos_id)
   return compilation.num_compiled() - before

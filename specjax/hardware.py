@@ -27,14 +27,40 @@ import time
 from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Call", "cpu_id", "cpu_model", "cpu_simd", "machine",
-           "machine_key", "median_ms", "num_cores", "source_version", "timed_call",
-           "warm_up"]
+__all__ = ["Call", "cpu_id", "cpu_model", "cpu_simd", "default_dtype",
+           "machine", "machine_key", "median_ms", "num_cores",
+           "resolve_dtype", "source_version", "timed_call", "warm_up"]
 
 # SIMD extensions that change which code is fastest, or which code runs.
 _SIMD = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
+
+
+def default_dtype() -> jnp.dtype:
+  """The parameter and cache dtype of `dtype="auto"`: bfloat16 on GPU and
+  TPU, float32 on CPU (XLA CPU bf16 matmuls ran ~25x slower than fp32).
+  Attention logits, softmax and the sampler's probabilities are fp32 in
+  either (`specjax.models.transformer`, `specjax.sampling`)."""
+  return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu"
+                   else jnp.bfloat16)
+
+
+def resolve_dtype(dtype: Any) -> jnp.dtype:
+  """A dtype argument: None or "auto" is `default_dtype()`, anything else
+  `jnp.dtype(dtype)` (a clear error for a name that is not a float
+  dtype)."""
+  if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
+    return default_dtype()
+  try:
+    resolved = jnp.dtype(dtype)
+  except TypeError as e:
+    raise ValueError(f"dtype must be 'auto' or a float dtype such as "
+                     f"'bfloat16' or 'float32', got {dtype!r}.") from e
+  if not jnp.issubdtype(resolved, jnp.floating):
+    raise ValueError(f"dtype must be a float dtype, got {dtype!r}.")
+  return resolved
 
 
 @functools.cache

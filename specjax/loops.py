@@ -17,6 +17,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import buffers
 from specjax import rejection
@@ -55,10 +56,12 @@ class _ARState:
 
 
 def prng_key(key: jax.Array | int | None) -> jax.Array:
+  """A PRNG key for a `key` argument: a key as is, an int seed (default
+  0) as `jax.random.key(seed)`, made on the host (`sampling.host_key`)."""
   if key is None:
-    return jax.random.key(0)
-  if isinstance(key, int):
-    return jax.random.key(key)
+    return sampling.host_key(0)
+  if isinstance(key, (int, np.integer)):
+    return sampling.host_key(key)
   return key
 
 

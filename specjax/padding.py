@@ -3,16 +3,25 @@
 Shape letters (`specjax.shapes`): B batch, P padded prompt, S cache size, N
 max new tokens, N_cap its static cap.
 
-A program is fixed by its static shapes, so the decoders round what varies
-from call to call to few values:
+A program is fixed by its static shapes, so the decoders derive every one of
+them from one value, the cache size S, and round S to few values:
 
-- the prompt buffer P: the longest prompt rounded up to a power of two
-  (16, 32, 64, 128, ...). `specjax.models.Model.prefill` runs a long prompt
-  in chunks of 64 tokens, so its compute follows the real length, not P;
-- the output buffer N_cap: `max_new_tokens` rounded up to a power of two,
-  at least 64. N itself is traced;
-- the default cache size S, a function of those two caps (P + N_cap +
-  reserve, rounded up to 128).
+- the default S is a cache class: the positions a call needs (longest
+  prompt + N + reserve) rounded up to a power of two, at least 256. The
+  prompt's length and N are traced within a class, so prompts of 5 to 600
+  tokens with any N <= 100 compile three programs per (B, γ) (256, 512
+  and 1024 positions; `tests/test_compile.py`);
+- the prompt buffer P: S rounded down to a multiple of `PROMPT_ALIGN` (the
+  prefill chunk of `specjax.models.decoder`), or S when the prompt would
+  not fit. `Model.prefill` runs the prompt in 64-token chunks up to the
+  longest real prompt (a traced length), so P costs no compute;
+- the output buffer N_cap: S, unless `tokens_cap` is given. Any N a cache
+  of S can hold fits; the buffer is int32, so its size is negligible.
+
+Inputs go to the device as numpy arrays (`jax.device_put` or a jitted
+call's transfer), never `jnp.asarray`, which compiles a program per shape.
+A cache class costs at most twice the positions the call needs, read once
+per layer per step: beside the weights, small at the pairs' shapes.
 """
 
 from __future__ import annotations
@@ -21,44 +30,43 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["default_cache_size", "max_new_tokens_cap", "prepare_prompts",
-           "output_cap", "prompt_bucket"]
+__all__ = ["PROMPT_ALIGN", "cache_class", "default_cache_size",
+           "output_cap", "prepare_prompts", "prompt_bucket"]
 
-_MIN_BUCKET = 16
-_MIN_TOKENS_CAP = 64
-_CACHE_ALIGN = 128
+MIN_CACHE = 256
+PROMPT_ALIGN = 64  # specjax.models.decoder.PREFILL_CHUNK (a layer above)
 
 
 def _pow2(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
+def cache_class(needed: int) -> int:
+  """S for a call that needs `needed` positions: a power of two >= 256."""
+  if needed < 1:
+    raise ValueError(f"needed must be >= 1, got {needed}.")
+  return max(MIN_CACHE, _pow2(needed))
+
+
 def prompt_bucket(longest: int, cache_size: int | None = None) -> int:
-  """P, the padded prompt width for a longest prompt of `longest` tokens.
+  """P, the padded prompt width for a longest prompt of `longest` tokens in
+  a cache of `cache_size` positions (default: the smallest class that
+  holds the prompt).
 
-  Powers of two from 16: few shapes to compile. Padding costs no compute
-  for long prompts, which `Model.prefill` runs in 64-token chunks up to the
-  longest real prompt.
+  S rounded down to a multiple of `PROMPT_ALIGN` when that holds the
+  prompt, else S: one P per S, so the prompt's length picks no program.
   """
-  bucket = max(_MIN_BUCKET, _pow2(longest))
-  return bucket if cache_size is None else min(bucket, cache_size)
-
-
-def max_new_tokens_cap(max_new_tokens: int) -> int:
-  """N_cap, the static output width: N rounded up to a power of two >= 64."""
-  return max(_MIN_TOKENS_CAP, _pow2(max_new_tokens))
+  size = cache_class(longest + 1) if cache_size is None else cache_size
+  aligned = size - size % PROMPT_ALIGN
+  return aligned if aligned >= longest else size
 
 
 def default_cache_size(longest: int, max_new_tokens: int, reserve: int = 1,
                        tokens_cap: int | None = None) -> int:
-  """S when none is given: P + N_cap + `reserve`, rounded up to 128.
-
-  A function of the caps only (`prompt_bucket`, `max_new_tokens_cap`), so it
-  fixes no shape of its own.
-  """
-  fit = (prompt_bucket(longest) + output_cap(max_new_tokens, tokens_cap)
-         + reserve)
-  return -(-fit // _CACHE_ALIGN) * _CACHE_ALIGN
+  """S when none is given: the class (`cache_class`) of the longest prompt
+  + max(N, `tokens_cap`) + `reserve` positions."""
+  return cache_class(longest + max(max_new_tokens, tokens_cap or 0)
+                     + reserve)
 
 
 def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
@@ -75,7 +83,7 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
     cache_size: S, or None for `default_cache_size`.
     reserve: extra positions the loop may write past the N tokens (γ + 1 for
       speculative decoding).
-    tokens_cap: N_cap (default `max_new_tokens_cap(N)`).
+    tokens_cap: N_cap, if given (it then sizes the default S too).
     reserve_note: what the reserve is made of, for the error message.
 
   Returns:
@@ -108,20 +116,21 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
         f"plus max_new_tokens={max_new_tokens} plus {reserve} positions of "
         f"slack{reserve_note} needs {needed} positions, but "
         f"cache_size={cache_size}.")
-  bucket = prompt_bucket(longest, cache_size)
+  bucket = prompt_bucket(longest, cache_size)  # P
   tokens = np.zeros((len(rows), bucket), np.int32)
   for b, row in enumerate(rows):
     tokens[b, :row.size] = row
   return tokens, lengths, cache_size
 
 
-def output_cap(max_new_tokens: int, tokens_cap: int | None) -> int:
-  """N_cap: `tokens_cap` (checked to hold N), or `max_new_tokens_cap(N)`."""
+def output_cap(max_new_tokens: int, tokens_cap: int | None,
+               cache_size: int) -> int:
+  """N_cap: `tokens_cap` (checked to hold N), else S = `cache_size`."""
   if tokens_cap is None:
-    return max_new_tokens_cap(max_new_tokens)
+    return cache_size
+  if isinstance(tokens_cap, bool) or int(tokens_cap) != tokens_cap:
+    raise ValueError(f"tokens_cap must be an integer, got {tokens_cap!r}.")
   if tokens_cap < max_new_tokens:
     raise ValueError(f"tokens_cap={tokens_cap} is below max_new_tokens="
                      f"{max_new_tokens}.")
-  return tokens_cap
-
-
+  return int(tokens_cap)

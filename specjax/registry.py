@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+from specjax import hardware
 from specjax import sharding
 from specjax import tuning
 from specjax import weights
@@ -48,15 +49,15 @@ SOURCE_FILE = "source.json"  # provenance of a converted directory
 
 
 def default_dtype() -> jnp.dtype:
-  """float32 on CPU (XLA CPU bf16 matmuls are ~25x slower), else bfloat16."""
-  return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu"
-                   else jnp.bfloat16)
+  """float32 on CPU (XLA CPU bf16 matmuls are ~25x slower), else bfloat16
+  (`hardware.default_dtype`: what `dtype="auto"` means)."""
+  return hardware.default_dtype()
 
 
 def converted_dir(name: str, dtype: Any = None,
                   cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
   """`<cache>/converted/<name>-<dtype>/`, where `convert` writes."""
-  dtype = jnp.dtype(default_dtype() if dtype is None else dtype)
+  dtype = hardware.resolve_dtype(dtype)
   return (weights.resolve_cache_dir(cache_dir) / "converted"
           / f"{name}-{dtype.name}")
 
@@ -86,7 +87,7 @@ def convert(name: str, dtype: Any = None,
 
   Args:
     name: a registry name (see `specjax.weights.SOURCES`).
-    dtype: parameter dtype; default `default_dtype()`.
+    dtype: parameter dtype; None or "auto" is `default_dtype()`.
     cache_dir: cache root; default `$SPECJAX_CACHE` or `~/.cache/specjax`.
     progress: show progress bars.
 
@@ -94,7 +95,7 @@ def convert(name: str, dtype: Any = None,
     The converted directory.
   """
   source = weights.get_source(name)
-  dtype = jnp.dtype(default_dtype() if dtype is None else dtype)
+  dtype = hardware.resolve_dtype(dtype)
   out = converted_dir(name, dtype, cache_dir)
   path = weights.fetch(source, cache_dir, progress=progress)
   out.parent.mkdir(parents=True, exist_ok=True)
@@ -127,7 +128,8 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
 
   Args:
     name_or_path: see the module docstring for how it is resolved.
-    dtype: parameter dtype; default `default_dtype()`. A converted or orbax
+    dtype: parameter dtype; None or "auto" is `default_dtype()` (bf16 on
+      GPU/TPU, fp32 on CPU). A converted or orbax
       checkpoint saved in another dtype is cast.
     cache_dir: cache root for registry models.
     progress: show progress bars.
@@ -152,8 +154,8 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
       downloaded or its file failed verification.
     FileNotFoundError / ConnectionError / ValueError: from the loaders.
   """
-  model, tokenizer = _load(name_or_path, jnp.dtype(
-      default_dtype() if dtype is None else dtype), cache_dir, progress,
+  model, tokenizer = _load(name_or_path, hardware.resolve_dtype(dtype),
+                           cache_dir, progress,
                            dict(mesh=mesh, split=split) if mesh else {})
   if matmul is not None:
     model, _ = tuning.matmul.apply(model, matmul, rows=tune_rows, donate=True,

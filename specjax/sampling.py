@@ -16,6 +16,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -43,12 +44,32 @@ class SamplingParams:
       raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
     if int(top_k) != top_k or top_k < 0:
       raise ValueError(f"top_k must be a non-negative integer, got {top_k}.")
-    return cls(temperature=jnp.float32(temperature),
-               top_k=jnp.int32(top_k), top_p=jnp.float32(top_p))
+    # Numpy leaves: a jitted call transfers them without compiling
+    # anything (`jnp.float32(x)` compiles a conversion program).
+    return cls(temperature=np.float32(temperature),
+               top_k=np.int32(top_k), top_p=np.float32(top_p))
 
   @property
   def greedy(self) -> jax.Array:
     return self.temperature == 0.0
+
+
+def host_key(seed: int) -> jax.Array:
+  """`jax.random.key(seed)`, made without compiling anything.
+
+  `jax.random.key` runs a seeding program, compiled once per process: a
+  helper compilation in every fresh process's first call. The default
+  implementation's key data for 0 <= seed < 2^32 is [0, seed], which is
+  wrapped on the host instead; other seeds and implementations use
+  `jax.random.key`.
+  """
+  if isinstance(seed, bool) or int(seed) != seed:
+    raise ValueError(f"A seed must be an integer, got {seed!r}.")
+  seed = int(seed)
+  if 0 <= seed < 2**32 and (
+      jax.config.jax_default_prng_impl == "threefry2x32"):
+    return jax.random.wrap_key_data(np.array([0, seed], np.uint32))
+  return jax.random.key(seed)
 
 
 # Vocabulary blocks of the two-level searches (`argmax`, `sample`). XLA's CPU

@@ -292,9 +292,9 @@ class StepParams:
     return cls(
         sampling=sampling.SamplingParams.create(temperature, top_k, top_p),
         eos_ids=buffers.eos_array(eos_id),
-        stop_threshold=jnp.float32(draft_stop_threshold),
-        synthetic=rejection.Synthetic(rate=jnp.float32(rate),
-                                      text=jax.random.key(0)))
+        stop_threshold=np.float32(draft_stop_threshold),
+        synthetic=rejection.Synthetic(rate=np.float32(rate),
+                                      text=sampling.host_key(0)))
 
   def with_text(self, key: jax.Array) -> "StepParams":
     """These settings with the synthetic text of PRNG `key` (one per

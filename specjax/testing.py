@@ -48,14 +48,16 @@ REAL_SHAPES = {
 }
 
 
-def random_model(name: str, seed: int, num_layers: int = 0) -> Model:
+def random_model(name: str, seed: int, num_layers: int = 0,
+                 dtype: Any = jnp.float32) -> Model:
   """The model `name` of `REAL_SHAPES` with random weights (key `seed`)
   and this machine's matmul plan; with `num_layers` > 0, only that many
-  layers."""
+  layers; `dtype` "auto" is bf16 on GPU/TPU, fp32 on CPU."""
   config = REAL_SHAPES[name]
   if num_layers:
     config = dataclasses.replace(config, num_layers=num_layers)
-  return matmul.apply(init_random(config, jax.random.key(seed)), "auto")[0]
+  return matmul.apply(init_random(config, jax.random.key(seed), dtype),
+                      "auto")[0]
 
 
 def random_prompts(batch: int, vocab: int, length: int) -> list[list[int]]:

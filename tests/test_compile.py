@@ -51,8 +51,9 @@ def test_autoregressive_settings_do_not_recompile():
 
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_prompt_lengths_and_max_new_tokens_compile_few_programs():
-  # Documented bound (specjax/decode.py): one program per power-of-two
-  # prompt bucket for N <= 64, here 16, 32, 64, 128, 256, 512, 1024.
+  # Documented bound (specjax/decode.py): one program per cache class,
+  # here 256, 512 and 1024 positions (the bound was 7 with one program
+  # per power-of-two prompt bucket).
   target, draft = testing.tiny_pair(seed=4)
   lengths = [5, 17, 40, 64, 65, 130, 200, 300, 450, 600]
   generate_before = loops.generate_loop._cache_size()
@@ -65,26 +66,79 @@ def test_prompt_lengths_and_max_new_tokens_compile_few_programs():
                                         gamma=2, max_new_tokens=new)
       assert out.tokens.shape == (2, new)
       np.testing.assert_array_equal(out.tokens, ref.tokens)
-  assert loops.generate_loop._cache_size() - generate_before <= 7
-  assert loops.speculative_loop._cache_size() - spec_before <= 7
+  assert loops.generate_loop._cache_size() - generate_before <= 4
+  assert loops.speculative_loop._cache_size() - spec_before <= 4
+
+
+_LOWERED = {"count": 0}
+
+
+def _count_lowering(event: str, duration: float, **kwargs) -> None:
+  del duration, kwargs
+  # Every program a backend compiles (or reads from the persistent cache)
+  # is lowered first: jitted loops and the helper programs eager
+  # operations compile (`jnp.asarray` of a new shape, `jax.random.key`).
+  if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+    _LOWERED["count"] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_lowering)
+
+# The call mix of issue 54: one prompt a call, 5 to 600 tokens, N in
+# {16, 48, 100}.
+_MIX_LENGTHS = (5, 17, 40, 64, 65, 130, 200, 300, 450, 600)
+_MIX_TOKENS = (16, 48, 100)
+
+
+def _programs_for_mix(run) -> int:
+  """Programs lowered while `run(prompt, max_new_tokens)` serves the mix."""
+  before = _LOWERED["count"]
+  for i, n in enumerate(_MIX_LENGTHS):
+    prompt = [(11 * j + i) % 120 + 1 for j in range(n)]
+    for new in _MIX_TOKENS:
+      out = run(prompt, new)
+      assert out.tokens.shape == (1, new) and out.lengths[0] == new
+  return _LOWERED["count"] - before
+
+
+@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
+def test_call_mix_compiles_at_most_four_programs_per_api():
+  # Each cache class (256, 512, 1024 positions here) is one program; the
+  # prompt's length and N are traced, and no call compiles a helper. The
+  # count includes every program lowered in this process, so a helper
+  # (e.g. `jnp.asarray` staging a [1, P] prompt per shape) counts too.
+  target, draft = testing.tiny_pair(seed=5)
+  generated = _programs_for_mix(lambda prompt, new: decode.generate(
+      target, [prompt], max_new_tokens=new))
+  assert generated <= 4, generated
+  speculated = _programs_for_mix(
+      lambda prompt, new: decode.speculative_generate(
+          target, draft, [prompt], gamma=4, max_new_tokens=new))
+  assert speculated <= 4, speculated
 
 
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_warmup_compiles_what_a_later_call_uses():
+  # B = 3: no other test here compiles for it, so the programs are new.
   target, draft = testing.tiny_pair(seed=6)
-  compiled = decode.warmup(target, draft, batch=1, prompt_len=40,
+  compiled = decode.warmup(target, draft, batch=3, prompt_len=40,
                            max_new_tokens=20, gamma=3)
   assert compiled == 2  # one autoregressive, one speculative program
   before = compilation.num_compiled()
-  decode.generate(target, [list(range(1, 38))], max_new_tokens=20)
-  decode.speculative_generate(target, draft, [list(range(1, 38))], gamma=3,
+  prompts = [list(range(1, 38)), [5, 6], list(range(9, 20))]
+  decode.generate(target, prompts, max_new_tokens=20)
+  decode.speculative_generate(target, draft, prompts, gamma=3,
                               max_new_tokens=11)
   assert compilation.num_compiled() == before
-  # Past the smallest output cap, the warmed-up cache is sized for N_cap too.
-  assert decode.warmup(target, batch=1, prompt_len=40,
-                       max_new_tokens=100) == 1
+  # N = 100 still fits the same cache class (256 positions): nothing new.
+  assert decode.warmup(target, batch=3, prompt_len=40,
+                       max_new_tokens=100) == 0
+  # Past it, the warmed-up program is the next class's.
+  assert decode.warmup(target, batch=3, prompt_len=40,
+                       max_new_tokens=300) == 1
   before = compilation.num_compiled()
-  decode.generate(target, [list(range(1, 38))], max_new_tokens=90)
+  decode.generate(target, prompts, max_new_tokens=90)
+  decode.generate(target, prompts, max_new_tokens=290)
   assert compilation.num_compiled() == before
 
 

@@ -132,6 +132,20 @@ def test_speculative_samples_match_exact_distribution(pair):
   assert stat < critical, (stat, critical)
 
 
+def test_speculative_samples_match_exact_distribution_in_bf16(pair):
+  # dtype="auto" on accelerators: bf16 weights and caches, fp32 logits and
+  # probabilities. The reference enumerates the bf16 target's own full
+  # forwards.
+  half = tuple(m.replace(params=jax.tree.map(
+      lambda x: x.astype(jnp.bfloat16), m.params)) for m in pair)
+  settings = (1.0, 0, 1.0)
+  joint = _exact_joint(half[0], settings)
+  np.testing.assert_allclose(joint.sum(), 1.0, rtol=1e-6)
+  samples = _spec_samples(half, 2, settings, seed=3)
+  stat, critical = _chi_square(samples, joint)
+  assert stat < critical, (stat, critical)
+
+
 @_SLOW
 def test_cascade_matches_exact_distribution(pair):
   # The draft model drafts its block by speculative sampling over prompt

@@ -47,6 +47,26 @@ def test_greedy_equality_other_sizes_and_seeds():
   np.testing.assert_array_equal(got.tokens, want.tokens)
 
 
+def test_greedy_equals_autoregressive_in_bf16():
+  # dtype="auto" on a GPU or TPU: weights and caches in bf16; attention
+  # logits, softmax and the sampler's probabilities in fp32. A γ + 1 token
+  # verification and one-token decoding steps round differently in bf16,
+  # yet greedy outputs must still agree token for token.
+  target, draft = testing.tiny_pair(seed=0, dtype=jnp.bfloat16)
+  assert target.init_cache(1, 8).k.dtype == jnp.bfloat16
+  out, _ = target(jnp.ones((1, 2), jnp.int32), target.init_cache(1, 8))
+  assert out.logits.dtype == jnp.float32
+  want = decode.generate(target, PROMPTS, max_new_tokens=MAX_NEW)
+  # A random draft (rejections) and the target itself (acceptances: the
+  # tokens come out of 5-token verification passes).
+  for drafter in (draft, target):
+    got = decode.speculative_generate(target, drafter, PROMPTS, gamma=4,
+                                      max_new_tokens=MAX_NEW)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.lengths, want.lengths)
+  assert got.stats.accepted_by_position[-1] > 0
+
+
 def test_identical_draft_accepts_everything(pair, baseline):
   target, _ = pair
   out = decode.speculative_generate(target, target, PROMPTS, gamma=4,

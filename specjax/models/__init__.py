@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import cache as cache_lib
+from specjax import hardware
 from specjax.models.config import ARCHITECTURES
 from specjax.models.config import check_params
 from specjax.models.config import flatten
@@ -142,8 +143,10 @@ _transpose_donated = jax.jit(jnp.transpose, donate_argnums=0)
 
 
 def init_random(config: ModelConfig, key: jax.Array,
-                dtype: jnp.dtype = jnp.float32) -> Model:
-  """A model with freshly initialised (random) parameters."""
+                dtype: jnp.dtype | str = jnp.float32) -> Model:
+  """A model with freshly initialised (random) parameters (`dtype` "auto":
+  `hardware.default_dtype()`, bf16 on GPU/TPU, fp32 on CPU)."""
+  dtype = hardware.resolve_dtype(dtype)
   module = Transformer(config, param_dtype=dtype)
   cache = cache_lib.KVCache.zeros(
       num_layers=config.num_layers, batch=1, size=1,

@@ -17,7 +17,6 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -69,7 +68,7 @@ class Placement:
     return place.padded_batch(self.batch, self.mesh)
 
   def inputs(self, tokens: np.ndarray, lengths: np.ndarray,
-             max_new_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+             max_new_tokens: int) -> tuple[Any, Any, Any]:
     """Prompts, lengths and the new-token budget, padded and split.
 
     Args:
@@ -79,10 +78,13 @@ class Placement:
 
     Returns:
       tokens [B_pad, P], lengths [B_pad], and N: a [] int32 when no row was
-      added, else [B_pad] int32 with 0 for the added rows.
+      added, else [B_pad] int32 with 0 for the added rows (numpy arrays
+      without a mesh, else global `jax.Array`s).
     """
     extra = self.padded - self.batch
-    budget = jnp.int32(max_new_tokens)
+    # Numpy in: a jitted call transfers it (`jnp.asarray` would compile
+    # a program per shape).
+    budget = np.int32(max_new_tokens)
     if extra:
       tokens = np.concatenate([tokens, np.zeros((extra,) + tokens.shape[1:],
                                                 tokens.dtype)])
@@ -90,7 +92,7 @@ class Placement:
       budget = np.array([max_new_tokens] * self.batch + [0] * extra,
                         np.int32)
     if self.mesh is None:
-      return jnp.asarray(tokens), jnp.asarray(lengths), budget
+      return tokens, lengths, budget
     split = lambda x: place.global_array(
         x, place.batch_sharding(self.mesh, np.ndim(x)))
     return (split(tokens), split(lengths),
