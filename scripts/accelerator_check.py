@@ -170,12 +170,6 @@ def decode_seconds(fn: Callable[[int], Any], tokens: int,
              1e-9)
 
 
-def ops_per_step(fn: Callable[[int], Any], tokens: int) -> float:
-  """XLA operations per decoding step: fn(tokens) minus fn(1), per step."""
-  return (profiling.executed_ops(lambda: fn(tokens).tokens, 1)
-          - profiling.executed_ops(lambda: fn(1).tokens, 1)) / (tokens - 1)
-
-
 def run_pair(check: Check, target_name: str, draft_name: str,
              args: argparse.Namespace, peak: float) -> None:
   """Every measurement of one (target, draft) pair."""
@@ -208,7 +202,7 @@ def run_pair(check: Check, target_name: str, draft_name: str,
                bytes_per_step=step_bytes,
                roofline_fraction=step_bytes / peak / (seconds / steps))
     if batch == 1:
-      out["ops_per_step"] = ops_per_step(fn, tokens)
+      out["ops_per_step"] = profiling.ops_per_step(fn, tokens)
     return out
 
   def speculative(drafter, gamma, alphas, label):
@@ -236,7 +230,8 @@ def run_pair(check: Check, target_name: str, draft_name: str,
             "steps": int(stats.steps),
             "accepted": int(np.sum(stats.accepted_by_position)),
             "proposed": int(np.sum(stats.proposed_by_position))})
-      out["ops_per_step"] = ops_per_step(make(alphas[-1]), tokens)
+      out["ops_per_step"] = profiling.ops_per_step(make(alphas[-1]),
+                                                   tokens)
       return out
     return measure
 
