@@ -18,11 +18,11 @@ traced. Prompts of 5 to 600 tokens with N <= 100 compile three programs per
 (B, γ), and a call compiles nothing else: inputs travel as numpy arrays
 and seeds become keys on the host (`tests/test_compile.py` counts every
 backend compilation). Temperature, top-k, top-p, EOS ids, seeds, N and the
-draft stop threshold are traced, so changing them never recompiles. Every compilation is logged on the "specjax" logger with
-its time (`specjax.compilation`); JAX's persistent compilation cache is
-turned on at the first call (`$SPECJAX_CACHE/xla_cache`;
-`SPECJAX_NO_COMPILE_CACHE=1` opts out), never at import, and `warmup`
-compiles ahead of time.
+draft stop threshold are traced, so changing them never recompiles. Every
+compilation is logged on the "specjax" logger with its time
+(`specjax.compilation`); JAX's persistent compilation cache is turned on at
+the first call (`$SPECJAX_CACHE/xla_cache`; `SPECJAX_NO_COMPILE_CACHE=1`
+opts out), never at import, and `warmup` compiles ahead of time.
 
 Models are anything implementing `specjax.models.LanguageModel` (a
 `specjax.models.Model`, or an adapter around another Flax model); the draft

@@ -36,7 +36,8 @@ from typing import Any, Callable
 
 import jax
 
-__all__ = ["CLASSES", "classify_hlo", "executed_ops", "profile_step"]
+__all__ = ["CLASSES", "classify_hlo", "executed_ops", "ops_per_step",
+           "profile_step"]
 
 CLASSES = ("weight products", "lm head", "attention", "cache", "norms",
            "rope", "embedding", "other")
@@ -153,6 +154,28 @@ def executed_ops(step: Callable[[], Any], repeats: int = 3) -> float:
   """
   events, _ = _trace(step, repeats)
   return sum("hlo_op" in (e.get("args") or {}) for e in events) / repeats
+
+
+def ops_per_step(run: Callable[[int], Any], tokens: int) -> float:
+  """XLA operations one decoding step executes.
+
+  Args:
+    run: run(n) generates n tokens per row (e.g. a `decode.generate` call
+      with `max_new_tokens=n`; its result has `tokens`), every row taking
+      n - 1 decoding steps after the prefill's first token.
+    tokens: N >= 2.
+
+  Returns:
+    The operations of run(N) minus those of run(1) (prefill and setup),
+    over the N - 1 steps; both are compiled and run once untraced first.
+  """
+  if tokens < 2:
+    raise ValueError(f"tokens must be >= 2, got {tokens}.")
+  counts = []
+  for n in (tokens, 1):
+    jax.block_until_ready(run(n).tokens)
+    counts.append(executed_ops(lambda n=n: run(n).tokens, repeats=1))
+  return (counts[0] - counts[1]) / (tokens - 1)
 
 
 def _trace(step: Callable[[], Any], repeats: int

@@ -23,6 +23,7 @@ from specjax.heads.medusa import MedusaHeads
 from specjax.models import init_random
 from specjax.models import Model
 from specjax.models import ModelConfig
+from specjax.models import RopeScaling
 from specjax.models.tiny import SHARDABLE_DRAFT
 from specjax.models.tiny import SHARDABLE_TARGET
 from specjax.models.tiny import gemma3_pair
@@ -33,10 +34,24 @@ from specjax.models.tiny import TINY_TARGET
 from specjax.models.tiny import tiny_pair
 from specjax.tuning import matmul
 
-# The real pair's shapes, for random weights where no checkpoint is at hand
-# (Qwen2.5-Coder-1.5B/0.5B-Instruct, from their config.json): what the
-# random-weight benchmarks and the accelerator check run.
+# Real models' shapes, for random weights where no checkpoint is at hand
+# (from their config.json): the Qwen pair (Qwen2.5-Coder-1.5B/0.5B-Instruct)
+# and a Llama 3 pair (Meta-Llama-3-8B, and Llama-3.2-1B as its draft): what
+# the random-weight benchmarks and `scripts/accelerator_check.sh` run.
+_LLAMA3_ROPE = dict(low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
 REAL_SHAPES = {
+    "llama-3-8b": ModelConfig(
+        arch="llama", vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5,
+        tie_embeddings=False),
+    "llama-3.2-1b": ModelConfig(
+        arch="llama", vocab_size=128256, hidden_size=2048,
+        intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+        head_dim=64, rope_theta=500000.0, rms_norm_eps=1e-5,
+        tie_embeddings=True,
+        rope_scaling=RopeScaling(factor=32.0, **_LLAMA3_ROPE)),
     "qwen2.5-coder-1.5b-instruct": ModelConfig(
         arch="qwen2", vocab_size=151936, hidden_size=1536,
         intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2,
