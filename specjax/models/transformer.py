@@ -31,6 +31,7 @@ from specjax import cache as cache_lib
 from specjax.models.config import ModelConfig
 from specjax.models.matmul import MatmulPlan
 from specjax.models.matmul import project
+from specjax.models import quantized
 
 _INIT = nn.initializers.normal(0.02)
 
@@ -117,6 +118,16 @@ def attention_masks(offsets: jax.Array, positions: jax.Array,
   return cache_mask, chunk_mask
 
 
+def _param(module: nn.Module, name: str, shape, dtype, init=_INIT):
+  """`module.param`, or a `QuantizedMatrix` given for it as is (Flax's
+  shape check would compare its packed arrays with the float shape)."""
+  if module.has_variable("params", name):
+    w = module.get_variable("params", name)
+    if quantized.is_quantized(w):
+      return w
+  return module.param(name, init, shape, dtype)
+
+
 @flax.struct.dataclass(kw_only=True)
 class TransformerOutput:
   """What one pass over a chunk returns.
@@ -150,7 +161,7 @@ class Block(nn.Module):
   plan: MatmulPlan = MatmulPlan()
 
   def _param(self, name, shape, init=_INIT):
-    return self.param(name, init, shape, self.param_dtype)
+    return _param(self, name, shape, self.param_dtype, init)
 
   def _dense(self, x: jax.Array, name: str, features_in: int,
              features_out: int) -> jax.Array:
@@ -237,15 +248,15 @@ class Transformer(nn.Module):
 
   def setup(self):
     c = self.config
-    self.embed = self.param("embed", _INIT, (c.vocab_size, c.hidden_size),
-                            self.param_dtype)
+    self.embed = _param(self, "embed", (c.vocab_size, c.hidden_size),
+                        self.param_dtype)
     self.layers = [Block(c, self.param_dtype, self.plan)
                    for _ in range(c.num_layers)]
     self.final_norm = self.param("final_norm", nn.initializers.ones,
                                  (c.hidden_size,), self.param_dtype)
     if not c.tie_embeddings:
-      self.lm_head = self.param(
-          "lm_head", _INIT,
+      self.lm_head = _param(
+          self, "lm_head",
           self.plan.stored_shape((c.hidden_size, c.vocab_size)),
           self.param_dtype)
 
@@ -298,7 +309,7 @@ class Transformer(nn.Module):
                        f"{c.num_layers} layers.")
     if (residual is None) == (tokens is None):
       raise ValueError("Pass exactly one of tokens and residual.")
-    x = jnp.take(self.embed, tokens, axis=0) if residual is None else residual
+    x = quantized.take(self.embed, tokens) if residual is None else residual
     batch, num_tokens, _ = x.shape  # [B, T, E]
     offsets = cache.lengths
     if positions is None:
