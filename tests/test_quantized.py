@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 
 from specjax import models
+from specjax.checkpoints import gguf as gguf_lib
 from specjax.checkpoints import gguf_blocks
 from specjax.models import quantized
 from specjax.models import tiny
 from specjax.models.matmul import MatmulPlan
 from specjax.models.matmul import project
+import test_gguf
 
 Q = gguf.GGMLQuantizationType
 # Byte offsets of each format's float16 fields within a block.
@@ -211,7 +213,6 @@ def test_load_gguf_keeps_blocks_equal_to_the_fp32_loader(tmp_path, arch,
   """quantize="gguf" on a file of Q8_0, Q5_0, Q4_K and Q6_K matrices (and
   F32 norms): every parameter dequantises to the fp32 loader's value bit
   for bit, llama's Q/K row permutation undone on the packed rows."""
-  import test_gguf  # pylint: disable=g-import-not-at-top
   # Rows of 256 so the K-quants fit: E = F = 256.
   monkeypatch.setattr(test_gguf, "E", 256)
   monkeypatch.setattr(test_gguf, "F", 256)
@@ -232,7 +233,6 @@ def test_load_gguf_keeps_blocks_equal_to_the_fp32_loader(tmp_path, arch,
           None, qtype, random_blocks(qtype, rows, 1, seed=i))
   path = tmp_path / "model.gguf"
   test_gguf.write_gguf(path, arch, types=types, tensors=weights, raw=raw)
-  from specjax.checkpoints import gguf as gguf_lib  # pylint: disable=g-import-not-at-top
   dense = gguf_lib.load_gguf(path, progress=False)
   kept = gguf_lib.load_gguf(path, progress=False, quantize="gguf")
   assert kept.quantization == "q4_k+q5_0+q6_k+q8_0"

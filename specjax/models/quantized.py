@@ -27,11 +27,14 @@ are stored as int8 in `low` (offset 0). Formats (`FORMATS`):
 
 `matmul` dequantises inside the jitted computation: the packed arrays are
 the program's parameters, and the float32 matrix exists only as an XLA
-temporary of one call. On XLA CPU the unpacking is one loop fusion that
-writes the [O, I] float32 temporary, which the dot (an Eigen call) then
-reads: weights cross memory as packed bytes once from RAM, plus the
-temporary (cache-resident for small matrices). `tests/test_quantized.py`
-checks in the compiled HLO that no float32 [O, I] parameter or constant
+temporary of one call. What XLA CPU (jax 0.10) compiles: one loop fusion
+reads the packed arrays and writes the [O, I] float32 temporary, and the
+dot (a `__ynn_fusion` library call) reads that temporary. The weights
+cross memory as packed bytes, plus the temporary's write and read, which
+only the cache absorbs for small matrices: exact, but not yet the
+bandwidth saving of a kernel that reads each block once for all rows.
+`tests/test_quantized.py` checks in the compiled HLO that the packed
+arrays are the parameters and no float32 [O, I] parameter or constant
 exists.
 """
 
