@@ -32,8 +32,9 @@ the heads `experiments.train_heads` trained, in `medusa=WORKDIR` and
 `drafters=model/lookup/early_exit@8/early_exit@14` (sweep, one row per
 drafter), `policies=auto/heuristic` (adaptive γ runs beside the
 fixed ones, `specjax.policies`) with `max_gamma=8`, `nodes=16` (token trees
-of at most 16 nodes at depth <= γ; 0 drafts chains) and `nodes_sweep=0/8/16`
-(one row per tree size, 0 a chain), e.g.
+of at most 16 nodes at depth <= γ; 0 drafts chains), `nodes_sweep=0/8/16`
+(one row per tree size, 0 a chain), `quantize=gguf|int8|int4` and
+`draft_quantize=...` (weight quantization of each model), e.g.
 
   python -m experiments.run \
     --config=configs/llama_pair.py:gammas=1/2/4/8,n=4,tokens=32
@@ -83,7 +84,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       arg, pair="qwen", gamma=0, gammas="", batch=1, batches="", prompts="",
       n=8, tokens=64, temperature=0.0, dtype="auto", matmul="auto",
       drafter="", drafters="", policies="", max_gamma=8, nodes=0,
-      nodes_sweep="", exit=0, medusa="", eagle="", mesh="")
+      nodes_sweep="", exit=0, medusa="", eagle="", mesh="", quantize="",
+      draft_quantize="")
   if arg["pair"] not in PAIRS:
     raise ValueError(f"Unknown pair {arg['pair']!r} in the config argument "
                      f"'pair='; known pairs: {sorted(PAIRS)}.")
@@ -106,6 +108,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # version and shapes), or force `in_out/xla`, `out_in/xla` or
   # `out_in/kernel` (the specjax CPU kernel).
   config.matmul = arg["matmul"]
+  # Weight quantization of the target (`specjax.models.quantized`): `` keeps
+  # its float weights, `gguf` keeps a GGUF file's own blocks (Q4_K, Q5_0,
+  # Q6_K, Q8_0; exact: the dequantised weights are the float loader's),
+  # `int8` (per output channel) or `int4` (`int4:g64`, `int4:g32:sym`)
+  # weight-only quantizes any checkpoint.
+  config.quantize = arg["quantize"]
+  # The same for the draft, independently of the target.
+  config.draft_quantize = arg["draft_quantize"]
 
   # What drafts (`specjax.drafters`): `model` (config.draft), `lookup`
   # (n-gram prompt lookup in each row's own context, no model), `fallback`

@@ -19,12 +19,14 @@ from typing import Any
 from absl import logging
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from experiments import prompts as prompts_lib
 from experiments.validation import ConfigError
 from experiments.validation import drafter_kind
 from experiments.validation import parse_mesh
 from specjax import drafters
+from specjax import models
 from specjax import registry
 from specjax import sharding
 from specjax import testing
@@ -80,6 +82,10 @@ def load_pair(config: Any) -> Pair:
     tokenizer = prompts_lib.ByteTokenizer()
     target, draft = testing.tiny_pair(config.seed, tokenizer.vocab_size,
                                       dtype=dtype)
+    if config.get("quantize"):
+      target = target.quantize(config.quantize)
+    if config.get("draft_quantize"):
+      draft = draft.quantize(config.draft_quantize)
     target, _ = tuning.apply(target, config.matmul, rows=rows,
                              cache_dir=config.cache_dir or None)
     draft, _ = tuning.apply(draft, config.matmul, rows=rows,
@@ -90,11 +96,13 @@ def load_pair(config: Any) -> Pair:
                              progress=config.progress, matmul=config.matmul,
                              tune_rows=rows, mesh=mesh)
     logging.info("Loading target %s (%s)", config.target, dtype)
-    target, tokenizer = load(config.target)
+    target, tokenizer = load(config.target,
+                             quantize=config.get("quantize") or None)
     draft = None
     if config.draft != "same":
       logging.info("Loading draft %s (%s)", config.draft, dtype)
-      draft, _ = load(config.draft, split=config.draft_split)
+      draft, _ = load(config.draft, split=config.draft_split,
+                      quantize=config.get("draft_quantize") or None)
   if config.draft == "same":
     draft = target
   elif mesh is not None:  # the tiny pair; loaders placed the others
@@ -222,7 +230,11 @@ def model_info(name: str, model: Any) -> dict[str, Any]:
                       for k, v in dataclasses.asdict(config).items()}
   params = getattr(model, "params", None)
   if params is not None:
-    leaves = jax.tree.leaves(params)
-    info["num_params"] = int(sum(x.size for x in leaves))
+    # A quantized matrix is one leaf of its logical shape here.
+    leaves = jax.tree.leaves(params, is_leaf=models.is_quantized)
+    info["num_params"] = int(sum(np.prod(x.shape) for x in leaves))
     info["dtype"] = str(leaves[0].dtype)
+    info["quantization"] = getattr(model, "quantization", None)
+    if hasattr(model, "weight_bytes_per_token"):
+      info["weight_bytes_per_token"] = int(model.weight_bytes_per_token)
   return info

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from experiments import prompts as prompts_lib
+from specjax.models import quantized
 from specjax.tuning import matmul as tuning
 
 __all__ = ["ConfigError", "DTYPES", "validate_config"]
@@ -156,6 +157,12 @@ def validate_config(config: Any) -> None:
   check(config.matmul == "auto" or config.matmul in tuning.PLANS,
         f"config.matmul must be 'auto' or one of {tuning.PLANS}, got "
         f"{config.matmul!r}.")
+  for name in ("quantize", "draft_quantize"):
+    value = config.get(name, "")
+    try:
+      quantized.parse(value or None)
+    except ValueError as e:
+      check(False, f"config.{name}={value!r}: {e}")
   for name in ("gamma", "batch_size"):
     value = config[name]
     check(_is_int(value) and value >= 1,

@@ -42,6 +42,7 @@ from specjax.checkpoints import native
 from specjax.checkpoints import orbax_io
 from specjax.models import MatmulPlan
 from specjax.models import Model
+from specjax.models import quantized
 from specjax.tokenizer import Tokenizer
 
 MODEL_FILE = "model.safetensors"  # `native` checkpoint of a converted dir
@@ -123,7 +124,8 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
                     matmul: str | MatmulPlan | None = "auto",
                     tune_rows: Sequence[int] = (1, 5),
                     mesh: jax.sharding.Mesh | None = None,
-                    split: bool = True) -> tuple[Model, Tokenizer]:
+                    split: bool = True,
+                    quantize: str | None = None) -> tuple[Model, Tokenizer]:
   """A model and its tokenizer from a registry name, directory, file or id.
 
   Args:
@@ -145,6 +147,13 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
       so the host never holds the whole model twice. The plan's layout is
       kept, without the CPU kernel (GSPMD cannot split a custom call).
     split: with `mesh`, split the model (False replicates it: a draft).
+    quantize: None keeps float weights; "gguf" keeps a GGUF file's own
+      blocks (registry names and `.gguf` files: the model dequantises to
+      the float loader's weights bit for bit, `load_gguf`); "int8" /
+      "int4" ("int4:g64", "int4:g32:sym") weight-only quantize any
+      checkpoint's matrices (`specjax.models.quantized`). A quantized model
+      has no float matrices for "auto" to tune: it keeps "in_out/xla"
+      (its own products are `quantized.matmul`). Not with `mesh`.
 
   Returns:
     (model, tokenizer).
@@ -154,9 +163,17 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
       downloaded or its file failed verification.
     FileNotFoundError / ConnectionError / ValueError: from the loaders.
   """
+  spec = quantized.parse(quantize)
+  if spec is not None and mesh is not None:
+    raise ValueError(f"Cannot load {os.fspath(name_or_path)!r} quantized "
+                     f"({quantize!r}) onto a mesh: quantized matrices are "
+                     "not sharded.")
   model, tokenizer = _load(name_or_path, hardware.resolve_dtype(dtype),
                            cache_dir, progress,
-                           dict(mesh=mesh, split=split) if mesh else {})
+                           dict(mesh=mesh, split=split) if mesh else {},
+                           spec)
+  if spec is not None and matmul == "auto":
+    matmul = None
   if matmul is not None:
     model, _ = tuning.matmul.apply(model, matmul, rows=tune_rows, donate=True,
                                    cache_dir=cache_dir)
@@ -167,11 +184,26 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
 
 def _load(name_or_path: str | os.PathLike, dtype: jnp.dtype,
           cache_dir: str | os.PathLike | None,
-          progress: bool, placement: dict[str, Any]
+          progress: bool, placement: dict[str, Any],
+          spec: str | quantized.QuantSpec | None = None
           ) -> tuple[Model, Tokenizer]:
   """`load_pretrained` before the matmul plan is applied; `placement`
-  (mesh, split) goes to the loaders that place tensor by tensor."""
+  (mesh, split) goes to the loaders that place tensor by tensor; `spec`
+  (a parsed `quantize`) to every loader."""
   key = os.fspath(name_or_path)
+  if key in weights.SOURCES and spec == "gguf":
+    path = weights.fetch(weights.get_source(key), cache_dir,
+                         progress=progress)
+    return (gguf_lib.load_gguf(path, dtype, progress=progress,
+                               quantize="gguf"), load_tokenizer(key, cache_dir))
+  if spec == "gguf" and not key.endswith(".gguf"):
+    raise ValueError(f"quantize='gguf' keeps a GGUF file's own blocks, but "
+                     f"{key!r} is not a GGUF file or a registry model (those "
+                     "are GGUF); use 'int8' or 'int4'.")
+  if spec is not None and not key.endswith(".gguf"):
+    model, tokenizer = _load(name_or_path, dtype, cache_dir, progress,
+                             placement)
+    return model.quantize(spec, donate=True), tokenizer
   if key in weights.SOURCES:
     directory = converted_dir(key, dtype, cache_dir)
     if not is_converted(directory):
@@ -189,7 +221,8 @@ def _load(name_or_path: str | os.PathLike, dtype: jnp.dtype,
   if path.suffix == ".gguf":
     if not path.is_file():
       raise FileNotFoundError(f"GGUF file {path} does not exist.")
-    return (gguf_lib.load_gguf(path, dtype, progress=progress),
+    return (gguf_lib.load_gguf(path, dtype, progress=progress,
+                               quantize=spec),
             Tokenizer.from_gguf(path))
   # A Hub id: load_hf downloads it (or raises a clear offline error).
   directory = hf_lib.resolve(key)

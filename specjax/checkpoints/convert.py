@@ -373,6 +373,8 @@ def params_from_tensors(config: ModelConfig,
                         tensors: Mapping[str, np.ndarray],
                         dtype: Any = jnp.float32,
                         place: Callable[[str, np.ndarray], jax.Array]
+                        | None = None,
+                        keep: Callable[[str, Any, bool], Any]
                         | None = None) -> dict[str, Any]:
   """Builds the specjax params pytree from Hugging Face-named tensors.
 
@@ -391,6 +393,10 @@ def params_from_tensors(config: ModelConfig,
     place: `place(path, host_array)` puts one parameter on its devices
       (`specjax.sharding.placer`: each device receives only its shard);
       default the default device.
+    keep: `keep(path, tensor, transpose)` returns the parameter to use as
+      is (e.g. a `QuantizedMatrix` of the file's own blocks, on the host),
+      or None to convert the tensor as usual; `transpose` says the tensor is
+      [out, in] for an [in, out] parameter.
 
   Returns:
     The params pytree laid out as `param_shapes(config)`.
@@ -448,6 +454,12 @@ def params_from_tensors(config: ModelConfig,
   np_dtype = np.dtype(jnp.dtype(dtype))
   params: dict[str, Any] = {}
   for path, (name, transpose) in sources.items():
+    kept = None if keep is None else keep(path, tensors[name], transpose)
+    if kept is not None:
+      head, _, leaf = path.rpartition("/")
+      (params.setdefault(head, {}) if head else params)[leaf] = jax.tree.map(
+          jnp.asarray, kept)
+      continue
     array = np.asarray(tensors[name])
     if transpose:
       array = array.T  # [out, in] -> [in, out]

@@ -29,15 +29,19 @@ import re
 from typing import Any
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import tqdm
 
+from specjax.checkpoints import gguf_blocks
 from specjax.checkpoints.gguf_reader import GGUFFile
 from specjax.models import check_params
 from specjax.models import LinearRopeScaling
+from specjax.models import matrix_paths
 from specjax.models import Model
 from specjax.models import ModelConfig
+from specjax.models import quantized
 
 GGMLQuantizationType = gguf.GGMLQuantizationType
 
@@ -77,6 +81,8 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                GGMLQuantizationType.F64, GGMLQuantizationType.BF16)
 
 
 def supported_quantization_types() -> frozenset[GGMLQuantizationType]:
@@ -279,6 +285,34 @@ class LazyTensor:
       self._on_load()
     return w
 
+  def blocks(self, transpose: bool, dtype: Any
+             ) -> quantized.QuantizedMatrix | None:
+    """The tensor's own blocks as a host `QuantizedMatrix` (Q/K rows
+    unpermuted for llama), or None for a float tensor.
+
+    Args:
+      transpose: the parameter is [in, out] (a projection), so its logical
+        shape is this tensor's reversed.
+      dtype: the dequantised dtype.
+
+    Raises:
+      ValueError: a block type `gguf_blocks` cannot keep, naming the tensor.
+    """
+    t = self._tensor
+    if t.tensor_type in _FLOAT_TYPES:
+      return None
+    shape = self.shape[::-1] if transpose else self.shape
+    w = gguf_blocks.from_blocks(t.data, t.tensor_type, t.name, shape, dtype)
+    heads = {".q_proj.": self._config.num_heads,
+             ".k_proj.": self._config.num_kv_heads}
+    for part, n in heads.items():
+      if self._config.arch == "llama" and part in self.name:
+        # Rows are output channels in every packed array.
+        w = jax.tree.map(lambda a, n=n: unpermute_qk(a, n), w)
+    if self._on_load is not None:
+      self._on_load()
+    return w
+
   def __array__(self, dtype=None, copy=None) -> np.ndarray:
     del copy  # always a fresh array
     w = self.load()
@@ -327,14 +361,18 @@ class HFTensors(Mapping):
 
 
 def load_gguf(path: str | os.PathLike, dtype: Any = jnp.float32,
-              progress: bool = True) -> Model:
-  """Loads a Llama, Qwen2 or Gemma 3 GGUF file, dequantizing every tensor.
+              progress: bool = True, *, quantize: str | None = None) -> Model:
+  """Loads a Llama, Qwen2 or Gemma 3 GGUF file.
 
   Args:
     path: the `.gguf` file.
     dtype: parameter dtype of the returned model (e.g. jnp.float32 on CPU,
       jnp.bfloat16 on accelerators).
     progress: show a tqdm bar while dequantizing.
+    quantize: None dequantizes every tensor; "gguf" keeps the matrices'
+      own blocks (`gguf_blocks`: Q4_K, Q5_0, Q6_K, Q8_0) as
+      `QuantizedMatrix`es that dequantise to the same values bit for bit;
+      "int8" / "int4" (`QuantSpec.parse`) dequantizes, then re-quantizes.
 
   Returns:
     A `Model` whose config comes from the file's metadata.
@@ -344,12 +382,21 @@ def load_gguf(path: str | os.PathLike, dtype: Any = jnp.float32,
   """
   from specjax.checkpoints import convert  # pylint: disable=g-import-not-at-top
 
+  spec = quantized.parse(quantize)
   reader = GGUFFile(path)
   config = read_config(reader)
   tensors = HFTensors(reader, config, progress=progress)
+  keep = None
+  if spec == "gguf":
+    matrices = {"embed", *matrix_paths(config)}
+    keep = lambda p, t, transpose: (t.blocks(transpose, dtype)
+                                    if p in matrices else None)
   try:
-    params = convert.params_from_tensors(config, tensors, dtype)
+    params = convert.params_from_tensors(config, tensors, dtype, keep=keep)
   finally:
     tensors.close()
   check_params(config, params)
-  return Model(config=config, params=params)
+  model = Model(config=config, params=params)
+  if isinstance(spec, quantized.QuantSpec):
+    model = model.quantize(spec, donate=True)
+  return model

@@ -28,6 +28,8 @@ import numpy as np
 from specjax import sharding
 from specjax.checkpoints import convert
 from specjax.models import Model
+from specjax.models import quantized
+from specjax.models import QuantSpec
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -52,7 +54,7 @@ _HUB_ID_RE = re.compile(r"[\w.-]+(/[\w.-]+)?")
 
 def load_hf(path: str | os.PathLike[str],
             dtype: Any = jnp.float32, *, mesh: Any = None,
-            split: bool = True) -> Model:
+            split: bool = True, quantize: str | None = None) -> Model:
   """Loads a Hugging Face Llama-family or Gemma 3 checkpoint as a `Model`.
 
   Args:
@@ -63,6 +65,8 @@ def load_hf(path: str | os.PathLike[str],
       (`specjax.sharding.placer`; `split=False` replicates), or None for
       the default device.
     split: with `mesh`, split the model (else replicate it).
+    quantize: None, or "int8" / "int4" (`QuantSpec.parse`): weight-only
+      quantize every matrix once loaded. ("gguf" needs a GGUF file.)
 
   Returns:
     The model, parameters on the default device or on `mesh`.
@@ -75,6 +79,7 @@ def load_hf(path: str | os.PathLike[str],
     ValueError: the architecture or a config feature is unsupported, or a
       tensor is missing, unexpected or misshapen.
   """
+  spec = check_quantize(quantize, str(path), mesh)
   directory = resolve(os.fspath(path))
   config_path = os.path.join(directory, CONFIG_NAME)
   if not os.path.isfile(config_path):
@@ -91,7 +96,27 @@ def load_hf(path: str | os.PathLike[str],
   place = None if mesh is None else sharding.placer(config, mesh,
                                                      split=split)
   params = convert.params_from_tensors(config, tensors, dtype, place)
-  return Model(config=config, params=params, mesh=mesh)
+  model = Model(config=config, params=params, mesh=mesh)
+  return model if spec is None else model.quantize(spec, donate=True)
+
+
+def check_quantize(quantize: str | None, source: str,
+                   mesh: Any = None) -> QuantSpec | None:
+  """The QuantSpec of a float checkpoint's `quantize` argument.
+
+  Raises:
+    ValueError: "gguf" (the checkpoint has no blocks to keep), an unknown
+      name, or quantization with a mesh (quantized matrices are not
+      sharded), naming `source`.
+  """
+  spec = quantized.parse(quantize)
+  if spec == "gguf":
+    raise ValueError(f"quantize='gguf' keeps a GGUF file's own blocks, but "
+                     f"{source} is a float checkpoint; use 'int8' or 'int4'.")
+  if spec is not None and mesh is not None:
+    raise ValueError(f"Cannot load {source} quantized ({quantize!r}) onto a "
+                     "mesh: quantized matrices are not sharded.")
+  return spec
 
 
 def resolve(path: str) -> str:

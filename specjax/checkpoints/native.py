@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from specjax import sharding
+from specjax.checkpoints.hf import check_quantize
 from specjax.checkpoints.hf import DTYPES
 from specjax.checkpoints.hf import read_header
 from specjax.models import check_params
@@ -56,6 +57,10 @@ def save(model: Model, path: str | os.PathLike[str]) -> None:
       safetensors cannot store.
   """
   check_params(model.config, model.params)
+  if model.quantization:
+    raise ValueError(f"Cannot save a quantized model ({model.quantization}) "
+                     "as a native checkpoint, which holds float weights: "
+                     "save the float model and load it with quantize=.")
   arrays = {name: np.asarray(x) for name, x in flatten(model.params).items()}
   header: dict[str, Any] = {"__metadata__": {
       "format": FORMAT, "version": str(VERSION),
@@ -86,7 +91,8 @@ def save(model: Model, path: str | os.PathLike[str]) -> None:
 
 
 def load(path: str | os.PathLike[str], dtype: Any = None, *,
-         mesh: Any = None, split: bool = True) -> Model:
+         mesh: Any = None, split: bool = True,
+         quantize: str | None = None) -> Model:
   """Reads a model written by `save`.
 
   Args:
@@ -95,6 +101,8 @@ def load(path: str | os.PathLike[str], dtype: Any = None, *,
     mesh: a `jax.sharding.Mesh` to place each tensor on as it is read
       (`specjax.sharding.placer`; `split=False` replicates), or None.
     split: with `mesh`, split the model (else replicate it).
+    quantize: None, or "int8" / "int4" (`QuantSpec.parse`): weight-only
+      quantize every matrix once read.
 
   Returns:
     The model, params on the default device or on `mesh`.
@@ -106,6 +114,7 @@ def load(path: str | os.PathLike[str], dtype: Any = None, *,
       do not match the stored config).
   """
   path = os.fspath(path)
+  spec = check_quantize(quantize, repr(path), mesh)
   dtype = None if dtype is None else np.dtype(dtype)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"Checkpoint file {path!r} does not exist.")
@@ -139,7 +148,8 @@ def load(path: str | os.PathLike[str], dtype: Any = None, *,
     flat = flatten(hosts)
     cast = lambda x: x if dtype in (None, x.dtype) else x.astype(dtype)
     params = unflatten(config, lambda path, _: place(path, cast(flat[path])))
-  return Model(config=config, params=params, mesh=mesh)
+  model = Model(config=config, params=params, mesh=mesh)
+  return model if spec is None else model.quantize(spec, donate=True)
 
 
 def is_checkpoint(path: str | os.PathLike[str]) -> bool:

@@ -35,6 +35,7 @@ from specjax import sampling
 from specjax.drafters.base import capped
 from specjax.drafters.base import Drafter
 from specjax.step_types import Proposal
+from specjax.models import quantized
 from specjax.models.config import ModelConfig
 from specjax.models.transformer import attention_masks
 from specjax.models.transformer import Block
@@ -134,7 +135,7 @@ class Eagle(Drafter):
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     """tokens [...] -> the target's embeddings [..., E]."""
-    return jnp.take(self.target.params["embed"], tokens, axis=0)
+    return quantized.take(self.target.params["embed"], tokens)
 
   def step(self, features: jax.Array, tokens: jax.Array,
            cache: cache_lib.KVCache, cache_is_empty: bool = False

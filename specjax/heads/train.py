@@ -50,6 +50,7 @@ from specjax.heads.eagle import layer_cache
 from specjax.heads.medusa import Medusa
 from specjax.heads.medusa import MedusaHeads
 from specjax.models import MatmulPlan
+from specjax.models import quantized
 
 __all__ = ["CheckpointError", "KINDS", "Split", "TrainConfig", "TrainState",
            "batch_indices", "evaluate", "fit", "load_heads", "recipe",
@@ -164,7 +165,7 @@ class _Eagle:
     if key is not None:
       inputs = inputs + self.config.noise * jax.random.uniform(
           key, inputs.shape, inputs.dtype, -1.0, 1.0)
-    embeddings = jnp.take(target.params["embed"], tokens[:, 1:], axis=0)
+    embeddings = quantized.take(target.params["embed"], tokens[:, 1:])
     predicted, _ = self.module.apply(
         {"params": params}, inputs, embeddings.astype(inputs.dtype),
         layer_cache(self.module.config, *tokens[:, 1:].shape), True)

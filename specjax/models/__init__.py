@@ -37,6 +37,10 @@ from specjax.models.protocol import LanguageModel
 from specjax.models.protocol import ModelOutput
 from specjax.models.protocol import model_output
 from specjax.models.protocol import supports_compaction
+from specjax.models.quantized import is_quantized
+from specjax.models.quantized import QuantizedMatrix
+from specjax.models.quantized import quantize_params
+from specjax.models.quantized import QuantSpec
 from specjax.models.subset import LayerSubset
 from specjax.models.transformer import Transformer
 from specjax.models.transformer import TransformerOutput
@@ -45,8 +49,8 @@ __all__ = [
     "ARCHITECTURES", "Decoder", "LanguageModel", "LayerSubset",
     "LinearRopeScaling", "MatmulPlan",
     "Model", "ModelConfig",
-    "ModelOutput", "RopeScaling", "Transformer", "TransformerOutput",
-    "check_params", "init_random", "matrix_paths", "model_output",
+    "ModelOutput", "QuantSpec", "QuantizedMatrix", "RopeScaling",
+    "Transformer", "TransformerOutput", "check_params", "is_quantized", "init_random", "matrix_paths", "model_output",
     "param_shapes",
     "supports_compaction",
 ]
@@ -91,6 +95,7 @@ class Model(Decoder):
     input embedding is only gathered (T rows) when a separate `lm_head`
     exists. Divided by memory bandwidth, the decode roofline."""
     total = sum(x.nbytes for x in jax.tree.leaves(self.params))
+    # (A quantized matrix counts its packed arrays: they are the leaves.)
     if "lm_head" in self.params:
       total -= self.params["embed"].nbytes
     return total
@@ -114,10 +119,31 @@ class Model(Decoder):
     if plan.transposed != self.plan.transposed:
       flat = flatten(params)
       for path in matrix_paths(self.config):
+        if is_quantized(flat[path]):
+          continue  # always [O, I], whatever the plan
         flat[path] = (_transpose_donated if donate else _transpose)(
             flat[path])
       params = unflatten(self.config, lambda path, _: flat[path])
     return self.replace(params=params, plan=plan)
+
+  @property
+  def quantization(self) -> str | None:
+    """The formats of its quantized matrices ("q4_k+q6_k", "int8"), or None
+    for a float model."""
+    fmts = sorted({w.fmt for w in jax.tree.leaves(
+        self.params, is_leaf=is_quantized) if is_quantized(w)})
+    return "+".join(fmts) or None
+
+  def quantize(self, spec: QuantSpec | str, *,
+               donate: bool = False) -> "Model":
+    """The same model with every matrix weight-only quantized ("int8",
+    "int4", "int4:g64:sym"; `quantize_params`); norms and biases stay."""
+    if self.mesh is not None:
+      raise ValueError("Cannot quantize a model placed on a mesh: "
+                       "quantized matrices are not sharded.")
+    return self.replace(params=quantize_params(
+        self.config, self.params, spec, out_in=self.plan.transposed,
+        donate=donate))
 
   def init_cache(self, batch: int, size: int) -> cache_lib.KVCache:
     c = self.config

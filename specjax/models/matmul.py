@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import kernels
+from specjax.models import quantized
 
 __all__ = ["LAYOUTS", "MatmulPlan", "project"]
 
@@ -99,19 +100,24 @@ class MatmulPlan:
     return tuple(reversed(shape)) if self.transposed else tuple(shape)
 
 
-def project(x: jax.Array, w: jax.Array, plan: MatmulPlan,
+def project(x: jax.Array, w: jax.Array | quantized.QuantizedMatrix,
+            plan: MatmulPlan,
             out_dtype: jnp.dtype | None = None) -> jax.Array:
   """x [..., I] times a weight stored per `plan` -> [..., O].
 
   Args:
     x: [..., I] activations.
-    w: [I, O] ("in_out") or [O, I] ("out_in").
+    w: [I, O] ("in_out") or [O, I] ("out_in"); or a `QuantizedMatrix`,
+      always [O, I] whatever the plan, dequantised inside the computation
+      (`specjax.models.quantized.matmul`).
     plan: the model's plan (static).
     out_dtype: the result's dtype (accumulation is float32); default x's.
 
   Returns:
     [..., O].
   """
+  if quantized.is_quantized(w):
+    return quantized.matmul(x, w, out_dtype)
   lead = x.shape[:-1]
   rows = 1
   for n in lead:

@@ -35,6 +35,7 @@ from specjax.models.config import LinearRopeScaling
 from specjax.models.config import ModelConfig
 from specjax.models.matmul import MatmulPlan
 from specjax.models.matmul import project
+from specjax.models import quantized
 
 _INIT = nn.initializers.normal(0.02)
 
@@ -138,6 +139,16 @@ def attention_masks(offsets: jax.Array, positions: jax.Array,
   return cache_mask, chunk_mask
 
 
+def _param(module: nn.Module, name: str, shape, dtype, init=_INIT):
+  """`module.param`, or a `QuantizedMatrix` given for it as is (Flax's
+  shape check would compare its packed arrays with the float shape)."""
+  if module.has_variable("params", name):
+    w = module.get_variable("params", name)
+    if quantized.is_quantized(w):
+      return w
+  return module.param(name, init, shape, dtype)
+
+
 @flax.struct.dataclass(kw_only=True)
 class TransformerOutput:
   """What one pass over a chunk returns.
@@ -181,7 +192,7 @@ class Block(nn.Module):
   layer: int = 0
 
   def _param(self, name, shape, init=_INIT):
-    return self.param(name, init, shape, self.param_dtype)
+    return _param(self, name, shape, self.param_dtype, init)
 
   def _dense(self, x: jax.Array, name: str, features_in: int,
              features_out: int) -> jax.Array:
@@ -290,8 +301,8 @@ class Transformer(nn.Module):
 
   def setup(self):
     c = self.config
-    self.embed = self.param("embed", _INIT, (c.vocab_size, c.hidden_size),
-                            self.param_dtype)
+    self.embed = _param(self, "embed", (c.vocab_size, c.hidden_size),
+                        self.param_dtype)
     self.layers = [Block(c, self.param_dtype, self.plan, layer=i)
                    for i in range(c.num_layers)]
     norm_init = (nn.initializers.zeros if c.norm_plus_one
@@ -299,8 +310,8 @@ class Transformer(nn.Module):
     self.final_norm = self.param("final_norm", norm_init,
                                  (c.hidden_size,), self.param_dtype)
     if not c.tie_embeddings:
-      self.lm_head = self.param(
-          "lm_head", _INIT,
+      self.lm_head = _param(
+          self, "lm_head",
           self.plan.stored_shape((c.hidden_size, c.vocab_size)),
           self.param_dtype)
 
@@ -354,7 +365,7 @@ class Transformer(nn.Module):
     if (residual is None) == (tokens is None):
       raise ValueError("Pass exactly one of tokens and residual.")
     if residual is None:
-      x = jnp.take(self.embed, tokens, axis=0)  # [B, T, E]
+      x = quantized.take(self.embed, tokens)  # [B, T, E]
       if c.scale_embeddings:
         # sqrt(E) rounded to the embedding's dtype first, as Gemma does.
         x = x * jnp.asarray(np.float32(np.sqrt(c.hidden_size)), x.dtype)

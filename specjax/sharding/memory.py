@@ -167,6 +167,11 @@ def _weights(name: str, model: Model, mesh: Mesh | None,
              split: bool) -> Entry:
   """A placed model's own shards, or else the shards `shard(model, mesh,
   split=split)` would make."""
+  if getattr(model, "quantization", None):
+    # Packed codes, scales and mins as stored; never sharded.
+    total = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+                for x in jax.tree.leaves(model.params))
+    return Entry(name, "weights", total, total)
   item = jnp.dtype(model.dtype).itemsize
   shapes = flatten(param_shapes(model.config))
   total = sum(int(np.prod(s)) for s in shapes.values()) * item

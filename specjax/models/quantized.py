@@ -1,0 +1,343 @@
+"""Quantized weight matrices: packed integer codes, per-group scales, mins.
+
+Shape letters (`specjax.shapes`): O output features (rows), I input features
+(the contraction axis, along which groups run), G group size, N = I / G
+groups per row, X rows of activations.
+
+A `QuantizedMatrix` holds a matrix stored [O, I] (the checkpoint's own
+layout, whatever `MatmulPlan.layout` says for float matrices) as integer
+codes c in [0, 2^bits) and one scale s (and, for some formats, one min m)
+per group of G consecutive inputs of a row:
+
+  w[o, i] = s[o, i // G] * (c[o, i] - offset) - m[o, i // G]
+
+evaluated in float32 in exactly that order, so a GGUF block whose reference
+dequantisation (`gguf.quants.dequantize`) computes the same expression
+comes out bit for bit. Codes are packed in bit planes: the low four bits two
+per byte (`low`, element 2j in bits 0-3 of byte j, element 2j+1 in bits
+4-7), and for 5- and 6-bit formats the remaining 1 or 2 bits in `high`
+(8 or 4 elements per byte, element k of a byte at bit k * hb). 8-bit codes
+are stored as int8 in `low` (offset 0). Formats (`FORMATS`):
+
+- "q8_0", "q5_0", "q4_k", "q6_k": GGUF blocks as `gguf_blocks` repacks
+  them (scales of Q8_0 and Q5_0 stay float16; the K-quants' per-sub-block
+  scale and min are the float32 products the reference computes);
+- "int8": per output channel (G = I), symmetric;
+- "int4": grouped, symmetric (offset 8, no mins) or asymmetric (mins).
+
+`matmul` dequantises inside the jitted computation: the packed arrays are
+the program's parameters, and the float32 matrix exists only as an XLA
+temporary of one call. What XLA CPU (jax 0.10) compiles: one loop fusion
+reads the packed arrays and writes the [O, I] float32 temporary, and the
+dot (a `__ynn_fusion` library call) reads that temporary. The weights
+cross memory as packed bytes, plus the temporary's write and read, which
+only the cache absorbs for small matrices: exact, but not yet the
+bandwidth saving of a kernel that reads each block once for all rows.
+`tests/test_quantized.py` checks in the compiled HLO that the packed
+arrays are the parameters and no float32 [O, I] parameter or constant
+exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.config import flatten
+from specjax.models.config import matrix_paths
+from specjax.models.config import unflatten
+
+__all__ = ["FORMATS", "QuantSpec", "QuantizedMatrix", "dequantize",
+           "is_quantized", "matmul", "quantize_array", "quantize_params",
+           "take"]
+
+FORMATS = ("q8_0", "q5_0", "q4_k", "q6_k", "int8", "int4")
+
+
+@flax.struct.dataclass(kw_only=True)
+class QuantizedMatrix:
+  """A weight matrix stored [O, I] as packed codes and per-group scales.
+
+  Attributes:
+    low: [O, I // 2] uint8 low nibbles (bits < 8), or [O, I] int8 codes.
+    high: [O, I * hb // 8] uint8 high bits (hb = bits - 4), or None.
+    scales: [O, N] float16 or float32.
+    mins: [O, N] float32 subtracted after scaling, or None.
+    fmt: one of `FORMATS` (static).
+    bits: bits per code, 4, 5, 6 or 8 (static).
+    group: G (static).
+    offset: subtracted from the codes before scaling (static).
+    shape: the logical parameter shape, as `param_shapes` gives it:
+      [I, O] for projections, [V, E] = [O, I] for the embedding (static).
+    dtype: the dtype of the dequantised matrix (static).
+  """
+
+  low: jax.Array
+  high: jax.Array | None = None
+  scales: jax.Array
+  mins: jax.Array | None = None
+  fmt: str = flax.struct.field(pytree_node=False)
+  bits: int = flax.struct.field(pytree_node=False)
+  group: int = flax.struct.field(pytree_node=False)
+  offset: int = flax.struct.field(pytree_node=False, default=0)
+  shape: tuple[int, int] = flax.struct.field(pytree_node=False)
+  dtype: Any = flax.struct.field(pytree_node=False, default=jnp.float32)
+
+  @property
+  def rows(self) -> int:
+    """O."""
+    return self.scales.shape[0]
+
+  @property
+  def cols(self) -> int:
+    """I."""
+    return self.scales.shape[1] * self.group
+
+  @property
+  def ndim(self) -> int:
+    return 2
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the packed arrays (what a product reads)."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(self))
+
+  def astype(self, dtype: Any) -> "QuantizedMatrix":
+    """The same codes dequantising to `dtype` (scales are kept)."""
+    return self.replace(dtype=jnp.dtype(dtype))
+
+
+def is_quantized(w: Any) -> bool:
+  return isinstance(w, QuantizedMatrix)
+
+
+def _unpack_low(low: jax.Array, bits: int) -> jax.Array:
+  """[R, I // 2] uint8 nibbles (or [R, I] int8) -> [R, I] int32."""
+  if bits == 8:
+    return low.astype(jnp.int32)
+  low = low.astype(jnp.int32)
+  pair = jnp.stack([low & 15, low >> 4], axis=-1)  # [R, I // 2, 2]
+  return pair.reshape(*low.shape[:-1], low.shape[-1] * 2)
+
+
+def _unpack_high(high: jax.Array, hb: int) -> jax.Array:
+  """[R, I * hb // 8] uint8 -> [R, I] int32 high bits (values < 2^hb)."""
+  per = 8 // hb
+  shifts = jnp.arange(per, dtype=jnp.int32) * hb
+  parts = (high.astype(jnp.int32)[..., None] >> shifts) & ((1 << hb) - 1)
+  return parts.reshape(*high.shape[:-1], high.shape[-1] * per)
+
+
+def _dequantize_rows(w: QuantizedMatrix, low, high, scales,
+                     mins) -> jax.Array:
+  """The dequantised rows [R, I] float32 of (row-selected) packed arrays."""
+  codes = _unpack_low(low, w.bits)
+  if high is not None:
+    codes = codes | (_unpack_high(high, w.bits - 4) << 4)
+  if w.offset:
+    codes = codes - w.offset
+  lead = codes.shape[:-1]
+  n = scales.shape[-1]
+  vals = codes.astype(jnp.float32).reshape(*lead, n, w.group)
+  out = vals * scales.astype(jnp.float32)[..., None]
+  if mins is not None:
+    out = out - mins[..., None]
+  return out.reshape(*lead, n * w.group)
+
+
+def dequantize(w: QuantizedMatrix) -> jax.Array:
+  """[O, I] float32 (not `w.dtype`: the exact reference values)."""
+  return _dequantize_rows(w, w.low, w.high, w.scales, w.mins)
+
+
+def matmul(x: jax.Array, w: QuantizedMatrix,
+           out_dtype: Any = None) -> jax.Array:
+  """x [..., I] times the [O, I] matrix, contracted on I -> [..., O].
+
+  Accumulation is float32; the matrix is dequantised in float32 and cast to
+  x's dtype (a no-op for float32 models).
+  """
+  if x.shape[-1] != w.cols:
+    raise ValueError(f"Cannot multiply activations [..., {x.shape[-1]}] by "
+                     f"a quantized {w.fmt} matrix [{w.rows}, {w.cols}].")
+  wf = dequantize(w).astype(x.dtype)  # [O, I]
+  out = jax.lax.dot_general(x, wf, (((x.ndim - 1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+  return out.astype(out_dtype or x.dtype)
+
+
+def take(w: jax.Array | QuantizedMatrix, ids: jax.Array) -> jax.Array:
+  """Rows `ids` [...] of a [V, E] table -> [..., E] (an embedding lookup).
+
+  A quantized table gathers only the packed rows it needs, then
+  dequantises them: the same values as `dequantize(w)[ids]`.
+  """
+  if not is_quantized(w):
+    return jnp.take(w, ids, axis=0)
+  pick = lambda a: None if a is None else jnp.take(a, ids, axis=0)
+  rows = _dequantize_rows(w, pick(w.low), pick(w.high), pick(w.scales),
+                          pick(w.mins))
+  return rows.astype(w.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+  """How to quantize a float checkpoint's matrices (weight-only).
+
+  Attributes:
+    bits: 8 (per output channel) or 4 (grouped).
+    group: inputs per scale for int4 (ignored for int8).
+    symmetric: int4 without mins (codes centred on 8); int8 is always
+      symmetric.
+  """
+
+  bits: int = 8
+  group: int = 32
+  symmetric: bool = False
+
+  @classmethod
+  def parse(cls, name: str) -> "QuantSpec":
+    """"int8", "int4" (G=32, asymmetric), "int4:g64", "int4:g128:sym"."""
+    match = re.fullmatch(r"int(8|4)((?::g\d+)?)((?::sym)?)", name)
+    if not match:
+      raise ValueError(f"Unknown weight quantization {name!r}; expected "
+                       "'int8', 'int4', 'int4:g<group>' or "
+                       "'int4:g<group>:sym'.")
+    bits = int(match.group(1))
+    if bits == 8 and (match.group(2) or match.group(3)):
+      raise ValueError(f"{name!r}: int8 is per output channel and "
+                       "symmetric; groups and ':sym' apply to int4.")
+    group = int(match.group(2)[2:]) if match.group(2) else 32
+    if group < 2 or group % 2:
+      raise ValueError(f"{name!r}: the int4 group size must be even and "
+                       "at least 2.")
+    return cls(bits=bits, group=group, symmetric=bool(match.group(3)))
+
+
+def parse(quantize: str | QuantSpec | None) -> str | QuantSpec | None:
+  """A loader's `quantize` argument: None, "gguf" (keep a GGUF file's own
+  blocks), or a QuantSpec ("int8", "int4", "int4:g64:sym")."""
+  if quantize is None or quantize == "gguf" or isinstance(quantize,
+                                                           QuantSpec):
+    return quantize
+  if not isinstance(quantize, str) or not quantize.startswith("int"):
+    raise ValueError(f"Unknown quantize={quantize!r}; expected None, 'gguf',"
+                     " 'int8', 'int4', 'int4:g<group>' or "
+                     "'int4:g<group>:sym'.")
+  return QuantSpec.parse(quantize)
+
+
+def quantize_array(w: np.ndarray, spec: QuantSpec, name: str,
+                   shape: tuple[int, int] | None = None,
+                   dtype: Any = jnp.float32) -> QuantizedMatrix:
+  """Quantizes a float matrix stored [O, I] (rows are output channels).
+
+  Args:
+    w: [O, I] host array (float16/32/64, or bfloat16).
+    spec: bits, group size, symmetry.
+    name: the tensor's name, for errors.
+    shape: the logical parameter shape (default [O, I]).
+    dtype: the dequantised dtype.
+
+  Returns:
+    A QuantizedMatrix of numpy arrays (`jax.device_put` it).
+
+  Raises:
+    ValueError: w is not a matrix, or the group size does not divide I.
+  """
+  w = np.asarray(w, np.float32)
+  if w.ndim != 2:
+    raise ValueError(f"Tensor {name!r}: only matrices are quantized, got "
+                     f"shape {w.shape}.")
+  rows, cols = w.shape
+  shape = (rows, cols) if shape is None else tuple(shape)
+  if spec.bits == 8:
+    amax = np.abs(w).max(axis=1, keepdims=True)  # [O, 1]
+    scale = np.where(amax > 0, amax / 127, 1).astype(np.float32)
+    codes = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    return QuantizedMatrix(low=codes, scales=scale, fmt="int8", bits=8,
+                           group=cols, shape=shape, dtype=jnp.dtype(dtype))
+  if cols % spec.group:
+    raise ValueError(f"Tensor {name!r}: group size {spec.group} does not "
+                     f"divide its input dimension {cols} (shape {shape}).")
+  g = w.reshape(rows, cols // spec.group, spec.group)  # [O, N, G]
+  if spec.symmetric:
+    amax = np.abs(g).max(axis=-1)
+    scale = np.where(amax > 0, amax / 7, 1).astype(np.float32)  # [O, N]
+    codes = np.clip(np.rint(g / scale[..., None]), -8, 7) + 8
+    mins, offset = None, 8
+  else:
+    lo, hi = g.min(axis=-1), g.max(axis=-1)
+    scale = np.where(hi > lo, (hi - lo) / 15, 1).astype(np.float32)
+    codes = np.clip(np.rint((g - lo[..., None]) / scale[..., None]), 0, 15)
+    mins, offset = (-lo).astype(np.float32), 0
+  codes = codes.astype(np.uint8).reshape(rows, cols)
+  return QuantizedMatrix(low=pack_nibbles(codes), scales=scale, mins=mins,
+                         fmt="int4", bits=4, group=spec.group, offset=offset,
+                         shape=shape, dtype=jnp.dtype(dtype))
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+  """[R, I] codes (low 4 bits used) -> [R, I // 2] uint8."""
+  c = codes.astype(np.uint8) & 15
+  return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def pack_high(codes: np.ndarray, hb: int) -> np.ndarray:
+  """[R, I] codes -> [R, I * hb // 8] uint8 of their bits 4 .. 4 + hb."""
+  per = 8 // hb
+  h = (codes.astype(np.uint8) >> 4) & ((1 << hb) - 1)
+  h = h.reshape(*h.shape[:-1], h.shape[-1] // per, per)
+  shifts = (np.arange(per) * hb).astype(np.uint8)
+  return np.bitwise_or.reduce(h << shifts, axis=-1).astype(np.uint8)
+
+
+def quantize_params(config: Any, params: Any, spec: QuantSpec | str, *,
+                    out_in: bool = False,
+                    donate: bool = False) -> dict[str, Any]:
+  """A params pytree with every matrix (projections, LM head, embedding)
+  weight-only quantized; norms and biases stay as they are.
+
+  Args:
+    config: the `ModelConfig` the params belong to.
+    params: laid out as `param_shapes(config)` (matrices [I, O], or [O, I]
+      with `out_in`); matrices already quantized are kept.
+    spec: a QuantSpec or its name ("int8", "int4", "int4:g64:sym").
+    out_in: the projections are stored [O, I] (an "out_in" `MatmulPlan`).
+    donate: delete each float matrix once it is quantized (the input params
+      are unusable afterwards), so the peak stays near one model.
+
+  Returns:
+    The new params pytree (packed arrays on the default device).
+
+  Raises:
+    ValueError: a group size that does not divide a matrix's input
+      dimension, naming the tensor.
+  """
+  if isinstance(spec, str):
+    spec = QuantSpec.parse(spec)
+  flat = flatten(params)
+  transposed = set() if out_in else set(matrix_paths(config))
+  for path in [*matrix_paths(config), "embed"]:
+    w = flat[path]
+    if is_quantized(w):
+      continue
+    host = np.asarray(w)
+    # [I, O] -> [O, I]: rows are output channels; the embedding [V, E] is
+    # already the tied head's [O, I].
+    rows_first = host.T if path in transposed else host
+    shape = tuple(w.shape) if path in transposed or path == "embed" else (
+        tuple(reversed(w.shape)))
+    qm = quantize_array(rows_first, spec, path, shape=shape, dtype=w.dtype)
+    flat[path] = jax.tree.map(jnp.asarray, qm)
+    if donate and isinstance(w, jax.Array):
+      w.delete()
+    del host, rows_first
+  return unflatten(config, lambda path, _: flat[path])

@@ -1,0 +1,113 @@
+"""Speculation on quantized models is exact with respect to the quantized
+target: greedy equality with its own `generate`, and its exact sampling
+distribution, step by step (the `test_step_distribution` pattern on tiny
+transformers whose matrices are int4 / int8 / GGUF Q8_0 blocks).
+
+Shape letters: V vocab.
+"""
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import decode
+from specjax import policies
+from specjax import speculate
+from specjax import testing
+from specjax.checkpoints import gguf_blocks
+from specjax.drafters import DraftModel
+from specjax.models import config as config_lib
+from test_distribution import _chi_square
+from test_distribution import _exact_joint
+from test_distribution import _peaked
+from test_distribution import NUM_SAMPLES
+from test_distribution import NUM_TOKENS
+from test_distribution import PROMPT
+from test_step_distribution import _start
+from test_step_distribution import _step
+
+PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
+MAX_NEW = 13
+
+
+def _q8_0(model):
+  """Every matrix of `model` (and its embedding) as GGUF Q8_0 blocks made
+  by the gguf package's own quantizer."""
+  flat = config_lib.flatten(model.params)
+  transposed = set(config_lib.matrix_paths(model.config))
+  for path in [*transposed, "embed"]:
+    w = np.asarray(flat[path])
+    rows_first = w.T if path in transposed else w  # [O, I]
+    data = gguf.quants.quantize(np.ascontiguousarray(rows_first),
+                                gguf.GGMLQuantizationType.Q8_0)
+    flat[path] = jax.tree.map(jnp.asarray, gguf_blocks.from_blocks(
+        data, gguf.GGMLQuantizationType.Q8_0, path, w.shape))
+  return model.replace(params=config_lib.unflatten(
+      model.config, lambda p, _: flat[p]))
+
+
+@pytest.fixture(scope="module")
+def models_():
+  target, draft = testing.tiny_pair(seed=4)
+  return target, draft
+
+
+@pytest.mark.parametrize("kind", ["int4", "q8_0"])
+def test_greedy_speculation_equals_the_quantized_targets_generate(models_,
+                                                                  kind):
+  target, draft = models_
+  quant = target.quantize("int4") if kind == "int4" else _q8_0(target)
+  want = decode.generate(quant, PROMPTS, max_new_tokens=MAX_NEW)
+  # The float target's own output differs: equality below is not trivial.
+  other = decode.generate(target, PROMPTS, max_new_tokens=MAX_NEW)
+  if kind == "int4":
+    assert not np.array_equal(want.tokens, other.tokens)
+  # A quantized draft, and the float target drafting for its quantized self.
+  for d in (draft.quantize("int8"), target):
+    got = decode.speculative_generate(quant, d, PROMPTS, gamma=3,
+                                      max_new_tokens=MAX_NEW)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.lengths, want.lengths)
+
+
+@pytest.fixture(scope="module")
+def quantized_pair():
+  target = _peaked(testing.TINY_TARGET, 0).quantize("int4")
+  draft = _peaked(testing.TINY_DRAFT, 1).quantize("int8")
+  return target, draft
+
+
+def _samples(target, draft, seed, synthetic_acceptance=None):
+  """[NUM_SAMPLES, NUM_TOKENS]: one jitted prefill, then jitted steps."""
+  params = speculate.StepParams.create(
+      temperature=1.0, top_k=0, top_p=1.0,
+      synthetic_acceptance=synthetic_acceptance)
+  synthetic = synthetic_acceptance is not None
+  prompts = jnp.tile(jnp.asarray([PROMPT], jnp.int32), (NUM_SAMPLES, 1))
+  lengths = jnp.full((NUM_SAMPLES,), len(PROMPT), jnp.int32)
+  drafter, policy = DraftModel(draft), policies.Fixed(2)
+  state = _start(target, drafter, policy, params, prompts, lengths,
+                 jax.random.key(seed), synthetic)
+  for _ in range(NUM_TOKENS - 1):
+    state = _step(state, target, drafter, policy, params, synthetic)
+  assert np.all(np.asarray(state.num_generated) == NUM_TOKENS)
+  return np.asarray(state.tokens[:, :NUM_TOKENS])
+
+
+def test_step_samples_follow_the_quantized_target(quantized_pair):
+  target, draft = quantized_pair
+  joint = _exact_joint(target, (1.0, 0, 1.0))
+  np.testing.assert_allclose(joint.sum(), 1.0, rtol=1e-6)
+  stat, critical = _chi_square(_samples(target, draft, seed=5), joint)
+  assert stat < critical, (stat, critical)
+
+
+def test_the_test_rejects_unverified_quantized_drafts(quantized_pair):
+  """Accepting every draft token unverified gives the draft's law."""
+  target, draft = quantized_pair
+  joint = _exact_joint(target, (1.0, 0, 1.0))
+  samples = _samples(target, draft, seed=6, synthetic_acceptance=1.0)
+  stat, critical = _chi_square(samples, joint)
+  assert stat > critical, (stat, critical)
