@@ -15,6 +15,9 @@ Pairs (`configs/llama_pair.py:pair=NAME`):
   (Hub ids: needs the Hub or local copies; `--config.draft=PATH`).
 - `llama3`: meta-llama/Llama-3.2-1B -> meta-llama/Llama-3.1-8B (base models,
   no chat template; gated on the Hub, so usually local paths).
+- `gemma3`: Gemma 3 270M (base, offline GGUF `gemma-3-270m`) drafting for
+  itself: it has no smaller sibling, so prompt lookup or its own layers
+  (`early_exit`, `layer_skip`) draft; HumanEval prompts, no chat template.
 - `tiny`: random tiny models and a byte-level stand-in tokenizer (smoke runs;
   acceptance is meaningless).
 
@@ -73,6 +76,12 @@ PAIRS = {
         target="meta-llama/Llama-3.1-8B",
         draft="meta-llama/Llama-3.2-1B",
         prompt_set="humaneval", chat_template=False),
+    "gemma3": dict(
+        target="gemma-3-270m", draft="same",
+        prompt_set="humaneval", chat_template=False,
+        # The best drafter and γ measured on this job (BENCHMARKS.md,
+        # "Gemma 3 270M").
+        drafter="lookup", gamma=4),
     "tiny": dict(
         target="tiny", draft="tiny", prompt_set="code", chat_template=False),
 }
