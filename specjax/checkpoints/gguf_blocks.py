@@ -60,7 +60,7 @@ def _q5_0(blocks: np.ndarray) -> dict[str, Any]:
   qs = blocks[..., 6:22]
   low = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [O, nb, 32]
   codes = (low | (bits.astype(np.uint8) << 4)).reshape(rows, nb * 32)
-  return dict(low=pack_nibbles(codes), high=pack_high(codes, 1),
+  return dict(low=pack_nibbles(codes, 32), high=pack_high(codes, 1),
               scales=_f16(blocks, 0), fmt="q5_0", bits=5, group=32,
               offset=16)
 
@@ -85,7 +85,8 @@ def _q4_k(blocks: np.ndarray) -> dict[str, Any]:
   codes = codes.reshape(rows, nb * 256)
   scales = (d[..., None] * sc.astype(np.float32)).reshape(rows, nb * 8)
   mins = (dmin[..., None] * m.astype(np.float32)).reshape(rows, nb * 8)
-  return dict(low=pack_nibbles(codes), scales=scales, mins=mins, fmt="q4_k",
+  return dict(low=pack_nibbles(codes, 32), scales=scales, mins=mins,
+              fmt="q4_k",
               bits=4, group=32)
 
 
@@ -108,7 +109,7 @@ def _q6_k(blocks: np.ndarray) -> dict[str, Any]:
   sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8)
   d = _f16(blocks, 208).astype(np.float32)
   scales = (d[..., None] * sc.astype(np.float32)).reshape(rows, nb * 16)
-  return dict(low=pack_nibbles(codes), high=pack_high(codes, 2),
+  return dict(low=pack_nibbles(codes, 16), high=pack_high(codes, 2),
               scales=scales, fmt="q6_k", bits=6, group=16, offset=32)
 
 

@@ -31,15 +31,17 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import hardware
 from specjax import weights
 
 __all__ = ["KernelError", "MAX_ROWS", "available", "build", "smallm_matmul",
-           "source_hash"]
+           "smallm_quantized", "source_hash"]
 
 _SOURCE = pathlib.Path(__file__).with_name("smallm.cc")
 _TARGET = "specjax_smallm_f32"
+_QUANT_TARGET = "specjax_smallm_quant"
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 # Rows the kernel accepts in one call; larger products (prefill) go to XLA.
 MAX_ROWS = 64
@@ -110,6 +112,9 @@ def _register() -> None:
   library = ctypes.cdll.LoadLibrary(str(build()))
   jax.ffi.register_ffi_target(
       _TARGET, jax.ffi.pycapsule(library.SpecjaxSmallM), platform="cpu")
+  jax.ffi.register_ffi_target(
+      _QUANT_TARGET, jax.ffi.pycapsule(library.SpecjaxSmallMQuant),
+      platform="cpu")
 
 
 @functools.cache
@@ -148,3 +153,45 @@ def smallm_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
                      f"{x.shape[0]}.")
   out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
   return jax.ffi.ffi_call(_TARGET, out)(x, w)
+
+
+def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
+                     mins: jax.Array | None, *, bits: int, group: int,
+                     offset: int) -> jax.Array:
+  """x [X, I] float32 times a packed matrix [O, I] -> [X, O] float32.
+
+  The matrix is w[o, i] = (c[o, i] - offset) * scales[o, i // G]
+  - mins[o, i // G] (`specjax.models.quantized`, formats without high
+  bits); the kernel reads each packed weight row once, dequantises it into
+  L1 and applies it to all X rows.
+
+  Args:
+    x: [X, I] float32, X <= MAX_ROWS.
+    codes: [O, I] int8 (bits 8) or [O, I // 2] uint8 nibbles (bits 4).
+    scales: [O, I // G] float16 or float32.
+    mins: [O, I // G] float32, or None.
+    bits: 8 or 4.
+    group: G.
+    offset: subtracted from the codes.
+
+  Raises:
+    KernelError: the kernels are not available here.
+    ValueError: wrong dtypes or sizes.
+  """
+  if not available():
+    raise KernelError("The specjax CPU kernels are not available on this "
+                      "machine (see the log); use an XLA matmul plan.")
+  rows, cols = x.shape
+  if (x.dtype != jnp.float32 or bits not in (4, 8) or rows > MAX_ROWS
+      or codes.shape[1] * (8 // bits) != cols
+      or scales.shape != (codes.shape[0], cols // group)):
+    raise ValueError(f"smallm_quantized: x {x.dtype}{x.shape}, codes "
+                     f"{codes.shape}, scales {scales.shape} do not make a "
+                     f"{bits}-bit matrix of groups of {group}.")
+  codes = jax.lax.bitcast_convert_type(codes, jnp.uint8)
+  scales = scales.astype(jnp.float32)  # float16 -> float32 is exact
+  out = jax.ShapeDtypeStruct((rows, codes.shape[0]), jnp.float32)
+  return jax.ffi.ffi_call(_QUANT_TARGET, out)(
+      x, codes, scales, scales if mins is None else mins,
+      bits=np.int64(bits), group=np.int64(group), offset=np.int64(offset),
+      has_mins=np.int64(mins is not None))

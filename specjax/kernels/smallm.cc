@@ -168,7 +168,140 @@ ffi::Error SmallMImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// Quantized weights (specjax.models.quantized, formats without high bits):
+// codes [N, K] int8 (bits 8) or [N, K / 2] nibbles (bits 4; in each group
+// of G, byte i holds element i in its low nibble and i + G/2 in its high
+// one), one scale (and min) per group of G inputs:
+// w = (code - offset) * scale - min. Each tile's weight rows are read as
+// packed bytes once, dequantised into a buffer that stays in L1, and
+// applied to every x row by the float tiles above.
+struct QWork {
+  const float* x;
+  const uint8_t* codes;
+  const float* scales;
+  const float* mins;  // nullptr: no mins
+  float* y;
+  int64_t m, k, n, group, bits, offset, chunk, num_chunks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> finished{0};
+
+  void dequantise(int64_t j, float* out) const {
+    const int64_t groups = k / group;
+    // int32, not int64: int64 -> float has no AVX2 conversion, so the loops
+    // below would not vectorise.
+    const int32_t off = static_cast<int32_t>(offset);
+    const float* s = scales + j * groups;
+    const float* mn = mins ? mins + j * groups : nullptr;
+    if (bits == 8) {
+      const int8_t* __restrict c =
+          reinterpret_cast<const int8_t*>(codes) + j * k;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float sc = s[g], mv = mn ? mn[g] : 0.f;
+        for (int64_t i = g * group; i < (g + 1) * group; ++i)
+          out[i] = static_cast<float>(c[i] - off) * sc - mv;
+      }
+      return;
+    }
+    // Within a group, byte i holds element i and element i + G/2.
+    const int64_t half = group / 2;
+    for (int64_t g = 0; g < groups; ++g) {
+      // Restrict: a uint8_t pointer may alias anything, which would keep
+      // these loops scalar.
+      const uint8_t* __restrict c = codes + j * (k / 2) + g * half;
+      float* __restrict o = out + g * group;
+      const float sc = s[g], mv = mn ? mn[g] : 0.f;
+      for (int64_t i = 0; i < half; ++i)
+        o[i] = static_cast<float>((c[i] & 15) - off) * sc - mv;
+      for (int64_t i = 0; i < half; ++i)
+        o[half + i] = static_cast<float>((c[i] >> 4) - off) * sc - mv;
+    }
+  }
+
+  void columns(int64_t n0, int64_t n1, float* rows_buf) const {
+    const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
+    const int nb = block_for(static_cast<int>((m + groups - 1) / groups));
+    for (int64_t j = n0; j < n1;) {
+      const int width = j + nb <= n1 ? nb : 1;
+      for (int t = 0; t < width; ++t) dequantise(j + t, rows_buf + t * k);
+      int64_t r0 = 0;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t rows = (m - r0) / (groups - g);
+        kTiles[width][rows](x + r0 * k, k, rows_buf, y + r0 * n + j, n);
+        r0 += rows;
+      }
+      j += width;
+    }
+  }
+
+  void drain() {
+    std::unique_ptr<float[]> buf(new float[kMaxBlock * k]);
+    for (int64_t c; (c = next.fetch_add(1)) < num_chunks;) {
+      const int64_t n0 = c * chunk;
+      columns(n0, std::min(n, n0 + chunk), buf.get());
+      finished.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error SmallMQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::U8> codes,
+                           ffi::Buffer<ffi::F32> scales,
+                           ffi::Buffer<ffi::F32> mins,
+                           ffi::ResultBuffer<ffi::F32> y, int64_t bits,
+                           int64_t group, int64_t offset, int64_t has_mins) {
+  const auto xd = x.dimensions(), cd = codes.dimensions();
+  const auto sd = scales.dimensions();
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 ||
+      (bits != 8 && bits != 4) || group <= 0 || group % 2 ||
+      xd[1] % group || sd[0] != cd[0] || sd[1] * group != xd[1] ||
+      cd[1] * (8 / bits) != xd[1]) {
+    return ffi::Error::InvalidArgument(
+        "specjax_smallm_quant expects x [M, K], codes [N, K * bits / 8] "
+        "and scales [N, K / group] with bits 4 or 8");
+  }
+  auto work = std::make_shared<QWork>();
+  work->x = x.typed_data();
+  work->codes = codes.typed_data();
+  work->scales = scales.typed_data();
+  work->mins = has_mins ? mins.typed_data() : nullptr;
+  work->y = y->typed_data();
+  work->m = xd[0];
+  work->k = xd[1];
+  work->n = cd[0];
+  work->group = group;
+  work->bits = bits;
+  work->offset = offset;
+  if (work->m == 0 || work->n == 0) return ffi::Error::Success();
+  // About 64 KiB of packed weights per chunk, a multiple of the tile rows.
+  const int64_t row_bytes = std::max<int64_t>(1, work->k * bits / 8);
+  work->chunk = std::max<int64_t>(
+      kMaxBlock, (1 << 16) / row_bytes / kMaxBlock * kMaxBlock);
+  work->num_chunks = (work->n + work->chunk - 1) / work->chunk;
+  const int64_t helpers = std::max<int64_t>(
+      0, std::min<int64_t>(pool.num_threads() - 1, work->num_chunks - 1));
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([work] { work->drain(); });
+  }
+  work->drain();
+  while (work->finished.load(std::memory_order_acquire) < work->num_chunks) {
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMQuant, SmallMQuantImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("offset")
+                                  .Attr<int64_t>("has_mins"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallM, SmallMImpl,
                               ffi::Ffi::Bind()

@@ -109,19 +109,23 @@ def project(x: jax.Array, w: jax.Array | quantized.QuantizedMatrix,
     x: [..., I] activations.
     w: [I, O] ("in_out") or [O, I] ("out_in"); or a `QuantizedMatrix`,
       always [O, I] whatever the plan, dequantised inside the computation
-      (`specjax.models.quantized.matmul`).
+      (`specjax.models.quantized.matmul`; with `plan.kernel`, products of
+      `kernel_min_rows`..`kernel_max_rows` rows read its packed rows in
+      the specjax CPU kernel).
     plan: the model's plan (static).
     out_dtype: the result's dtype (accumulation is float32); default x's.
 
   Returns:
     [..., O].
   """
-  if quantized.is_quantized(w):
-    return quantized.matmul(x, w, out_dtype)
   lead = x.shape[:-1]
   rows = 1
   for n in lead:
     rows *= n
+  if quantized.is_quantized(w):
+    return quantized.matmul(
+        x, w, out_dtype, kernel=plan.kernel and (
+            plan.kernel_min_rows <= rows <= plan.kernel_max_rows))
   if (plan.kernel and plan.kernel_min_rows <= rows <= plan.kernel_max_rows
       and x.dtype == jnp.float32 and w.dtype == jnp.float32):
     out = kernels.smallm_matmul(x.reshape(rows, x.shape[-1]), w)  # [X, O]

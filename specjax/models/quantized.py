@@ -14,8 +14,9 @@ per group of G consecutive inputs of a row:
 evaluated in float32 in exactly that order, so a GGUF block whose reference
 dequantisation (`gguf.quants.dequantize`) computes the same expression
 comes out bit for bit. Codes are packed in bit planes: the low four bits two
-per byte (`low`, element 2j in bits 0-3 of byte j, element 2j+1 in bits
-4-7), and for 5- and 6-bit formats the remaining 1 or 2 bits in `high`
+per byte (`low`; within each group, byte j holds element j in bits 0-3 and
+element j + G/2 in bits 4-7, so unpacking writes two contiguous halves),
+and for 5- and 6-bit formats the remaining 1 or 2 bits in `high`
 (8 or 4 elements per byte, element k of a byte at bit k * hb). 8-bit codes
 are stored as int8 in `low` (offset 0). Formats (`FORMATS`):
 
@@ -49,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import kernels
 from specjax.models.config import flatten
 from specjax.models.config import matrix_paths
 from specjax.models.config import unflatten
@@ -65,7 +67,8 @@ class QuantizedMatrix:
   """A weight matrix stored [O, I] as packed codes and per-group scales.
 
   Attributes:
-    low: [O, I // 2] uint8 low nibbles (bits < 8), or [O, I] int8 codes.
+    low: [O, I // 2] uint8 low nibbles (bits < 8, split per group as the
+      module docstring says), or [O, I] int8 codes.
     high: [O, I * hb // 8] uint8 high bits (hb = bits - 4), or None.
     scales: [O, N] float16 or float32.
     mins: [O, N] float32 subtracted after scaling, or None.
@@ -118,13 +121,15 @@ def is_quantized(w: Any) -> bool:
   return isinstance(w, QuantizedMatrix)
 
 
-def _unpack_low(low: jax.Array, bits: int) -> jax.Array:
+def _unpack_low(low: jax.Array, bits: int, group: int) -> jax.Array:
   """[R, I // 2] uint8 nibbles (or [R, I] int8) -> [R, I] int32."""
   if bits == 8:
     return low.astype(jnp.int32)
   low = low.astype(jnp.int32)
-  pair = jnp.stack([low & 15, low >> 4], axis=-1)  # [R, I // 2, 2]
-  return pair.reshape(*low.shape[:-1], low.shape[-1] * 2)
+  lead, half = low.shape[:-1], group // 2
+  low = low.reshape(*lead, -1, half)  # [R, N, G/2]
+  both = jnp.concatenate([low & 15, low >> 4], axis=-1)  # [R, N, G]
+  return both.reshape(*lead, -1)
 
 
 def _unpack_high(high: jax.Array, hb: int) -> jax.Array:
@@ -138,7 +143,7 @@ def _unpack_high(high: jax.Array, hb: int) -> jax.Array:
 def _dequantize_rows(w: QuantizedMatrix, low, high, scales,
                      mins) -> jax.Array:
   """The dequantised rows [R, I] float32 of (row-selected) packed arrays."""
-  codes = _unpack_low(low, w.bits)
+  codes = _unpack_low(low, w.bits, w.group)
   if high is not None:
     codes = codes | (_unpack_high(high, w.bits - 4) << 4)
   if w.offset:
@@ -157,16 +162,32 @@ def dequantize(w: QuantizedMatrix) -> jax.Array:
   return _dequantize_rows(w, w.low, w.high, w.scales, w.mins)
 
 
-def matmul(x: jax.Array, w: QuantizedMatrix,
-           out_dtype: Any = None) -> jax.Array:
+def kernel_supports(w: QuantizedMatrix) -> bool:
+  """Whether `kernels.smallm_quantized` takes w's format (4- or 8-bit codes
+  without high bits: q8_0, q4_k, int8, int4)."""
+  return w.high is None and w.bits in (4, 8)
+
+
+def matmul(x: jax.Array, w: QuantizedMatrix, out_dtype: Any = None,
+           kernel: bool = False) -> jax.Array:
   """x [..., I] times the [O, I] matrix, contracted on I -> [..., O].
 
   Accumulation is float32; the matrix is dequantised in float32 and cast to
-  x's dtype (a no-op for float32 models).
+  x's dtype (a no-op for float32 models). With `kernel` (and float32 x, a
+  format `kernel_supports`, the CPU kernels available), the specjax CPU
+  kernel reads the packed rows once for all X rows instead: the same
+  weights, summed in another order.
   """
   if x.shape[-1] != w.cols:
     raise ValueError(f"Cannot multiply activations [..., {x.shape[-1]}] by "
                      f"a quantized {w.fmt} matrix [{w.rows}, {w.cols}].")
+  if (kernel and x.dtype == jnp.float32 and kernel_supports(w)
+      and kernels.available()):
+    lead = x.shape[:-1]
+    out = kernels.smallm_quantized(
+        x.reshape(-1, w.cols), w.low, w.scales, w.mins, bits=w.bits,
+        group=w.group, offset=w.offset)  # [X, O]
+    return out.reshape(*lead, w.rows).astype(out_dtype or x.dtype)
   wf = dequantize(w).astype(x.dtype)  # [O, I]
   out = jax.lax.dot_general(x, wf, (((x.ndim - 1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
@@ -279,15 +300,20 @@ def quantize_array(w: np.ndarray, spec: QuantSpec, name: str,
     codes = np.clip(np.rint((g - lo[..., None]) / scale[..., None]), 0, 15)
     mins, offset = (-lo).astype(np.float32), 0
   codes = codes.astype(np.uint8).reshape(rows, cols)
-  return QuantizedMatrix(low=pack_nibbles(codes), scales=scale, mins=mins,
+  return QuantizedMatrix(low=pack_nibbles(codes, spec.group), scales=scale,
+                         mins=mins,
                          fmt="int4", bits=4, group=spec.group, offset=offset,
                          shape=shape, dtype=jnp.dtype(dtype))
 
 
-def pack_nibbles(codes: np.ndarray) -> np.ndarray:
-  """[R, I] codes (low 4 bits used) -> [R, I // 2] uint8."""
+def pack_nibbles(codes: np.ndarray, group: int) -> np.ndarray:
+  """[R, I] codes (low 4 bits used) -> [R, I // 2] uint8: in each group of
+  G, byte j holds element j (bits 0-3) and element j + G/2 (bits 4-7)."""
   c = codes.astype(np.uint8) & 15
-  return c[..., 0::2] | (c[..., 1::2] << 4)
+  c = c.reshape(*c.shape[:-1], -1, group)  # [R, N, G]
+  half = group // 2
+  packed = c[..., :half] | (c[..., half:] << 4)  # [R, N, G/2]
+  return packed.reshape(*c.shape[:-2], -1)
 
 
 def pack_high(codes: np.ndarray, hb: int) -> np.ndarray:
