@@ -421,7 +421,7 @@ def test_crossover_sweep_and_merge(tmp_path):
   # α, its cell written; then two runs merged into one table and plot.
   config = crossover_config.get_config(
       "weights=random,target=tiny,draft=tiny,batches=1,alphas=0.5,"
-      "gammas=1/2,max_gamma=2,tokens=8,repeats=2,prompt_tokens=16")
+      "gammas=1/2,max_gamma=2,tokens=32,repeats=2,prompt_tokens=16")
   config.output_dir = str(tmp_path / "run")
   (cell,) = crossover.run(config)
   assert (cell["batch"], cell["alpha"]) == (1, 0.5)
