@@ -457,7 +457,8 @@ def test_a_warm_policy_priced_anew_keeps_what_it_learned():
     warm.priced([2.0, 2.1])
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [
+    0.0, pytest.param(1.0, marks=pytest.mark.slow)])
 def test_draft_prefill_observes_the_first_acceptance(pair, temperature):
   # Before any step, each row observes draft position 1 once, for free:
   # the draft model's prefill guessed the token the target drew first.
@@ -534,9 +535,9 @@ MACHINE_C_B8 = policies.StepCosts(
     draft_ms=104.4, first_draft_ms=150.0)
 
 
-@pytest.mark.parametrize("batch, costs", [
-    (1, MACHINE_B_B1),
-    pytest.param(8, MACHINE_C_B8, marks=pytest.mark.slow)])
+@pytest.mark.slow  # two simulated sweeps per cost set
+@pytest.mark.parametrize("batch, costs", [(1, MACHINE_B_B1),
+                                          (8, MACHINE_C_B8)])
 def test_auto_loses_little_to_the_best_fixed_gamma(batch, costs):
   """The outcome that matters: over 32 tokens, from its prior (cold) and
   from what one earlier generation learned (warm), `auto` is within 5% of

@@ -123,6 +123,7 @@ def _spec_samples(pair, gamma, settings, seed, prompt=PROMPT, **kw):
   return out.tokens
 
 
+@_SLOW
 def test_speculative_samples_match_exact_distribution(pair):
   settings = (1.0, 0, 1.0)
   joint = _exact_joint(pair[0], settings)
@@ -132,6 +133,7 @@ def test_speculative_samples_match_exact_distribution(pair):
   assert stat < critical, (stat, critical)
 
 
+@_SLOW
 def test_speculative_samples_match_exact_distribution_in_bf16(pair):
   # dtype="auto" on accelerators: bf16 weights and caches, fp32 logits and
   # probabilities. The reference enumerates the bf16 target's own full
@@ -160,7 +162,7 @@ def test_cascade_matches_exact_distribution(pair):
 
 
 @pytest.mark.parametrize("exit_layer, skip, gamma, settings", [
-    (1, (), 3, (1.0, 0, 1.0)),
+    pytest.param(1, (), 3, (1.0, 0, 1.0), marks=_SLOW),
     pytest.param(None, (0,), 2, (0.7, 3, 1.0), marks=_SLOW),
 ], ids=["early-exit-t1", "skip-t0.7-topk3"])
 def test_self_speculation_matches_exact_distribution(pair, exit_layer, skip,
@@ -174,8 +176,8 @@ def test_self_speculation_matches_exact_distribution(pair, exit_layer, skip,
   assert stat < critical, (stat, critical)
 
 
-@pytest.mark.parametrize("kind", ["medusa",
-                                  pytest.param("eagle", marks=_SLOW)])
+@_SLOW
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_heads_match_exact_distribution(pair, kind):
   # Random Medusa heads: each draft from its own head's law, whatever the
   # drafts before it (the first step drafts nothing: no hidden state yet).

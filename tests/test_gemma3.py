@@ -93,6 +93,7 @@ def test_unsupported_gemma3_variants_name_the_problem():
     tiny.TINY_GEMMA3_TARGET.replace(activation="relu")
 
 
+@pytest.mark.slow  # builds and saves a multimodal transformers model
 def test_multimodal_checkpoint_is_refused(hf_checkpoint, tmp_path):
   src, _ = hf_checkpoint("gemma3")
   shutil.copytree(src, tmp_path / "ckpt")
@@ -218,8 +219,9 @@ def _drafter(kind, pair):
   }[kind]()
 
 
-@pytest.mark.parametrize("kind", ["model", "early-exit", "skip-global",
-                                  "lookup"])
+@pytest.mark.parametrize("kind", [
+    "model", *(pytest.param(k, marks=pytest.mark.slow)
+               for k in ("early-exit", "skip-global", "lookup"))])
 def test_speculative_greedy_equals_generate(gemma_pair, gemma_baseline,
                                             kind):
   import numpy as np  # pylint: disable=g-import-not-at-top

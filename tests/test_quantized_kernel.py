@@ -67,6 +67,7 @@ def test_formats_with_high_bits_stay_on_xla():
       np.asarray(quantized.matmul(x, w)))
 
 
+@pytest.mark.slow
 def test_kernel_plan_on_a_quantized_model():
   """out_in/kernel on an int4 model: logits as on XLA to rounding, and
   greedy speculation equals generate (both through the kernel)."""

@@ -91,6 +91,7 @@ def _agreement_length(a, b):
   return float(same.sum(1).mean())
 
 
+@pytest.mark.slow  # trains the tiny model first (300 Adam steps)
 @pytest.mark.parametrize("spec,ppl_ratio,agree,length", [
     ("int8", 1.002, 0.98, 20),
     ("int4", 1.03, 0.85, 6),

@@ -54,7 +54,8 @@ def models_():
   return target, draft
 
 
-@pytest.mark.parametrize("kind", ["int4", "q8_0"])
+@pytest.mark.parametrize("kind", [
+    "int4", pytest.param("q8_0", marks=pytest.mark.slow)])
 def test_greedy_speculation_equals_the_quantized_targets_generate(models_,
                                                                   kind):
   target, draft = models_
@@ -104,6 +105,7 @@ def test_step_samples_follow_the_quantized_target(quantized_pair):
   assert stat < critical, (stat, critical)
 
 
+@pytest.mark.slow
 def test_the_test_rejects_unverified_quantized_drafts(quantized_pair):
   """Accepting every draft token unverified gives the draft's law."""
   target, draft = quantized_pair

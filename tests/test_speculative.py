@@ -47,6 +47,7 @@ def test_greedy_equality_other_sizes_and_seeds():
   np.testing.assert_array_equal(got.tokens, want.tokens)
 
 
+@pytest.mark.slow  # bf16 matmuls are slow on XLA CPU
 def test_greedy_equals_autoregressive_in_bf16():
   # dtype="auto" on a GPU or TPU: weights and caches in bf16; attention
   # logits, softmax and the sampler's probabilities in fp32. A γ + 1 token
