@@ -66,10 +66,11 @@ def test_prefill_returns_every_prompt_hidden_state(target, prompt_len):
                              rtol=1e-5, atol=1e-5)
 
 
-# The default suite keeps one case of each head; the others run with the
-# slow tests.
+# Whole generations: the default suite keeps one EAGLE case; the others,
+# Medusa's included, run with the slow tests.
 @pytest.mark.parametrize("kind, gamma, num_heads", [
-    ("medusa", 3, 3), pytest.param("medusa", 4, 2, marks=pytest.mark.slow),
+    pytest.param("medusa", 3, 3, marks=pytest.mark.slow),
+    pytest.param("medusa", 4, 2, marks=pytest.mark.slow),
     ("eagle", 3, 0), pytest.param("eagle", 5, 0, marks=pytest.mark.slow)])
 def test_greedy_equals_autoregressive(target, kind, gamma, num_heads):
   drafter = (testing.random_medusa(target, num_heads) if kind == "medusa"

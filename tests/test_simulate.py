@@ -186,6 +186,7 @@ def test_settled_takes_one_acceptance_per_position():
     sim.settled(make_auto(COSTS), (0.4, 0.9))
 
 
+@pytest.mark.slow  # simulates generations cold and warm at several costs
 def test_a_warm_start_follows_the_generation_before_it():
   """Nothing accepted, no observation at prefill. A cold start drafts at
   its first step by its prior (two drafts, 40 + 10 ms, and a 130 ms
