@@ -18,7 +18,6 @@ from typing import Any
 
 from absl import logging
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from experiments import prompts as prompts_lib
@@ -26,6 +25,7 @@ from experiments.validation import ConfigError
 from experiments.validation import drafter_kind
 from experiments.validation import parse_mesh
 from specjax import drafters
+from specjax import hardware
 from specjax import models
 from specjax import registry
 from specjax import sharding
@@ -36,7 +36,7 @@ from specjax.tuning import matmul as tuning
 
 __all__ = ["Pair", "default_skip", "drafter_names", "encode_prompts",
            "load_pair", "make_drafter", "make_mesh", "matmul_info",
-           "memory_plan", "model_info", "resolve_dtype", "tune_rows"]
+           "memory_plan", "model_info", "tune_rows"]
 
 
 
@@ -58,11 +58,6 @@ class Pair:
   load_s: float = 0.0
 
 
-def resolve_dtype(name: str) -> jnp.dtype:
-  """`auto` is `registry.default_dtype()`: float32 on CPU, else bfloat16."""
-  return registry.default_dtype() if name == "auto" else jnp.dtype(name)
-
-
 def load_pair(config: Any) -> Pair:
   """Loads target, draft and tokenizer as the config says.
 
@@ -75,7 +70,7 @@ def load_pair(config: Any) -> Pair:
     ConfigError: the draft's vocabulary differs from the target's.
   """
   start = time.perf_counter()
-  dtype = resolve_dtype(config.dtype)
+  dtype = hardware.resolve_dtype(config.dtype)
   rows = tune_rows(config)
   mesh = make_mesh(config)
   if config.target == "tiny":
