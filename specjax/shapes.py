@@ -17,6 +17,7 @@ glossary and list the letters they use):
   head; D head dim;
 - V vocabulary size;
 - Y end-of-sequence ids;
+- Q states of the stop-string automaton (`specjax.stops`);
 - X rows of one matrix product (B·T flattened), I its input features, O its
   output features.
 
@@ -54,6 +55,7 @@ LETTERS = {
     "D": "head dim",
     "V": "vocabulary size",
     "Y": "end-of-sequence ids",
+    "Q": "stop-string automaton states",
     "X": "rows of a matrix product",
     "I": "input features",
     "O": "output features",
