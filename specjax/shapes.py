@@ -17,6 +17,7 @@ glossary and list the letters they use):
   head; D head dim;
 - V vocabulary size;
 - Y end-of-sequence ids;
+- Q automaton states, A token classes (`specjax.grammar`, both padded);
 - X rows of one matrix product (B·T flattened), I its input features, O its
   output features.
 
@@ -54,6 +55,8 @@ LETTERS = {
     "D": "head dim",
     "V": "vocabulary size",
     "Y": "end-of-sequence ids",
+    "Q": "automaton states of a grammar",
+    "A": "token classes of a grammar",
     "X": "rows of a matrix product",
     "I": "input features",
     "O": "output features",
