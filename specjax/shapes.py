@@ -17,7 +17,8 @@ glossary and list the letters they use):
   head; D head dim;
 - V vocabulary size;
 - Y end-of-sequence ids;
-- Q states of the stop-string automaton (`specjax.stops`);
+- Q automaton states (of stop strings, `specjax.stops`, or a grammar,
+  `specjax.grammar`), A a grammar's token classes (both padded);
 - X rows of one matrix product (B·T flattened), I its input features, O its
   output features.
 
@@ -55,7 +56,8 @@ LETTERS = {
     "D": "head dim",
     "V": "vocabulary size",
     "Y": "end-of-sequence ids",
-    "Q": "stop-string automaton states",
+    "Q": "automaton states (stop strings, grammars)",
+    "A": "token classes of a grammar",
     "X": "rows of a matrix product",
     "I": "input features",
     "O": "output features",
