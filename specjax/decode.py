@@ -39,8 +39,12 @@ import numpy as np
 
 from specjax import buffers
 from specjax import compilation
+from specjax import controls as controls_lib
 from specjax import policies
+from specjax import rejection
 from specjax import sampling
+from specjax import stops as stops_lib
+from specjax import streaming
 from specjax.drafters import DraftModel
 from specjax.drafters import Drafter
 from specjax.loops import generate_loop
@@ -71,15 +75,30 @@ class GenerateOutput:
 
   Attributes:
     tokens: [B, N] int32 generated ids, `pad_id` after each row's end.
-    lengths: [B] int32 generated tokens per row (an EOS is counted and kept).
+    lengths: [B] int32 generated tokens per row (an EOS is counted and
+      kept, and so is the token that completes a stop string).
+    finish_reason: per row, "eos" (it emitted an EOS id), "stop" (a stop
+      string) or "length" (N tokens).
+    lossless: False when a lossy acceptance rule was used (the output is
+      then not distributed as the target's).
+    stop: the stop strings of the call (`text` cuts at them).
   """
 
   tokens: np.ndarray
   lengths: np.ndarray
+  finish_reason: tuple[str, ...] = ()
+  lossless: bool = True
+  stop: tuple[str, ...] = ()
 
   def row(self, b: int) -> list[int]:
     """The tokens generated for row b, without padding."""
     return self.tokens[b, :self.lengths[b]].tolist()
+
+  def text(self, tokenizer: Any, b: int) -> str:
+    """Row b decoded, cut where its stop string ends (the token that
+    completes one may carry text past it)."""
+    text = tokenizer.decode(self.row(b))
+    return stops_lib.truncate_text(text, self.stop) if self.stop else text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +157,16 @@ def generate(model: LanguageModel, prompts: Sequence[Sequence[int]], *,
              cache_size: int | None = None,
              pad_id: int = 0,
              tokens_cap: int | None = None,
-             mesh: jax.sharding.Mesh | None = None) -> GenerateOutput:
+             mesh: jax.sharding.Mesh | None = None,
+             stop: Sequence[str] | None = None,
+             repetition_penalty: float | None = None,
+             presence_penalty: float | None = None,
+             frequency_penalty: float | None = None,
+             logit_bias: dict[int, float] | None = None,
+             min_p: float | None = None, regex: str | None = None,
+             json_schema: dict[str, Any] | str | None = None,
+             on_tokens: Any = None, tokenizer: Any = None
+             ) -> GenerateOutput:
   """Batched autoregressive decoding, compiled as one call.
 
   Args:
@@ -159,12 +187,40 @@ def generate(model: LanguageModel, prompts: Sequence[Sequence[int]], *,
       placed on by `specjax.sharding.shard`, or one device). B need not
       divide the data axis (`specjax.sharding.batch`).
 
+  Generation controls (each None is off and costs nothing; any value is
+  traced, so changing it never recompiles; `specjax.controls`):
+    stop: stop strings, matched on the text the tokens decode to, across
+      tokens and steps (`specjax.stops`); a row ends with the token that
+      completes one (`text` cuts the text where it ends). Needs
+      `tokenizer`.
+    repetition_penalty: Hugging Face's ρ > 0 over the prompt and output.
+    presence_penalty, frequency_penalty: the OpenAI penalties in [-2, 2]
+      over the output.
+    logit_bias: {token id: bias in [-100, 100]} added to the logits.
+    min_p: keep tokens with at least min_p times the top probability.
+    regex, json_schema: constrain the output to a regular expression or a
+      JSON schema (a dict or JSON string), compiled to a token automaton
+      by outlines-core (`specjax.grammar`). Needs `tokenizer` and
+      `eos_id`.
+    on_tokens: a callback given, after the prefill and after every step,
+      each row's newly committed token ids (B lists; `specjax.streaming`;
+      `streaming.TextStream` decodes them).
+    tokenizer: the model's `specjax.tokenizer.Tokenizer`, for `stop`,
+      `regex` and `json_schema`.
+
   Returns:
-    `GenerateOutput` with tokens [B, N] and lengths [B].
+    `GenerateOutput` with tokens [B, N], lengths [B] and finish reasons.
   """
   _check_model(model, "model")
   _check_eos(eos_id, model.vocab_size)
-  params = sampling.SamplingParams.create(temperature, top_k, top_p)
+  controls, stops = controls_lib.resolve(
+      model.vocab_size, tokenizer=tokenizer, eos_id=eos_id, stop=stop,
+      repetition_penalty=repetition_penalty,
+      presence_penalty=presence_penalty,
+      frequency_penalty=frequency_penalty, logit_bias=logit_bias,
+      regex=regex, json_schema=json_schema)
+  params = sampling.SamplingParams.create(temperature, top_k, top_p,
+                                          min_p=min_p, controls=controls)
   tokens, lengths, cache_size = prepare_prompts(
       prompts, model.vocab_size, max_new_tokens=max_new_tokens,
       cache_size=cache_size, reserve=1,
@@ -173,14 +229,36 @@ def generate(model: LanguageModel, prompts: Sequence[Sequence[int]], *,
   where, (model,) = Placement.resolve(mesh, len(tokens), model)
   where.check_memory({"model": model}, cache_size=cache_size, chunk=1)
   tokens, lengths, budget = where.inputs(tokens, lengths, max_new_tokens)
-  out, counts = compilation.call(
-      generate_loop, "generate",
-      f"B={tokens.shape[0]}, S={cache_size}, N_cap={cap}", model, tokens,
-      lengths, params,
-      buffers.eos_array(eos_id), prng_key(key), budget,
-      tokens_cap=cap, cache_size=cache_size, pad_id=pad_id)
+  with streaming.open_stream(on_tokens) as stream_id:
+    out, counts = compilation.call(
+        generate_loop, "generate",
+        f"B={tokens.shape[0]}, S={cache_size}, N_cap={cap}", model, tokens,
+        lengths, params, buffers.eos_array(eos_id), prng_key(key), budget,
+        stops, stream_id, tokens_cap=cap, cache_size=cache_size,
+        pad_id=pad_id)
   out, counts = where.rows((out, counts))
-  return GenerateOutput(tokens=out[:, :max_new_tokens], lengths=counts)
+  return GenerateOutput(
+      tokens=out[:, :max_new_tokens], lengths=counts,
+      finish_reason=_finish_reasons(out, counts, eos_id, stops),
+      stop=tuple(stop or ()))
+
+
+def _finish_reasons(tokens: np.ndarray, lengths: np.ndarray, eos_id: Any,
+                    stops: Any) -> tuple[str, ...]:
+  """Per row: "eos" if its last token is an EOS id, "stop" if a stop
+  string ends at it, else "length"."""
+  eos = set(buffers.eos_array(eos_id).tolist())
+  tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+  reasons = []
+  for row, n in zip(tokens, lengths):
+    if n and int(row[n - 1]) in eos:
+      reasons.append("eos")
+    elif n and stops is not None and stops_lib.stop_index(
+        stops, row[:n]) == n - 1:
+      reasons.append("stop")
+    else:
+      reasons.append("length")
+  return tuple(reasons)
 
 
 def _checked_cap(max_new_tokens: int, tokens_cap: int | None
@@ -243,7 +321,18 @@ def speculative_generate(
     synthetic_acceptance: float | None = None,
     tokens_cap: int | None = None, max_gamma: int = 8,
     num_nodes: int | None = None,
-    mesh: jax.sharding.Mesh | None = None) -> SpecOutput:
+    mesh: jax.sharding.Mesh | None = None,
+    stop: Sequence[str] | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logit_bias: dict[int, float] | None = None,
+    min_p: float | None = None, regex: str | None = None,
+    json_schema: dict[str, Any] | str | None = None,
+    on_tokens: Any = None, tokenizer: Any = None,
+    acceptance: str = "exact", typical_epsilon: float = 0.09,
+    typical_delta: float = 0.3,
+    acceptance_threshold: float = 0.5) -> SpecOutput:
   """Speculative decoding, compiled as one call.
 
   The output is distributed exactly as `generate(target, ...)` with the same
@@ -285,9 +374,21 @@ def speculative_generate(
       on it (`specjax.sharding.shard(draft, mesh, split=False)`; place it
       split yourself to split it), and a `Drafter` must hold models placed
       on the same mesh.
+    stop, repetition_penalty, presence_penalty, frequency_penalty,
+      logit_bias, min_p, regex, json_schema, on_tokens, tokenizer: the
+      generation controls, as in `generate`. The draft's q and the
+      target's p at every draft position (tree nodes included) read the
+      history through the drafted prefix there, so the output stays exact
+      under every control (`specjax.controls`).
+    acceptance: "exact" (rejection sampling), or a lossy rule that is NOT
+      distribution-preserving and labels the output `lossless=False`:
+      "typical" (Medusa's typical acceptance with `typical_epsilon` ε and
+      `typical_delta` δ) or "relaxed" (the tunable threshold λ =
+      `acceptance_threshold`; `rejection.Lossy`). Chains only.
 
   Returns:
-    `SpecOutput` with tokens [B, N], lengths [B] and statistics.
+    `SpecOutput` with tokens [B, N], lengths [B], finish reasons and
+    statistics.
   """
   _check_model(target, "target")
   _check_model(draft, "draft", drafter_too=True)
@@ -302,10 +403,25 @@ def speculative_generate(
   _check_eos(eos_id, target.vocab_size)
   bound = _gamma_bound(gamma, max_gamma=max_gamma)
   _check_tree(num_nodes, bound, gamma, drafter)
+  lossy = None
+  if acceptance != "exact":
+    lossy = rejection.Lossy.create(acceptance, epsilon=typical_epsilon,
+                                   delta=typical_delta,
+                                   threshold=acceptance_threshold)
+    if num_nodes is not None:
+      raise ValueError(f"acceptance={acceptance!r} verifies chains only; "
+                       "token trees (num_nodes) use exact acceptance.")
+  controls = dict(stop=stop, repetition_penalty=repetition_penalty,
+                  presence_penalty=presence_penalty,
+                  frequency_penalty=frequency_penalty, logit_bias=logit_bias,
+                  regex=regex, json_schema=json_schema)
+  step_controls, stops = controls_lib.resolve(
+      target.vocab_size, tokenizer=tokenizer, eos_id=eos_id, **controls)
   params = StepParams.create(
       temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
       draft_stop_threshold=draft_stop_threshold,
-      synthetic_acceptance=synthetic_acceptance)
+      synthetic_acceptance=synthetic_acceptance, min_p=min_p,
+      controls=step_controls, stops=stops, lossy=lossy)
   synthetic = synthetic_acceptance is not None
   extra = drafter.extra_positions
   tokens, lengths, cache_size = prepare_prompts(
@@ -328,27 +444,33 @@ def speculative_generate(
     base = generate(target, prompts, max_new_tokens=max_new_tokens,
                     temperature=temperature, top_k=top_k, top_p=top_p,
                     eos_id=eos_id, key=key, cache_size=cache_size,
-                    pad_id=pad_id, tokens_cap=cap)
+                    pad_id=pad_id, tokens_cap=cap, min_p=min_p,
+                    on_tokens=on_tokens, tokenizer=tokenizer, **controls)
     return SpecOutput(
-        tokens=base.tokens, lengths=base.lengths, stats=(
+        tokens=base.tokens, lengths=base.lengths,
+        finish_reason=base.finish_reason, stop=base.stop, stats=(
             SpecStats.autoregressive(base.lengths, gamma, max(cap - 1, 1),
                                      drafter.components)),
         gamma=int(gamma), synthetic=synthetic, policy=_policy_name(policy),
         policy_state=jax.device_get(policy.init(len(prompts))))
   tokens, lengths, budget = where.inputs(tokens, lengths, max_new_tokens)
-  out, counts, stats, policy_state = compilation.call(
-      speculative_loop, "speculative_generate",
-      f"B={tokens.shape[0]}, S={cache_size}, N_cap={cap}, "
-      f"gamma={gamma}{_policy_name(policy, ' ')}"
-      f"{f', num_nodes={num_nodes}' if num_nodes else ''}", target, drafter,
-      tokens, lengths, params, prng_key(key), budget, policy, tokens_cap=cap,
-      cache_size=cache_size, pad_id=pad_id,
-      synthetic=synthetic, num_nodes=num_nodes)
+  with streaming.open_stream(on_tokens) as stream_id:
+    out, counts, stats, policy_state = compilation.call(
+        speculative_loop, "speculative_generate",
+        f"B={tokens.shape[0]}, S={cache_size}, N_cap={cap}, "
+        f"gamma={gamma}{_policy_name(policy, ' ')}"
+        f"{f', num_nodes={num_nodes}' if num_nodes else ''}", target,
+        drafter, tokens, lengths, params, prng_key(key), budget, policy,
+        stream_id, tokens_cap=cap, cache_size=cache_size, pad_id=pad_id,
+        synthetic=synthetic, num_nodes=num_nodes)
   out, counts, policy_state = where.rows((out, counts, policy_state))
   stats = stats.replace(**where.rows(
       dict(accepted=stats.accepted, proposed=stats.proposed,
            scored=stats.scored)))
   return SpecOutput(tokens=out[:, :max_new_tokens], lengths=counts,
+                    finish_reason=_finish_reasons(out, counts, eos_id,
+                                                  stops),
+                    lossless=lossy is None, stop=tuple(stop or ()),
                     stats=where.totals(stats), gamma=int(gamma),
                     synthetic=synthetic, policy=_policy_name(policy),
                     policy_state=policy_state)

@@ -84,7 +84,6 @@ import numpy as np
 import outlines_core
 from outlines_core import json_schema as outlines_json_schema
 
-from specjax import tokenizer as tokenizer_lib
 
 __all__ = ["Grammar", "START", "accepts", "advance", "allowed",
            "compile_grammar", "forced", "forced_chain", "mask_logits",
@@ -142,63 +141,6 @@ class Grammar:
 _VOCABULARIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _decoder_steps(backend) -> list[dict[str, Any]]:
-  """The tokenizer's decoder as a flat list of `tokenizers` step specs."""
-  if backend.decoder is None:
-    return []
-  steps, out = [json.loads(backend.decoder.__getstate__())], []
-  while steps:
-    step = steps.pop(0)
-    if step.get("type") == "Sequence":
-      steps = list(step["decoders"]) + steps
-    else:
-      out.append(step)
-  return out
-
-
-def _token_bytes(tokenizer: tokenizer_lib.Tokenizer) -> list[bytes]:
-  """The bytes each token id decodes to, id order (V entries).
-
-  Byte-level BPE (GPT-2, Qwen, SmolLM): each character of the token is a
-  byte in GPT-2's printable alphabet; a token with a character outside it
-  (an added token) is its own UTF-8, as the `ByteLevel` decoder does.
-  SentencePiece (Gemma): '▁' is a space and `<0xNN>` the byte NN.
-  Special tokens get their text; callers exclude them.
-
-  Raises:
-    ValueError: a decoder neither of these describes.
-  """
-  backend = tokenizer.backend
-  kinds = [s.get("type") for s in _decoder_steps(backend)]
-  tokens = [backend.id_to_token(i) or "" for i in range(tokenizer.vocab_size)]
-  if "ByteLevel" in kinds:
-    # pylint: disable-next=protected-access
-    inverse = {c: b for b, c in tokenizer_lib._byte_spelling().items()}
-    out = []
-    for t in tokens:
-      try:
-        out.append(bytes(inverse[c] for c in t))
-      except KeyError:
-        out.append(t.encode("utf-8"))
-    return out
-  if set(kinds) <= {"Replace", "ByteFallback", "Fuse", "Strip", "Metaspace"}:
-    byte_fallback = "ByteFallback" in kinds
-    out = []
-    for t in tokens:
-      if (byte_fallback and len(t) == 6 and t.startswith("<0x")
-          and t.endswith(">")):
-        try:
-          out.append(bytes([int(t[3:5], 16)]))
-          continue
-        except ValueError:
-          pass
-      out.append(t.replace("\u2581", " ").encode("utf-8"))
-    return out
-  raise ValueError(f"Cannot spell tokens in bytes for decoder steps {kinds}; "
-                   "specjax reads byte-level BPE ('ByteLevel') and "
-                   "SentencePiece ('▁', `<0xNN>`) vocabularies.")
-
-
 def _eos_tuple(tokenizer, eos_ids: Sequence[int] | None) -> tuple[int, ...]:
   ids = tuple(dict.fromkeys(int(i) for i in (
       tokenizer.eos_ids if eos_ids is None else eos_ids)))
@@ -208,7 +150,7 @@ def _eos_tuple(tokenizer, eos_ids: Sequence[int] | None) -> tuple[int, ...]:
   return ids
 
 
-def vocabulary(tokenizer: tokenizer_lib.Tokenizer,
+def vocabulary(tokenizer: Any,
                eos_ids: Sequence[int] | None = None
                ) -> outlines_core.Vocabulary:
   """An outlines-core `Vocabulary` of the bytes each token decodes to.
@@ -228,14 +170,14 @@ def vocabulary(tokenizer: tokenizer_lib.Tokenizer,
   eos = _eos_tuple(tokenizer, eos_ids)
   cached = _VOCABULARIES.setdefault(tokenizer, {})
   if eos not in cached:
-    backend = tokenizer.backend
-    skip = {i for i, t in backend.get_added_tokens_decoder().items()
-            if t.special} | set(eos)
-    unk = getattr(backend.model, "unk_token", None)
+    # Special tokens spell b"" (`Tokenizer.token_bytes`).
+    skip = set(eos)
+    backend = getattr(tokenizer, "backend", None)
+    unk = getattr(getattr(backend, "model", None), "unk_token", None)
     if unk is not None and backend.token_to_id(unk) is not None:
       skip.add(backend.token_to_id(unk))
     spelled = collections.defaultdict(list)
-    for i, b in enumerate(_token_bytes(tokenizer)):
+    for i, b in enumerate(tokenizer.token_bytes()):
       if b and i not in skip:
         spelled[b].append(i)
     cached[eos] = outlines_core.Vocabulary(eos[0], dict(spelled))
@@ -461,7 +403,7 @@ def _tables(index: outlines_core.Index, vocab_size: int,
       eos_ids=np.asarray(eos_ids, np.int32))
 
 
-def compile_grammar(source: tokenizer_lib.Tokenizer | outlines_core.Vocabulary,
+def compile_grammar(source: Any | outlines_core.Vocabulary,
                     *, regex: str | None = None,
                     json_schema: Mapping[str, Any] | str | None = None,
                     eos_ids: Sequence[int] | None = None,

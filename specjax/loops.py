@@ -23,6 +23,7 @@ from specjax import buffers
 from specjax import rejection
 from specjax import sampling
 from specjax import speculate
+from specjax import streaming
 from specjax.drafters.base import Drafter
 from specjax.models import LanguageModel
 from specjax.models import model_output
@@ -30,8 +31,9 @@ from specjax.step_types import SpecState
 from specjax.step_types import SpecStats
 from specjax.step_types import StepParams
 
-__all__ = ["first_acceptance", "generate_loop", "init_spec_state",
-           "prng_key", "speculative_loop", "start", "synthetic_text"]
+__all__ = ["Started", "first_acceptance", "generate_loop",
+           "init_spec_state", "prng_key", "speculative_loop", "start",
+           "synthetic_text"]
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -45,6 +47,9 @@ class _ARState:
     last_token: [B] int32 newest token, not yet in the cache.
     cache: the model's cache.
     key: PRNG key.
+    params: the sampling settings, with the controls' history
+      (`specjax.controls`) through `last_token`.
+    stop_state: [B] int32 the stop strings' automaton state, or None.
   """
 
   tokens: jax.Array
@@ -53,6 +58,39 @@ class _ARState:
   last_token: jax.Array
   cache: Any
   key: jax.Array
+  params: sampling.SamplingParams
+  stop_state: jax.Array | None = None
+
+
+@flax.struct.dataclass(kw_only=True)
+class Started:
+  """The target's prefill and first token (`start`).
+
+  Attributes:
+    first: [B] int32 the first generated token.
+    probs: [B, V] float32 the distribution it was drawn from.
+    cache: the target's cache after the prompts.
+    tokens: [B, W] int32 the output buffer, holding `first`.
+    counts: [B] int32 tokens generated (1, or 0 past N = 0).
+    done: [B] bool rows that already stopped.
+    key: the PRNG key left for the loop.
+    params: the sampling settings with the controls' history through
+      `first`.
+    stop_state: [B] int32 the stop strings' state after `first`, or None.
+    hidden: [B, P, E] the target's hidden states over the prompts (only
+      with `return_hidden`), else None.
+  """
+
+  first: jax.Array
+  probs: jax.Array
+  cache: Any
+  tokens: jax.Array
+  counts: jax.Array
+  done: jax.Array
+  key: jax.Array
+  params: sampling.SamplingParams
+  stop_state: jax.Array | None = None
+  hidden: jax.Array | None = None
 
 
 def prng_key(key: jax.Array | int | None) -> jax.Array:
@@ -66,63 +104,70 @@ def prng_key(key: jax.Array | int | None) -> jax.Array:
 
 
 def start(target: LanguageModel, prompts: jax.Array, lengths: jax.Array,
-           params: sampling.SamplingParams, eos_ids: jax.Array, key: jax.Array,
-           *, cache_size: int, width: int, max_new_tokens: int,
-           return_hidden: bool = False):
-  """Prefills the target, samples and emits the first token.
-
-  Returns:
-    first [B] token, the distribution [B, V] it was drawn from, the
-    target's cache, the output buffer [B, width], counts [B], done [B],
-    and the key left for the loop; with `return_hidden`, also the target's
-    hidden states [B, P, E] over the prompts.
-  """
+          params: sampling.SamplingParams, eos_ids: jax.Array, key: jax.Array,
+          *, cache_size: int, width: int, max_new_tokens: int,
+          return_hidden: bool = False, stops: Any = None) -> Started:
+  """Prefills the target, samples and emits the first token."""
   key, first_key = jax.random.split(key)
   cache = target.init_cache(prompts.shape[0], cache_size)
-  hidden = ()
+  hidden = None
   if return_hidden:
     logits, cache, hidden = target.prefill(prompts, lengths, cache,
                                            return_hidden=True)
-    hidden = (hidden,)
   else:
     logits, cache = target.prefill(prompts, lengths, cache)  # [B, V]
+  if params.controls is not None:
+    params = params.replace(controls=params.controls.start(
+        prompts, lengths, logits.shape[-1]))
   probs = sampling.probabilities(logits, params)  # [B, V]
   first = sampling.sample(first_key, probs)
   batch = first.shape[0]
-  tokens, counts, done = buffers.emit(
+  stop_state = None if stops is None else jnp.zeros((batch,), jnp.int32)
+  tokens, counts, done, stop_state = buffers.emit(
       jnp.zeros((batch, width), jnp.int32), jnp.zeros((batch,), jnp.int32),
       jnp.zeros((batch,), bool), first[:, None], jnp.ones((batch,), jnp.int32),
-      eos_ids, max_new_tokens)
-  return (first, probs, cache, tokens, counts, done, key) + hidden
+      eos_ids, max_new_tokens, stops, stop_state)
+  return Started(first=first, probs=probs, cache=cache, tokens=tokens,
+                 counts=counts, done=done, key=key,
+                 params=params.advance(first), stop_state=stop_state,
+                 hidden=hidden)
 
 
 @functools.partial(jax.jit, static_argnames=("tokens_cap", "cache_size",
                                              "pad_id"))
 def generate_loop(model, prompts, lengths, params, eos_ids, key,
-                  max_new_tokens, *, tokens_cap, cache_size, pad_id):
+                  max_new_tokens, stops=None, stream_id=None, *, tokens_cap,
+                  cache_size, pad_id):
   """The whole autoregressive generation; returns tokens [B, N_cap] and
-  lengths [B]."""
-  first, _, cache, tokens, counts, done, key = start(
-      model, prompts, lengths, params, eos_ids, key, cache_size=cache_size,
-      width=tokens_cap + 1, max_new_tokens=max_new_tokens)
-  state = _ARState(tokens=tokens, num_generated=counts, done=done,
-                   last_token=first,
-                   cache=cache, key=key)
+  lengths [B]. `stops`: stop strings or None; `stream_id`: a
+  `specjax.streaming` stream or None."""
+  s0 = start(model, prompts, lengths, params, eos_ids, key,
+             cache_size=cache_size, width=tokens_cap + 1,
+             max_new_tokens=max_new_tokens, stops=stops)
+  streaming.deliver(stream_id, s0.tokens, jnp.zeros_like(s0.counts),
+                    s0.counts, 1)
+  state = _ARState(tokens=s0.tokens, num_generated=s0.counts, done=s0.done,
+                   last_token=s0.first, cache=s0.cache, key=s0.key,
+                   params=s0.params, stop_state=s0.stop_state)
 
   def step(s: _ARState) -> _ARState:
     key, sample_key = jax.random.split(s.key)
-    start = s.cache.lengths
+    start_length = s.cache.lengths
     out, cache = model(s.last_token[:, None], s.cache)  # [B, 1] -> [B, 1, V]
     logits = model_output(out).logits[:, 0]
     token = sampling.sample(
-        sample_key, sampling.probabilities(logits, params))  # [B]
+        sample_key, sampling.probabilities(logits, s.params))  # [B]
     # Done rows do not advance, so they never run past the cache.
-    cache = cache.rollback(jnp.where(s.done, start, cache.lengths))
-    tokens, counts, done = buffers.emit(
+    cache = cache.rollback(jnp.where(s.done, start_length, cache.lengths))
+    tokens, counts, done, stop_state = buffers.emit(
         s.tokens, s.num_generated, s.done, token[:, None],
-        jnp.ones_like(s.num_generated), eos_ids, max_new_tokens)
+        jnp.ones_like(s.num_generated), eos_ids, max_new_tokens, stops,
+        s.stop_state)
+    streaming.deliver(stream_id, tokens, s.num_generated, counts, 1)
     return s.replace(tokens=tokens, num_generated=counts, done=done,
-                     last_token=token, cache=cache, key=key)
+                     last_token=token, cache=cache, key=key,
+                     params=s.params.advance(token, ~s.done),
+                     stop_state=stop_state)
 
   state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
   return (buffers.finalize(state.tokens, state.num_generated, tokens_cap,
@@ -163,24 +208,26 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
   gamma = policy.max_gamma
   # A drafter reading the target's features (EAGLE) gets the prompt's.
   features = drafter.uses_prompt_hidden
-  first, probs, target_cache, tokens, counts, done, key, *hidden = start(
-      target, prompts, lengths, params.sampling, params.eos_ids, key,
-      cache_size=cache_size, width=cap + gamma + 1,
-      max_new_tokens=max_new_tokens, return_hidden=features)
-  extra = {"prompt_hidden": hidden[0]} if features else {}
-  drafter_state, guess = drafter.init_guess(prompts, lengths, first,
+  s0 = start(target, prompts, lengths, params.sampling, params.eos_ids, key,
+             cache_size=cache_size, width=cap + gamma + 1,
+             max_new_tokens=max_new_tokens, return_hidden=features,
+             stops=params.stops)
+  extra = {"prompt_hidden": s0.hidden} if features else {}
+  drafter_state, guess = drafter.init_guess(prompts, lengths, s0.first,
                                             cache_size, **extra)
   policy_state = policy.init(prompts.shape[0])
   if guess is not None:
     policy_state = policy.observe(
-        policy_state, first_acceptance(probs, guess, params, lengths,
-                                       synthetic), ~done)
+        policy_state, first_acceptance(s0.probs, guess, params, lengths,
+                                       synthetic), ~s0.done)
   return SpecState(
-      tokens=tokens, num_generated=counts, done=done, last_token=first,
-      target_cache=target_cache, drafter_state=drafter_state, key=key,
+      tokens=s0.tokens, num_generated=s0.counts, done=s0.done,
+      last_token=s0.first, target_cache=s0.cache,
+      drafter_state=drafter_state, key=s0.key,
       stats=SpecStats.zeros(prompts.shape[0], gamma, max(cap - 1, 1),
                             drafter.components),
-      policy_state=policy_state)
+      policy_state=policy_state, controls=s0.params.controls,
+      stop_state=s0.stop_state)
 
 
 def synthetic_text(key: jax.Array | int | None) -> jax.Array:
@@ -209,21 +256,33 @@ def first_acceptance(probs: jax.Array, guess: jax.Array, params: StepParams,
 @functools.partial(jax.jit, static_argnames=(
     "tokens_cap", "cache_size", "pad_id", "synthetic", "num_nodes"))
 def speculative_loop(target, drafter, prompts, lengths, params, key,
-                     max_new_tokens, policy, *, tokens_cap, cache_size,
-                     pad_id, synthetic, num_nodes):
+                     max_new_tokens, policy, stream_id=None, *, tokens_cap,
+                     cache_size, pad_id, synthetic, num_nodes):
   """The whole speculative generation; returns tokens [B, N_cap],
-  lengths [B], the `SpecStats` and the policy's final state."""
+  lengths [B], the `SpecStats` and the policy's final state.
+  `stream_id`: a `specjax.streaming` stream or None."""
   if synthetic:
     params = params.with_text(synthetic_text(key))
   state = init_spec_state(target, drafter, prompts, lengths, params, key,
                           policy=policy, max_new_tokens=max_new_tokens,
                           cache_size=cache_size, tokens_cap=tokens_cap,
                           synthetic=synthetic)
+  streaming.deliver(stream_id, state.tokens,
+                    jnp.zeros_like(state.num_generated), state.num_generated,
+                    1)
   step = functools.partial(
       speculate.speculate_step, target=target, drafter=drafter, params=params,
       policy=policy, max_new_tokens=max_new_tokens, synthetic=synthetic,
       num_nodes=num_nodes)
-  state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+
+  def streamed(s: SpecState) -> SpecState:
+    after = step(s)
+    streaming.deliver(stream_id, after.tokens, s.num_generated,
+                      after.num_generated, policy.max_gamma + 1)
+    return after
+
+  state = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                             step if stream_id is None else streamed, state)
   tokens = buffers.finalize(state.tokens, state.num_generated, tokens_cap,
                             pad_id)
   return tokens, state.num_generated, state.stats, state.policy_state

@@ -25,6 +25,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import sampling
 
@@ -77,7 +78,8 @@ def _q_at(q: jax.Array | None, draft_tokens: jax.Array, proposed: jax.Array,
 
 def _next_token(key: jax.Array, num_accepted: jax.Array, q: jax.Array | None,
                 p: jax.Array, draft_tokens: jax.Array,
-                proposed: jax.Array) -> jax.Array:
+                proposed: jax.Array, scale: jax.Array | float = 1.0
+                ) -> jax.Array:
   """Samples the token after the accepted prefix.
 
   Args:
@@ -87,13 +89,14 @@ def _next_token(key: jax.Array, num_accepted: jax.Array, q: jax.Array | None,
     p: [B, G+1, V] target probabilities.
     draft_tokens: [B, G] int32.
     proposed: [B, G] bool.
+    scale: λ, q's weight in the residual (1: exact; `Lossy`).
 
   Returns:
-    [B] int32 drawn from norm(max(0, p_n - q_n)), with q_n = 0 when n = G or
-    position n was not proposed.
+    [B] int32 drawn from norm(max(0, p_n - λ q_n)), with q_n = 0 when n =
+    G or position n was not proposed.
   """
   p_n = _at(p, num_accepted)  # [B, V]
-  q_n = _q_at(q, draft_tokens, proposed, num_accepted, p.shape[-1])
+  q_n = scale * _q_at(q, draft_tokens, proposed, num_accepted, p.shape[-1])
   residual = jnp.maximum(p_n - q_n, 0.0)
   mass = jnp.sum(residual, axis=-1, keepdims=True)
   dist = jnp.where(mass > _RESIDUAL_EPS, residual / jnp.maximum(mass, 1e-30),
@@ -218,3 +221,75 @@ def synthetic_sample(
   accept &= _proposed(num_drafted, batch, gamma)
   num_accepted = leading_true(accept)
   return num_accepted, sampling.sample(key, _at(p, num_accepted))
+
+
+LOSSY_RULES = ("typical", "relaxed")
+
+
+@flax.struct.dataclass(kw_only=True)
+class Lossy:
+  """Opt-in lossy acceptance: NOT distribution-preserving.
+
+  Two rules trade fidelity to the target's distribution for longer
+  accepted blocks; outputs that used either are labelled `lossless=False`.
+
+  - "typical", Medusa's typical acceptance (Cai et al. 2024): draft x at
+    position i is accepted iff p_i(x) > min(ε, δ · exp(-H(p_i))), H the
+    entropy of the target's processed distribution; after the accepted
+    prefix the next token is drawn from p. Under greedy decoding (one-hot
+    p) it accepts exactly the argmax, as exact verification does.
+  - "relaxed", a tunable acceptance threshold λ in (0, 1]: x is accepted
+    with probability min(1, p_i(x) / (λ q_i(x))), and on a rejection the
+    next token is drawn from norm(max(0, p - λ q)). λ = 1 is the exact
+    rule; a smaller λ accepts more.
+
+  Attributes:
+    rule: "typical" or "relaxed" (static).
+    epsilon: [] float32 ε, typical's hard threshold.
+    delta: [] float32 δ, typical's entropy-scaled threshold.
+    threshold: [] float32 λ, relaxed's.
+  """
+
+  epsilon: jax.Array
+  delta: jax.Array
+  threshold: jax.Array
+  rule: str = flax.struct.field(pytree_node=False, default="typical")
+
+  @classmethod
+  def create(cls, rule: str, *, epsilon: float = 0.09, delta: float = 0.3,
+             threshold: float = 0.5) -> "Lossy":
+    """Validated settings (Medusa's defaults ε = 0.09, δ = 0.3)."""
+    if rule not in LOSSY_RULES:
+      raise ValueError(f"acceptance must be 'exact' or one of {LOSSY_RULES},"
+                       f" got {rule!r}.")
+    for name, value in (("typical_epsilon", epsilon),
+                        ("typical_delta", delta),
+                        ("acceptance_threshold", threshold)):
+      if not 0.0 < float(value) <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {value}.")
+    return cls(epsilon=np.float32(epsilon), delta=np.float32(delta),
+               threshold=np.float32(threshold), rule=rule)
+
+  def sample(self, key: jax.Array, draft_tokens: jax.Array,
+             q: jax.Array | None, p: jax.Array,
+             num_drafted: jax.Array | None = None
+             ) -> tuple[jax.Array, jax.Array]:
+    """`rejection_sample`'s arguments and results, under this rule."""
+    batch, gamma = draft_tokens.shape
+    if gamma == 0:
+      return _no_drafts(key, p)
+    accept_key, next_key = jax.random.split(key)
+    proposed = _proposed(num_drafted, batch, gamma)
+    p_x = _gather(p[:, :gamma], draft_tokens)  # [B, G]
+    if self.rule == "typical":
+      probs = p[:, :gamma]
+      entropy = -jnp.sum(jnp.where(probs > 0, probs * jnp.log(probs), 0.0),
+                         axis=-1)  # [B, G]
+      bar = jnp.minimum(self.epsilon, self.delta * jnp.exp(-entropy))
+      num_accepted = leading_true((p_x > bar) & proposed)
+      return num_accepted, sampling.sample(next_key, _at(p, num_accepted))
+    q_x = 1.0 if q is None else _gather(q, draft_tokens)
+    u = jax.random.uniform(accept_key, (batch, gamma))
+    num_accepted = leading_true((u * self.threshold * q_x < p_x) & proposed)
+    return num_accepted, _next_token(next_key, num_accepted, q, p,
+                                     draft_tokens, proposed, self.threshold)

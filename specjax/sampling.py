@@ -3,12 +3,15 @@
 Shape letters (`specjax.shapes`): V vocab; `...` any leading batch/position
 axes.
 
-Temperature, top-k and top-p are traced scalars, so changing them never
+Temperature, top-k, top-p and min-p are traced scalars, so changing them never
 recompiles; the branches (greedy, plain softmax, sorted filtering) are chosen
 with `lax.cond` at run time. Greedy (temperature 0) is a one-hot distribution
 at the argmax, so the rejection sampler treats it like any other distribution.
 The same processing is applied to draft and target logits, which is what makes
-speculative sampling reproduce the target's *processed* distribution.
+speculative sampling reproduce the target's *processed* distribution. The
+history-dependent controls (penalties, logit bias, a grammar's mask;
+`specjax.controls`) come first, on the raw logits, each position with its
+own history.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from specjax import controls as controls_lib
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -27,16 +32,29 @@ class SamplingParams:
     temperature: [] float32; 0 means greedy.
     top_k: [] int32; keep the k most likely tokens, 0 disables.
     top_p: [] float32 in (0, 1]; keep the smallest set with this much mass.
+    min_p: [] float32 in [0, 1]; keep the tokens whose probability is at
+      least min_p times the most likely one's (after temperature), 0
+      disables.
+    controls: penalties, logit bias and a grammar with the history they
+      read (`specjax.controls.Controls`, per row and position), or None.
   """
 
   temperature: jax.Array
   top_k: jax.Array
   top_p: jax.Array
+  min_p: jax.Array | None = None
+  controls: controls_lib.Controls | None = None
 
   @classmethod
   def create(cls, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0) -> "SamplingParams":
-    """Validates host values and wraps them as arrays."""
+             top_p: float = 1.0, min_p: float | None = None,
+             controls: controls_lib.Controls | None = None
+             ) -> "SamplingParams":
+    """Validates host values and wraps them as arrays (`min_p` None: not
+    in the program; any value, 0 included, is traced)."""
+    if isinstance(temperature, bool) or not isinstance(
+        temperature, (int, float, np.number)):
+      raise ValueError(f"temperature must be a number, got {temperature!r}.")
     temperature, top_p = float(temperature), float(top_p)
     if not temperature >= 0.0:  # also rejects NaN
       raise ValueError(f"temperature must be >= 0, got {temperature}.")
@@ -44,10 +62,38 @@ class SamplingParams:
       raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
     if int(top_k) != top_k or top_k < 0:
       raise ValueError(f"top_k must be a non-negative integer, got {top_k}.")
+    if min_p is not None and not 0.0 <= float(min_p) <= 1.0:
+      raise ValueError(f"min_p must be in [0, 1], got {min_p}.")
     # Numpy leaves: a jitted call transfers them without compiling
     # anything (`jnp.float32(x)` compiles a conversion program).
     return cls(temperature=np.float32(temperature),
-               top_k=np.int32(top_k), top_p=np.float32(top_p))
+               top_k=np.int32(top_k), top_p=np.float32(top_p),
+               min_p=None if min_p is None else np.float32(min_p),
+               controls=controls)
+
+  def advance(self, tokens: jax.Array,
+              take: jax.Array | None = None) -> "SamplingParams":
+    """These settings after one more token [B] per row (rows where `take`
+    [B] holds; default all): the controls' history moves on."""
+    if self.controls is None:
+      return self
+    return self.replace(controls=self.controls.advance(tokens, take))
+
+  def along_chain(self, tokens: jax.Array) -> "SamplingParams":
+    """These settings at each position of a verified chain, position i
+    after drafts [B, G] tokens[:, :i] (`Controls.along_chain`)."""
+    if self.controls is None:
+      return self
+    return self.replace(controls=self.controls.along_chain(tokens))
+
+  def along_tree(self, tokens: jax.Array, parents: jax.Array,
+                 ancestors: jax.Array) -> "SamplingParams":
+    """These settings at the root and after each node of a token tree
+    (`Controls.along_tree`)."""
+    if self.controls is None:
+      return self
+    return self.replace(controls=self.controls.along_tree(tokens, parents,
+                                                          ancestors))
 
   @property
   def greedy(self) -> jax.Array:
@@ -152,6 +198,8 @@ def probabilities(logits: jax.Array, params: SamplingParams) -> jax.Array:
     softmax(logits / temperature) restricted to top-k, then top-p.
   """
   logits = logits.astype(jnp.float32)
+  if params.controls is not None:
+    logits = params.controls.apply(logits)
 
   def sampled(logits):
     scaled = logits / params.temperature
@@ -159,7 +207,13 @@ def probabilities(logits: jax.Array, params: SamplingParams) -> jax.Array:
     scaled = jax.lax.cond(
         filtering, lambda s: _filtered_logits(s, params.top_k, params.top_p),
         lambda s: s, scaled)
-    return jax.nn.softmax(scaled, axis=-1)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    if params.min_p is not None:
+      # Hugging Face's `MinPLogitsWarper`, after top-k and top-p.
+      top = jnp.max(probs, axis=-1, keepdims=True)
+      probs = jnp.where(probs >= params.min_p * top, probs, 0.0)
+      probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+    return probs
 
   return jax.lax.cond(params.greedy, greedy_probs, sampled, logits)
 

@@ -71,11 +71,13 @@ def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
   """
   key, draft_key, verify_key = jax.random.split(state.key, 3)
   active = state.active
+  # The controls' history through the last committed token.
+  sampling = params.sampling.replace(controls=state.controls)
   remaining = max_new_tokens - state.num_generated  # [B]
   budget = policy.budget(state.policy_state, active, remaining)  # [B]
   tree_kw = {} if num_nodes is None else {"num_nodes": num_nodes}
   propose = lambda s: drafter.propose(
-      s, draft_key, params.sampling, policy.max_gamma, params.stop_threshold,
+      s, draft_key, sampling, policy.max_gamma, params.stop_threshold,
       limit=budget, **tree_kw)
   if len(policy.widths) == 1:  # one width: every step drafts
     proposal, drafter_state = propose(state.drafter_state)
@@ -88,8 +90,8 @@ def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
   start = state.target_cache.lengths
   verification, target_cache, scored = verify_within(
       policy.widths, target, state.target_cache, state.last_token, proposal,
-      params.sampling, verify_key,
-      synthetic=params.synthetic if synthetic else None)
+      sampling, verify_key,
+      synthetic=params.synthetic if synthetic else None, lossy=params.lossy)
 
   num_accepted = jnp.where(active, verification.num_accepted, 0)
   verification = verification.replace(num_accepted=num_accepted)
@@ -97,11 +99,17 @@ def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
       jnp.where(active, target_cache.lengths, start))
   drafter_state = drafter.commit(drafter_state, proposal, verification,
                                  active)
-  tokens, num_generated, done = buffers.emit(
+  tokens, num_generated, done, stop_state = buffers.emit(
       state.tokens, state.num_generated, state.done, verification.emitted,
-      verification.num_emitted, params.eos_ids, max_new_tokens)
+      verification.num_emitted, params.eos_ids, max_new_tokens,
+      params.stops, state.stop_state)
+  controls = state.controls
+  if controls is not None:
+    controls = controls.advance_many(verification.emitted,
+                                     num_generated - state.num_generated)
   return state.replace(
       tokens=tokens, num_generated=num_generated, done=done,
+      controls=controls, stop_state=stop_state,
       last_token=jnp.where(active, verification.next_token,
                            state.last_token),
       target_cache=target_cache, drafter_state=drafter_state, key=key,

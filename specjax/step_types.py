@@ -270,17 +270,25 @@ class StepParams:
     synthetic: the rate and text of synthetic verification
       (`rejection.Synthetic`), used only when a step is told to; the text
       is key 0's until `with_text`.
+    stops: stop strings (`specjax.stops.StopStrings`), or None.
+    lossy: a lossy acceptance rule (`rejection.Lossy`; NOT
+      distribution-preserving), or None for exact rejection sampling.
   """
 
   sampling: sampling.SamplingParams
   eos_ids: jax.Array
   stop_threshold: jax.Array
   synthetic: rejection.Synthetic
+  stops: Any = None
+  lossy: rejection.Lossy | None = None
 
   @classmethod
   def create(cls, *, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, eos_id=None, draft_stop_threshold: float = 0.0,
-             synthetic_acceptance: float | None = None) -> "StepParams":
+             synthetic_acceptance: float | None = None,
+             min_p: float | None = None, controls: Any = None,
+             stops: Any = None, lossy: rejection.Lossy | None = None
+             ) -> "StepParams":
     """Validates host values (see `decode.speculative_generate`)."""
     rate = 0.0 if synthetic_acceptance is None else float(synthetic_acceptance)
     if not 0.0 <= rate <= 1.0:
@@ -290,11 +298,13 @@ class StepParams:
       raise ValueError("draft_stop_threshold must be in [0, 1], got "
                        f"{draft_stop_threshold}.")
     return cls(
-        sampling=sampling.SamplingParams.create(temperature, top_k, top_p),
+        sampling=sampling.SamplingParams.create(
+            temperature, top_k, top_p, min_p=min_p, controls=controls),
         eos_ids=buffers.eos_array(eos_id),
         stop_threshold=np.float32(draft_stop_threshold),
         synthetic=rejection.Synthetic(rate=np.float32(rate),
-                                      text=sampling.host_key(0)))
+                                      text=sampling.host_key(0)),
+        stops=stops, lossy=lossy)
 
   def with_text(self, key: jax.Array) -> "StepParams":
     """These settings with the synthetic text of PRNG `key` (one per
@@ -317,6 +327,9 @@ class SpecState:
     stats: counters.
     policy_state: the γ policy's state (`specjax.policies`; None for
       `Fixed`).
+    controls: the generation controls with each row's committed history
+      (`specjax.controls.Controls`), or None.
+    stop_state: [B] int32 the stop strings' automaton state, or None.
   """
 
   tokens: jax.Array
@@ -328,6 +341,8 @@ class SpecState:
   key: jax.Array
   stats: SpecStats
   policy_state: Any = None
+  controls: Any = None
+  stop_state: jax.Array | None = None
 
   @property
   def active(self) -> jax.Array:

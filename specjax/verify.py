@@ -53,7 +53,8 @@ def width_index(widths: Sequence[int], num_tokens: jax.Array) -> jax.Array:
 
 def verify(target: Any, cache: Any, last_token: jax.Array,
            proposal: Proposal, params: sampling.SamplingParams,
-           key: jax.Array, *, synthetic: rejection.Synthetic | None = None
+           key: jax.Array, *, synthetic: rejection.Synthetic | None = None,
+           lossy: rejection.Lossy | None = None
            ) -> tuple[Verification, Any]:
   """Scores a proposal in one target pass and rejection-samples it.
 
@@ -68,6 +69,8 @@ def verify(target: Any, cache: Any, last_token: jax.Array,
     synthetic: if given, its text's verdicts instead of p/q
       (`rejection.Synthetic`: system benchmarks on random weights only;
       not distribution-preserving).
+    lossy: if given, this lossy acceptance rule instead of exact rejection
+      sampling (`rejection.Lossy`, chains only; not distribution-preserving).
 
   Returns:
     The `Verification`, and the target's cache holding the last token and
@@ -76,17 +79,21 @@ def verify(target: Any, cache: Any, last_token: jax.Array,
   A tree proposal (`parents` set) goes to `verify_tree`.
   """
   if proposal.parents is not None:
+    if lossy is not None:
+      raise ValueError("Lossy acceptance verifies chains only, not token "
+                       "trees.")
     return verify_tree(target, cache, last_token, proposal, params, key,
                        synthetic=synthetic)
   start = cache.lengths
   verification, _, cache = _score(target, cache, last_token, proposal,
-                                  params, key, synthetic)
+                                  params, key, synthetic, lossy=lossy)
   return verification, cache.rollback(start + 1 + verification.num_accepted)
 
 
 def _score(target: Any, cache: Any, last_token: jax.Array,
            proposal: Proposal, params: sampling.SamplingParams,
-           key: jax.Array, synthetic: rejection.Synthetic | None, **model_kw
+           key: jax.Array, synthetic: rejection.Synthetic | None, *,
+           lossy: rejection.Lossy | None = None, **model_kw
            ) -> tuple[Verification, ModelOutput, Any]:
   """`verify`'s target pass over a chain and its rejection sampling.
 
@@ -98,8 +105,13 @@ def _score(target: Any, cache: Any, last_token: jax.Array,
   chunk = jnp.concatenate([last_token[:, None], proposal.tokens], 1)
   out, cache = target(chunk, cache, **model_kw)  # [B, G+1] -> [B, G+1, V]
   out = model_output(out)
-  p = sampling.probabilities(out.logits, params)  # [B, G+1, V]
-  if synthetic is None:
+  # Position i's distribution reads the history through draft i - 1.
+  p = sampling.probabilities(
+      out.logits, params.along_chain(proposal.tokens))  # [B, G+1, V]
+  if lossy is not None and synthetic is None:
+    num_accepted, next_token = lossy.sample(
+        key, proposal.tokens, proposal.q, p, proposal.num_drafted)
+  elif synthetic is None:
     num_accepted, next_token = rejection.rejection_sample(
         key, proposal.tokens, proposal.q, p, proposal.num_drafted)
   else:
@@ -145,7 +157,9 @@ def verify_tree(target: Any, cache: Any, last_token: jax.Array,
   mask = tree.ancestor_mask(proposal.parents, valid)
   out, cache = target(chunk, cache, positions=positions, mask=mask)
   out = model_output(out)  # logits [B, T+1, V]
-  p = sampling.probabilities(out.logits, params)
+  # Node i's distribution reads the history through its own path.
+  p = sampling.probabilities(out.logits, params.along_tree(
+      proposal.tokens, proposal.parents, mask[:, 1:, 1:]))
   result = tree.walk(key, proposal.tokens, proposal.parents, valid,
                      proposal.q, p, gamma,
                      None if synthetic is None else synthetic.rate)
@@ -179,7 +193,8 @@ def _pad_steps(x: jax.Array | None, width: int,
 def verify_within(widths: Sequence[int], target: Any, cache: Any,
                   last_token: jax.Array, proposal: Proposal,
                   params: sampling.SamplingParams, key: jax.Array, *,
-                  synthetic: rejection.Synthetic | None = None
+                  synthetic: rejection.Synthetic | None = None,
+                  lossy: rejection.Lossy | None = None
                   ) -> tuple[Verification, Any, jax.Array]:
   """`verify` over the smallest of several compiled widths that holds the
   proposal (`lax.switch`), so a short proposal costs a short pass.
@@ -188,7 +203,8 @@ def verify_within(widths: Sequence[int], target: Any, cache: Any,
     widths: T values compiled, ascending: one width (a fixed γ: plain
       `verify` over all G drafts, chains and trees alike), or from 1 (a plain
       autoregressive step) to G + 1 (`verify_widths`; chains only).
-    target, cache, last_token, params, key, synthetic: as in `verify`.
+    target, cache, last_token, params, key, synthetic, lossy: as in
+      `verify`.
     proposal: G drafts (a tree: G = T nodes); rows propose `num_drafted`
       of them.
 
@@ -207,7 +223,7 @@ def verify_within(widths: Sequence[int], target: Any, cache: Any,
   gamma = proposal.tokens.shape[1]
   if len(widths) == 1:  # every step verifies all it drafted
     verification, cache = verify(target, cache, last_token, proposal, params,
-                                 key, synthetic=synthetic)
+                                 key, synthetic=synthetic, lossy=lossy)
     return verification, cache, jnp.int32(gamma)
   if widths[0] != 1 or widths[-1] != gamma + 1:
     raise ValueError(f"widths must run from 1 to G + 1 = {gamma + 1}, got "
@@ -227,13 +243,13 @@ def verify_within(widths: Sequence[int], target: Any, cache: Any,
           num_drafted=jnp.minimum(proposal.num_drafted, width - 1))
       if deferred:
         v, out, _ = _score(target, cache, last_token, sub, params, key,
-                           synthetic, write_cache=False)
+                           synthetic, lossy=lossy, write_cache=False)
         # [L, B, T, K, D] -> [L, B, G+1, K, D].
         cache = (_pad_steps(out.keys, gamma + 1, axis=2),
                  _pad_steps(out.values, gamma + 1, axis=2))
       else:
         v, cache = verify(target, cache, last_token, sub, params, key,
-                          synthetic=synthetic)
+                          synthetic=synthetic, lossy=lossy)
       return (v.num_accepted, v.next_token,
               _pad_steps(v.logits, gamma + 1), _pad_steps(v.probs, gamma + 1),
               _pad_steps(v.hidden, gamma + 1), cache)

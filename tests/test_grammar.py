@@ -128,7 +128,7 @@ TEXTS = ['{"name": "héllo", "age": 12}', "hello world\n", "ééé 9!",
 @pytest.mark.parametrize("name", TOKENIZERS)
 def test_token_bytes_spell_what_the_tokenizer_encodes(name):
   tok = TOKENIZERS[name]()
-  spelled = grammar_lib._token_bytes(tok)  # pylint: disable=protected-access
+  spelled = tok.token_bytes()
   assert len(spelled) == tok.vocab_size
   for text in TEXTS:
     ids = tok.encode(text, add_bos=False)
@@ -164,7 +164,7 @@ def test_token_bytes_of_real_tokenizers(name):
   if not (path / "tokenizer.json").exists():
     pytest.skip(f"no converted {name}")
   tok = tokenizer_lib.Tokenizer.from_pretrained_dir(path)
-  spelled = grammar_lib._token_bytes(tok)  # pylint: disable=protected-access
+  spelled = tok.token_bytes()
   for text in TEXTS + ["    def f(x):\n\treturn {'a': [1, 2]}  # ok"]:
     ids = tok.encode(text, add_bos=False)
     assert b"".join(spelled[i] for i in ids) == text.encode(), text
@@ -362,7 +362,7 @@ def walks(tok, grammar, seed=0, batch=24, steps=160):
 def test_walks_match_the_regex(name, regex):
   tok, grammar = compiled(name, regex)
   index = outlines_index(tok, regex)
-  spelled = grammar_lib._token_bytes(tok)  # pylint: disable=protected-access
+  spelled = tok.token_bytes()
   texts = set()
   for ids, _ in walks(tok, grammar):
     text = tok.decode(ids)

@@ -7,6 +7,7 @@ Every drafter subclasses `Drafter` (the declared protocol: `init`,
 from specjax.drafters.base import Drafter
 from specjax.drafters.cascade import Cascade
 from specjax.drafters.fallback import Fallback
+from specjax.drafters.jump import JumpForward
 from specjax.drafters.lookup import LookupState
 from specjax.drafters.lookup import ngram_matches
 from specjax.drafters.lookup import PromptLookup
@@ -17,5 +18,5 @@ from specjax.drafters.track import Track
 from specjax.step_types import Proposal
 
 __all__ = ["Cascade", "DraftModel", "Drafter", "EarlyExit", "Fallback",
-           "LookupState", "PromptLookup", "Proposal", "Track",
+           "JumpForward", "LookupState", "PromptLookup", "Proposal", "Track",
            "ngram_matches", "trie"]

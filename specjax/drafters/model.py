@@ -40,6 +40,8 @@ class _DraftLoop:
     num_drafted: [B] int32 leading drafts proposed per row.
     drafting: [B] bool rows still confident enough to continue.
     cache: the draft model's cache.
+    params: the sampling settings with the controls' history through the
+      drafts so far (`specjax.controls`).
   """
 
   step: jax.Array
@@ -48,6 +50,7 @@ class _DraftLoop:
   num_drafted: jax.Array
   drafting: jax.Array
   cache: Any
+  params: sampling.SamplingParams
 
 
 @flax.struct.dataclass
@@ -104,13 +107,14 @@ class DraftModel(Drafter):
         step=jnp.int32(1),
         tokens=jnp.zeros((batch, gamma), jnp.int32).at[:, 0].set(d0),
         q=jnp.zeros((batch, gamma, vocab), jnp.float32).at[:, 0].set(q0),
-        num_drafted=first, drafting=cap > 1, cache=state.cache)
+        num_drafted=first, drafting=cap > 1, cache=state.cache,
+        params=params.advance(d0))
 
     def body(s: _DraftLoop) -> _DraftLoop:
       prev = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
       out, cache = self.model(prev, s.cache)  # [B, 1] -> [B, 1, V]
       logits = model_output(out).logits[:, 0]  # [B, V]
-      qi = sampling.probabilities(logits, params)
+      qi = sampling.probabilities(logits, s.params)
       di = sampling.sample(keys[s.step], qi)  # [B]
       # Confidence from the raw softmax: under greedy decoding q is one-hot.
       confidence = sampling.top_probability(logits)
@@ -123,7 +127,7 @@ class DraftModel(Drafter):
               s.tokens, di[:, None], s.step, 1),
           q=jax.lax.dynamic_update_slice_in_dim(s.q, qi[:, None], s.step, 1),
           num_drafted=s.num_drafted + added,
-          drafting=drafting, cache=cache)
+          drafting=drafting, cache=cache, params=s.params.advance(di))
 
     loop = jax.lax.while_loop(
         lambda s: (s.step < gamma) & jnp.any(s.drafting), body, loop)
