@@ -108,8 +108,8 @@ class Grammar:
     token_class: [V] int32 class of each token id.
     transitions: [Q, A] int32 next state per state and class, -1 where the
       class is not allowed (and in every padding row and column).
-    forced_token: [Q] int32 the only allowed token of a state, -1 where
-      none or several are allowed.
+    forced_token: [Q] int32 the token to jump forward with (`forced`), -1
+      where the state forces nothing.
     final: [Q] bool accepting states, where the EOS ids are allowed.
     live: [Q] bool real states (False for padding rows).
     eos_ids: [Y] int32 end-of-sequence ids.
@@ -324,9 +324,41 @@ def _class_table(rows: Sequence[tuple[np.ndarray, np.ndarray]],
   return token_class, table
 
 
+# A state with more allowed tokens than this forces no text (`_forced`).
+_MAX_FORCED_CHOICES = 256
+
+
+def _forced(rows: Sequence[tuple[np.ndarray, np.ndarray]],
+            final: np.ndarray, eos_ids: Sequence[int],
+            token_bytes: Sequence[bytes] | None) -> np.ndarray:
+  """[Q_real] int32 the token to jump forward with in each state, -1 for
+  none: the only allowed token, or, with the vocabulary's bytes, the
+  longest allowed token when every allowed token spells a prefix of it
+  (the grammar forces that text, e.g. a JSON key, whichever way it is
+  split into tokens). An accepting state forces its EOS when that is the
+  one allowed token, else nothing."""
+  out = np.full(len(rows), -1, np.int64)
+  for q, (ids, _) in enumerate(rows):
+    if final[q]:
+      if not ids.size and len(eos_ids) == 1:
+        out[q] = eos_ids[0]
+      continue
+    if not ids.size or ids.size > _MAX_FORCED_CHOICES:
+      continue
+    if ids.size == 1:
+      out[q] = ids[0]
+    elif token_bytes is not None:
+      spelled = [token_bytes[i] for i in ids.tolist()]
+      longest = int(np.argmax([len(b) for b in spelled]))
+      if all(spelled[longest].startswith(b) for b in spelled):
+        out[q] = ids[longest]
+  return out
+
+
 def _tables(index: outlines_core.Index, vocab_size: int,
             eos_ids: tuple[int, ...], what: str, max_states: int,
-            max_classes: int) -> Grammar:
+            max_classes: int,
+            token_bytes: Sequence[bytes] | None = None) -> Grammar:
   """The compressed, padded tables of an outlines-core index.
 
   Only states reachable from the start that can reach an accepting state
@@ -382,13 +414,7 @@ def _tables(index: outlines_core.Index, vocab_size: int,
   eos_class = token_class[eos_array[0]]
   table[final, eos_class] = np.flatnonzero(final)
 
-  # A state forces a token when its allowed classes hold one token in all.
-  sizes = np.bincount(token_class, minlength=num_classes)  # [A_real]
-  member = np.zeros(num_classes, np.int64)
-  member[token_class] = np.arange(vocab_size)  # a member of each class
-  ok = table >= 0
-  count = ok.astype(np.int64) @ sizes  # [Q_real]
-  forced_token = np.where(count == 1, member[np.argmax(ok, axis=1)], -1)
+  forced_token = _forced(rows, final, eos_ids, token_bytes)
 
   q_pad = _bucket(num_states, _MIN_STATES)
   a_pad = _bucket(num_classes, _MIN_CLASSES)
@@ -443,7 +469,7 @@ def compile_grammar(source: Any | outlines_core.Vocabulary,
     if vocab_size is None:
       raise ValueError("vocab_size is required with an outlines-core "
                        "Vocabulary.")
-    vocab = source
+    vocab, token_bytes = source, None
     eos = (source.get_eos_token_id(),) if eos_ids is None else tuple(
         int(i) for i in eos_ids)
     if source.get_eos_token_id() not in eos:
@@ -451,14 +477,15 @@ def compile_grammar(source: Any | outlines_core.Vocabulary,
                        f"id {source.get_eos_token_id()}.")
   else:
     eos = _eos_tuple(source, eos_ids)
-    vocab = vocabulary(source, eos)
+    vocab, token_bytes = vocabulary(source, eos), source.token_bytes()
     vocab_size = source.vocab_size if vocab_size is None else vocab_size
   try:
     index = outlines_core.Index(pattern, vocab)
   except Exception as e:  # pylint: disable=broad-except
     raise ValueError(f"outlines-core cannot build an automaton for {what}: "
                      f"{e}".rstrip()) from e
-  return _tables(index, int(vocab_size), eos, what, max_states, max_classes)
+  return _tables(index, int(vocab_size), eos, what, max_states, max_classes,
+                 token_bytes)
 
 
 # ---------------------------------------------------------- device functions
@@ -511,8 +538,12 @@ def accepts(grammar: Grammar, state: jax.Array) -> jax.Array:
 
 
 def forced(grammar: Grammar, state: jax.Array) -> jax.Array:
-  """[...] int32 states -> [...] int32 the one allowed token where a single
-  token is allowed, else -1 (and in the dead state)."""
+  """[...] int32 states -> [...] int32 the token to jump forward with,
+  else -1 (and in the dead state): the one allowed token, or, where the
+  grammar forces a text that several tokens spell prefixes of (a JSON key
+  after its quote: "name", "na", "n" ...), the longest of them, the text
+  in one token. Any allowed choice keeps the output exact under
+  verification; the longest is how BPE tokenizers usually spell it."""
   state = jnp.asarray(state, jnp.int32)
   token = jnp.asarray(grammar.forced_token)[jnp.maximum(state, 0)]
   return jnp.where(state >= 0, token, -1)
@@ -522,9 +553,9 @@ def forced_chain(grammar: Grammar, state: jax.Array,
                  length: int) -> tuple[jax.Array, jax.Array]:
   """Follows forced tokens from `state` for up to `length` steps.
 
-  The chain stops at the first state with a choice, or after an EOS (an
-  accepting state whose one allowed token is EOS loops on it). These
-  tokens can be drafted for free: the grammar leaves no other choice.
+  The chain stops at the first state with a choice of text, or after an
+  EOS. These tokens can be drafted for free: the grammar leaves no other
+  text.
 
   Args:
     grammar: the tables.

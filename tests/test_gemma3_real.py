@@ -25,7 +25,7 @@ from specjax import weights
 pytestmark = pytest.mark.real_models
 
 NAME = "gemma-3-270m"
-GREEDY_TOKENS = 48  # past nothing: the window is 512; the pattern is 5:1
+GREEDY_TOKENS = 32  # past nothing: the window is 512; the pattern is 5:1
 MAX_REL_ERR = 1e-4  # fp32 rounding; a bf16 forward is off by ~1e-2
 
 
@@ -77,7 +77,7 @@ def test_logits_match_transformers(reference, loaded):
   hf_model, _ = reference
   model, tokenizer = loaded
   forward = jax.jit(lambda m, t, c: m(t, c)[0].logits)
-  for text in _texts()[:3]:
+  for text in _texts()[::4]:  # one code prompt, one chat turn
     ids = tokenizer.encode(text)
     with torch.no_grad():
       want = hf_model(torch.tensor([ids])).logits[0].numpy()  # [T, V]
@@ -93,7 +93,10 @@ def test_greedy_matches_transformers(reference, loaded):
   import torch  # pylint: disable=g-import-not-at-top
   hf_model, _ = reference
   model, tokenizer = loaded
-  prompts = [tokenizer.encode(t) for t in _texts()]
+  # One code prompt and one chat turn (transformers' generate on the CPU
+  # is most of this test's time).
+  texts = _texts()
+  prompts = [tokenizer.encode(t) for t in (texts[0], texts[-1])]
   got = decode.generate(model, prompts, max_new_tokens=GREEDY_TOKENS)
   for b, prompt in enumerate(prompts):
     with torch.no_grad():
