@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["parse_arg", "parse_ints"]
+__all__ = ["parse_arg", "parse_ints", "parse_optional_float",
+           "parse_strings"]
 
 
 def _convert(key: str, value: str, default: Any) -> Any:
@@ -69,3 +70,41 @@ def parse_ints(value: str, name: str) -> tuple[int, ...]:
   except ValueError:
     raise ValueError(f"Config argument {name}={value!r} must be integers "
                      "separated by '/', e.g. 1/2/4/8.") from None
+
+
+def parse_optional_float(value: str, name: str) -> float | None:
+  """`` -> None (off); `1.1` -> 1.1."""
+  if value in ("", "none", "None"):
+    return None
+  try:
+    return float(value)
+  except ValueError:
+    raise ValueError(f"Config argument {name}={value!r} must be a number "
+                     "(or empty: off).") from None
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "/": "/"}
+
+
+def parse_strings(value: str, name: str) -> tuple[str, ...]:
+  r"""`a/b\/c/\n\n` -> ("a", "b/c", "\n\n"): `/` separates the strings,
+  and `\n`, `\t`, `\r`, `\\` and `\/` are escapes (config arguments
+  cannot hold newlines, commas or a bare `/` otherwise)."""
+  out, current, i = [], [], 0
+  while i < len(value):
+    c = value[i]
+    if c == "\\":
+      if i + 1 == len(value) or value[i + 1] not in _ESCAPES:
+        raise ValueError(f"Config argument {name}={value!r}: unknown escape "
+                         f"at {i}; use \\n, \\t, \\r, \\\\ or \\/.")
+      current.append(_ESCAPES[value[i + 1]])
+      i += 2
+      continue
+    if c == "/":
+      out.append("".join(current))
+      current = []
+    else:
+      current.append(c)
+    i += 1
+  out.append("".join(current))
+  return tuple(s for s in out if s)

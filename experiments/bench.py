@@ -18,6 +18,14 @@ summed over the batches; with B > 1 all rows of a batch share its time.
 
 The cost ratio c (`experiments.cost`) is measured per batch size on the
 first batch's rows; the predicted speedup uses the measured α and that c.
+
+Generation controls (stop strings, penalties, logit bias, min-p, a regex or
+JSON schema; `generation_controls`) apply to the baseline and every
+speculative run alike, with the pair's tokenizer. Each speculative run has
+an acceptance rule (`config.acceptances`): a lossy one (typical, relaxed)
+marks the run `lossy` and never `lossless`. Where the config scores
+completions (`experiments.quality`: a schema's validity rate, a regex,
+HumanEval pass@1), the baseline and every run are scored alike.
 """
 
 from __future__ import annotations
@@ -28,13 +36,16 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 import tqdm
 
+from experiments import controls as controls_lib
 from experiments import cost as cost_lib
 from experiments import prompts as prompts_lib
+from experiments import quality
 from experiments import report
 from experiments.pair import drafter_names
 from experiments.pair import encode_prompts
@@ -44,11 +55,14 @@ from experiments.pair import matmul_info
 from experiments.pair import memory_plan
 from experiments.pair import model_info
 from experiments.pair import Pair
+from experiments.validation import acceptance_kwargs
+from experiments.validation import acceptance_names
 from experiments.validation import ConfigError
-from experiments.validation import drafter_kind
-from experiments.validation import TREE_DRAFTERS
+from experiments.validation import is_tree_drafter
+from experiments.validation import parse_acceptance
 from experiments.validation import validate_config
 from specjax import decode
+from specjax import drafters
 from specjax import hardware
 from specjax import heads
 from specjax import metrics
@@ -129,26 +143,34 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
                      gamma: int | str, cost: dict, run_kwargs: dict,
                      prompt_set: prompts_lib.PromptSet, config: Any,
                      seen: set, advance: Callable[[], None],
-                     drafter_name: str, num_nodes: int = 0
+                     drafter_name: str, num_nodes: int = 0,
+                     acceptance: str = "exact",
+                     scorer: quality.Scorer | None = None,
+                     base_scores: Sequence[dict[str, Any]] = ()
                      ) -> dict[str, Any]:
-  """Speculative decoding of every batch at one (B, γ, drafter), against
-  baseline. γ may name an adaptive policy ("auto", "heuristic"), run with
-  γ_max = `config.max_gamma`, carrying its estimates from one batch to the
-  next; the predictions, which assume a fixed γ, are then NaN, as they
-  are for token trees (`num_nodes` > 0, at most that many draft tokens per
-  step)."""
+  """Speculative decoding of every batch at one (B, γ, drafter, acceptance
+  rule), against baseline. γ may name an adaptive policy ("auto",
+  "heuristic"), run with γ_max = `config.max_gamma`, carrying its estimates
+  from one batch to the next; the predictions, which assume a fixed γ, are
+  then NaN, as they are for token trees (`num_nodes` > 0, at most that many
+  draft tokens per step). A lossy `acceptance` (`config.acceptances`)
+  makes the run `lossless` False whatever its tokens; `scorer` scores its
+  completions, `base_scores` (per prompt, in order) the baseline's."""
   batch_size = len(batches[0])
   fixed = isinstance(gamma, int) and not num_nodes
   width = gamma if isinstance(gamma, int) else config.max_gamma
+  lossy = parse_acceptance(acceptance)[0] != "exact"
   greedy_check = (config.temperature == 0
                   and config.synthetic_acceptance is None)
   drafter = make_drafter(drafter_name, config, pair)
   # Cost per target forward of each drafter component: the measured c of
-  # its model; lookup runs none.
-  model_cost = drafter_cost_ratio(drafter, pair, cost, batches[0],
-                                  run_kwargs["cache_size"],
-                                  config.cost_repeats)
-  component_costs = [0.0 if c == "lookup" else model_cost
+  # its model; lookup and jump-forward run none. A `jump+` drafter costs
+  # what its fallback costs.
+  model_cost = drafter_cost_ratio(
+      drafter.second if isinstance(drafter, drafters.Fallback)
+      and isinstance(drafter.first, drafters.JumpForward) else drafter,
+      pair, cost, batches[0], run_kwargs["cache_size"], config.cost_repeats)
+  component_costs = [0.0 if c in ("lookup", "jump") else model_cost
                      for c in drafter.components]
   draft_cost = max(component_costs)
   # An adaptive policy carries what it learned from one call into the next
@@ -162,7 +184,7 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
         cache_size=run_kwargs["cache_size"]))
   elif gamma == "heuristic":
     policy = policies.Heuristic(width)
-  calls, rows = [], []
+  calls, rows, texts = [], [], []
   for i, batch in enumerate(batches):
     call = timed_call(
         functools.partial(
@@ -170,9 +192,10 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
             gamma=policy, max_gamma=width, num_nodes=num_nodes or None,
             key=jax.random.fold_in(jax.random.key(config.seed), i),
             draft_stop_threshold=config.draft_stop_threshold,
-            synthetic_acceptance=config.synthetic_acceptance, **run_kwargs),
+            synthetic_acceptance=config.synthetic_acceptance,
+            **acceptance_kwargs(acceptance, config), **run_kwargs),
         ("spec", len(batch), _bucket(batch, run_kwargs), gamma,
-         drafter_name, num_nodes), seen,
+         drafter_name, num_nodes, acceptance), seen,
         config.timing_repeats)
     advance()
     calls.append(call)
@@ -196,8 +219,14 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
           "baseline_time_s": base.seconds, "spec_time_s": call.seconds,
           "baseline_tokens_per_s": _ratio(base_tokens, base.seconds),
           "spec_tokens_per_s": _ratio(spec_tokens, call.seconds),
-          "lossless": (mismatch is None) if greedy_check else None,
+          # A lossy rule is never lossless, even where (greedy) its tokens
+          # match the baseline's: `matches_baseline` says whether they do.
+          "lossless": (False if lossy else (mismatch is None)
+                       if greedy_check else None),
+          "matches_baseline": (mismatch is None) if greedy_check else None,
           "first_mismatch": mismatch if greedy_check else None,
+          "finish_reason": call.output.finish_reason[b],
+          "baseline_finish_reason": base.output.finish_reason[b],
       }
       row["speedup"] = _ratio(row["spec_tokens_per_s"],
                               row["baseline_tokens_per_s"])
@@ -207,8 +236,17 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
         if greedy_check and mismatch is not None:
           row["baseline_completion"] = pair.tokenizer.decode(
               base_row)[:_TEXT_CHARS]
+      texts.append(quality.completion_text(
+          pair.tokenizer, spec_row, run_kwargs["eos_id"], config.stop))
       rows.append(row)
 
+  scores = {}
+  if scorer is not None and scorer.active:
+    row_scores = scorer.score(texts, [r["id"] for r in rows])
+    for row, score, base_score in zip(rows, row_scores, base_scores):
+      row.update(score)
+      row.update({f"baseline_{k}": v for k, v in base_score.items()})
+    scores = quality.Scorer.summarize(row_scores)
   merged = decode.SpecStats.merge([c.output.stats for c in calls])
   summary = metrics.summarize(merged, width, draft_cost)
   base_time = sum(c.seconds for c in baseline)
@@ -221,7 +259,7 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
                            sum(c.decode_s for c in baseline))
   spec_decode_tps = _ratio(sum(c.decode_tokens for c in calls),
                            sum(c.decode_s for c in calls))
-  lossless_rows = [r["lossless"] for r in rows]
+  lossless_rows = [r["matches_baseline"] for r in rows]
   alpha = summary["acceptance_rate"]
   verify_ratio = cost["verify_cost_ratio"].get(str(num_nodes or gamma),
                                                math.nan)
@@ -234,6 +272,10 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
       "mean_accepted_tokens": summary["mean_accepted_tokens"],
       "per_position_acceptance": summary["per_position_acceptance"],
       "drafter": drafter_name,
+      # The acceptance rule (`config.acceptances` entry) and whether it is
+      # lossy (not the target's distribution).
+      "acceptance": acceptance,
+      "lossy": lossy,
       "draft_cost_ratio": draft_cost,
       # Drafting cost per target forward: draft forwards (every component,
       # weighted by its c) per speculative step.
@@ -267,8 +309,14 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
       "mean_scored_drafts": float(np.mean(scored[scored >= 0])),
       "autoregressive_steps": float(np.mean(scored[scored >= 0] == 0)),
       "verify_cost_ratio": verify_ratio,
-      "lossless": all(lossless_rows) if greedy_check else None,
+      "lossless": (False if lossy else all(lossless_rows)
+                   if greedy_check else None),
+      # Prompts whose greedy output equals the baseline's.
       "lossless_prompts": sum(bool(x) for x in lossless_rows),
+      "finish_reasons": _count(r["finish_reason"] for r in rows),
+      # Validity rate (`json_valid_rate`, lenient and regex) and pass@1 of
+      # the completions, where the config scores them (`quality`).
+      **scores,
       "num_prompts": len(rows),
       "baseline_time_s": base_time,
       "spec_time_s": spec_time,
@@ -280,6 +328,14 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
                                  "draft_forwards")},
       "per_prompt": rows,
   }
+
+
+def _count(values: Any) -> dict[str, int]:
+  """How often each value occurs (finish reasons)."""
+  out = {}
+  for v in values:
+    out[v] = out.get(v, 0) + 1
+  return out
 
 
 def _bucket(batch: Sequence[Sequence[int]], run_kwargs: dict) -> int:
@@ -300,9 +356,12 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
     `config.batch_size`; else the sweep's first) `acceptance_rate`,
     `mean_accepted_tokens`, `per_position_acceptance`, `draft_cost_ratio`,
     `baseline_tokens_per_s`, `spec_tokens_per_s`, `speedup`,
-    `predicted_speedup`, `lossless` (None unless greedy) and `per_prompt`
-    rows; `runs` (every (B, γ)), `baselines`, `cost` per B, `config`,
-    `device`, `models`, `prompts` and `timing`.
+    `predicted_speedup`, `lossless` (None unless greedy; False under a
+    lossy acceptance rule), `acceptance`, `lossy`, the scores the config
+    asks for (`json_valid_rate`, `pass_at_1`, ... and `baseline_` ones) and
+    `per_prompt` rows (with each row's `finish_reason`); `runs` (every
+    (B, γ, drafter, acceptance)), `baselines`, `cost` per B, `controls`,
+    `config`, `device`, `models`, `prompts` and `timing`.
 
   Raises:
     ConfigError: an invalid config field.
@@ -327,13 +386,23 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
       reserve=widest + 1 + extra)
   memory_info = memory_plan(config, pair, cache_size, widest)
   eos = None if config.ignore_eos else list(pair.tokenizer.eos_ids)
+  # The generation controls apply to the baseline and every run alike.
   run_kwargs = dict(max_new_tokens=config.max_new_tokens,
                     temperature=config.temperature, top_k=config.top_k,
-                    top_p=config.top_p, eos_id=eos, cache_size=cache_size)
+                    top_p=config.top_p, eos_id=eos, cache_size=cache_size,
+                    **controls_lib.generation_controls(config,
+                                                      pair.tokenizer))
+  scorer = controls_lib.make_scorer(config, prompt_set)
+  accepts = acceptance_names(config)
+  if config.temperature == 0 and any(
+      parse_acceptance(a)[0] != "exact" for a in accepts):
+    logging.warning("Lossy acceptance under greedy decoding (temperature "
+                    "0) accepts exactly what exact verification does: set "
+                    "config.temperature > 0 to measure what it trades.")
 
   num_batches = {b: -(-len(encoded) // b) for b in batch_sizes}
   num_runs = (len(gammas) * len(node_counts)
-              + len(config.get("policies", ())))
+              + len(config.get("policies", ()))) * len(accepts)
   bar = tqdm.tqdm(total=sum(n * (1 + num_runs * len(names))
                             for n in num_batches.values()),
                   desc="generate", unit="call", disable=not config.progress)
@@ -365,7 +434,16 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
     base_tokens = sum(int(c.output.lengths.sum()) for c in baseline)
     decode_tps = _ratio(sum(c.decode_tokens for c in baseline),
                         sum(c.decode_s for c in baseline))
+    base_texts = [quality.completion_text(pair.tokenizer, c.output.row(b),
+                                          eos, config.stop)
+                  for c in baseline for b in range(len(c.output.lengths))]
+    base_scores = (scorer.score(base_texts, [prompt_set.prompts[j].id
+                                             for r in rows for j in r])
+                   if scorer.active else [{} for _ in base_texts])
     baselines[str(batch_size)] = {
+        "finish_reasons": _count(r for c in baseline
+                                 for r in c.output.finish_reason),
+        **quality.Scorer.summarize(base_scores),
         "batch_size": batch_size, "time_s": base_time, "tokens": base_tokens,
         "tokens_per_s": _ratio(base_tokens, base_time),
         "decode_tokens_per_s": decode_tps,
@@ -375,16 +453,21 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
                                 / 1e3),
         "warmup_s": sum(c.warmup_s for c in baseline)}
     for name in names:
-      for nodes in node_counts:
-        if nodes and drafter_kind(name)[0] not in TREE_DRAFTERS:
-          continue  # a chain-only drafter: its nodes=0 row stands
-        policies = () if nodes else tuple(config.get("policies", ()))
-        for gamma in gammas + policies:
-          bar.set_postfix_str(f"B={batch_size} γ={gamma} {name}"
-                              + (f" T={nodes}" if nodes else ""))
-          runs.append(_speculative_run(
-              pair, batches, rows, baseline, gamma, cost, run_kwargs,
-              prompt_set, config, seen, bar.update, name, nodes))
+      for accept in accepts:
+        for nodes in node_counts:
+          if nodes and (not is_tree_drafter(name)
+                        or parse_acceptance(accept)[0] != "exact"):
+            continue  # chains only: the nodes=0 row stands
+          policies = () if nodes else tuple(config.get("policies", ()))
+          for gamma in gammas + policies:
+            bar.set_postfix_str(
+                f"B={batch_size} γ={gamma} {name}"
+                + (f" T={nodes}" if nodes else "")
+                + (f" {accept}" if accept != "exact" else ""))
+            runs.append(_speculative_run(
+                pair, batches, rows, baseline, gamma, cost, run_kwargs,
+                prompt_set, config, seen, bar.update, name, nodes, accept,
+                scorer, base_scores))
   bar.close()
 
   head_gamma = config.gamma if config.gamma in gammas else gammas[0]
@@ -394,23 +477,37 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
   head_nodes = (config.get("num_nodes", 0)
                 if config.get("num_nodes", 0) in node_counts
                 else node_counts[0])
+  head_accept = (config.acceptance if config.acceptance in accepts
+                 else accepts[0])
+  if parse_acceptance(head_accept)[0] != "exact":
+    head_nodes = 0  # lossy rules ran chains only
   head = next(r for r in runs
               if r["gamma"] == head_gamma and r["batch_size"] == head_batch
               and r["drafter"] == head_drafter
-              and r["num_nodes"] == head_nodes)
+              and r["num_nodes"] == head_nodes
+              and r["acceptance"] == head_accept)
   keys = ("acceptance_rate", "mean_accepted_tokens", "per_position_acceptance",
           "draft_cost_ratio", "baseline_tokens_per_s", "spec_tokens_per_s",
-          "speedup", "decode_speedup", "predicted_speedup", "lossless")
+          "speedup", "decode_speedup", "predicted_speedup", "lossless",
+          "acceptance", "lossy")
+  head_base = baselines[str(head_batch)]
+  scored = {k: head[k] for k in ("json_valid_rate", "json_valid_lenient_rate",
+                                 "regex_match_rate", "pass_at_1")
+            if k in head}
+  scored.update({f"baseline_{k}": head_base[k] for k in scored})
   return {
       **{k: head[k] for k in keys},
+      **scored,
       "gamma": head_gamma,
       "num_nodes": head_nodes,
       "batch_size": head_batch,
       "drafter": head_drafter,
       "synthetic": config.synthetic_acceptance is not None,
+      "controls": controls_lib.controls_info(config),
       "per_prompt": head["per_prompt"],
       "sweep": {"gammas": list(gammas), "batch_sizes": list(batch_sizes),
                 "drafters": list(names),
+                "acceptances": list(accepts),
                 "policies": list(config.get("policies", ())),
                 "num_nodes": list(node_counts)},
       "runs": runs,

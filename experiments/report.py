@@ -60,9 +60,80 @@ def _f(x: Any, spec: str = ".2f", suffix: str = "") -> str:
 
 
 def _lossless(run: dict[str, Any]) -> str:
+  """k/n prompts equal to the baseline (greedy), n/a, or `lossy` for a
+  lossy acceptance rule (whatever its tokens)."""
+  if run.get("lossy"):
+    return "lossy"
   if run.get("lossless") is None:
     return "n/a"
   return f"{run['lossless_prompts']}/{run['num_prompts']}"
+
+
+def _acceptance(run: dict[str, Any]) -> str:
+  """The run's acceptance rule, marked when lossy."""
+  name = run.get("acceptance", "exact")
+  return f"{name} (lossy)" if run.get("lossy") else name
+
+
+def _controls_line(results: dict[str, Any]) -> list[str]:
+  """The generation controls of the run, one line (none: nothing)."""
+  info = dict(results.get("controls") or {})
+  if not info:
+    return []
+  info.pop("scoring_schema", None)
+  schema = info.pop("json_schema", None)
+  parts = [f"{k}={v!r}" for k, v in info.items()]
+  if schema:
+    short = schema if len(schema) <= 60 else schema[:57] + "..."
+    parts.append(f"json_schema={short}")
+  return [f"generation controls (baseline and every run): "
+          f"{', '.join(parts) or 'none (scored only)'}"]
+
+
+def _quality_lines(results: dict[str, Any]) -> list[str]:
+  """Validity rate and pass@1 of the baseline and every run, beside α and
+  speedup, where the config scored them."""
+  runs = results["runs"]
+  lines = []
+  for key, title, cols in (
+      ("json_valid_rate", "structured output (validity: parses with "
+       "json.loads and validates against the schema; lenient: the object "
+       "inside a code fence or prose)",
+       (("json_valid_rate", "valid"), ("json_valid_lenient_rate",
+                                        "lenient"),
+        ("regex_match_rate", "regex"))),
+      ("regex_match_rate", "regex output (the whole completion matches)",
+       (("regex_match_rate", "regex"),)),
+      ("pass_at_1", "HumanEval pass@1 by acceptance rule (lossy rules are "
+       "not the target's distribution)", (("pass_at_1", "pass@1"),))):
+    if not any(key in r for r in runs):
+      continue
+    if key == "regex_match_rate" and any("json_valid_rate" in r
+                                         for r in runs):
+      continue  # a column of the structured table
+    cols = [c for c in cols if any(c[0] in r for r in runs)]
+    rows = []
+    for b, base in results["baselines"].items():
+      rows.append(["autoregressive", b, "-", "exact", "-", "1.00x"]
+                  + [_f(base.get(k), ".3f") for k, _ in cols]
+                  + [_finish(base.get("finish_reasons")), "reference"])
+    for r in runs:
+      rows.append([r.get("drafter", "model"), str(r["batch_size"]),
+                   str(r["gamma"]), _acceptance(r),
+                   _f(r["acceptance_rate"], ".3f"),
+                   _f(r["speedup"], ".2f", "x")]
+                  + [_f(r.get(k), ".3f") for k, _ in cols]
+                  + [_finish(r.get("finish_reasons")), _lossless(r)])
+    lines += ["", f"{title}:",
+              table(["run", "B", "γ", "acceptance", "α", "speedup"]
+                    + [c for _, c in cols] + ["finish", "lossless"], rows)]
+  return lines
+
+
+def _finish(counts: dict[str, int] | None) -> str:
+  """{"eos": 3, "length": 1} -> "eos 3, length 1"."""
+  return ", ".join(f"{k} {v}" for k, v in sorted((counts or {}).items())
+                   ) or "-"
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -142,6 +213,7 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
       f"({'chat template' if prompts['chat_template'] else 'raw'}; "
       f"{prompts['source']}), N={cfg['max_new_tokens']}, "
       f"temperature={cfg['temperature']}",
+      *_controls_line(results),
       "",
       "cost per forward (median of "
       f"{cfg['cost_repeats']}; c = draft / target):",
@@ -163,9 +235,12 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
   lines += _matmul_lines(results)
   lines += ["", "baseline vs speculative (tokens/s over all prompts):"]
   run_rows = []
+  rules = any(r.get("acceptance", "exact") != "exact"
+              for r in results["runs"])
   for r in results["runs"]:
     run_rows.append([
-        r.get("drafter", "model"), str(r["batch_size"]), str(r["gamma"]),
+        r.get("drafter", "model")] + ([_acceptance(r)] if rules else []) + [
+        str(r["batch_size"]), str(r["gamma"]),
         str(r.get("num_nodes") or "-"), _f(r["acceptance_rate"], ".3f"),
         _f(r["mean_accepted_tokens"], ".2f"),
         _f(r.get("drafting_cost_per_step"), ".2f"),
@@ -176,7 +251,8 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
         _f(r.get("predicted_speedup_measured_verify"), ".2f", "x"),
         _f(r.get("predicted_speedup_extended"), ".2f", "x"),
         _lossless(r)])
-  lines.append(table(["drafter", "B", "γ", "nodes", "α", "τ", "draft/step",
+  lines.append(table(["drafter"] + (["acceptance"] if rules else []) + [
+                      "B", "γ", "nodes", "α", "τ", "draft/step",
                       "base tok/s", "spec tok/s", "speedup", "decode",
                       "predicted", "pred. (verify)", "pred. (ext.)",
                       "lossless"], run_rows))
@@ -192,9 +268,14 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
                "accepted of those with a node), τ is the accepted path plus "
                "one. γ auto/heuristic: adaptive "
                "policies (specjax.policies); predictions assume a fixed "
-               "chain.")
+               "chain. lossless: prompts whose greedy output equals the "
+               "baseline's; `lossy` marks a lossy acceptance rule "
+               "(typical, relaxed), never lossless.")
+  lines += _quality_lines(results)
   head = (f"{results.get('drafter', 'model')}, B={results['batch_size']}, "
           f"γ={results['gamma']}")
+  if results.get("acceptance", "exact") != "exact":
+    head += f", {_acceptance(results)}"
   lines += ["", f"per-position acceptance ({head}): " + " ".join(
       _f(a, ".3f") for a in results["per_position_acceptance"])]
   if per_prompt:
@@ -203,21 +284,37 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
              _f(p["mean_accepted_tokens"], ".2f"),
              _f(p["baseline_tokens_per_s"], ".2f"),
              _f(p["spec_tokens_per_s"], ".2f"), _f(p["speedup"], ".2f", "x"),
-             ("n/a" if p["lossless"] is None else
-              "yes" if p["lossless"] else f"no @{p['first_mismatch']}")]
+             p.get("finish_reason", "-"), _prompt_lossless(p, results)]
             for p in results["per_prompt"]]
     batched = " (tokens/s per batch)" if results["batch_size"] > 1 else ""
     lines += ["", f"per prompt ({head}){batched}:",
               table(["prompt", "P", "new", "α", "τ", "base tok/s",
-                     "spec tok/s", "speedup", "lossless"], rows)]
+                     "spec tok/s", "speedup", "finish", "lossless"], rows)]
   lines += ["", f"headline ({head}): α={_f(results['acceptance_rate'], '.3f')}"
             f" τ={_f(results['mean_accepted_tokens'], '.2f')} "
             f"c={_f(results['draft_cost_ratio'], '.3f')} speedup "
             f"{_f(results['speedup'], '.2f', 'x')}, decoding phase "
             f"{_f(results.get('decode_speedup'), '.2f', 'x')} (predicted "
             f"{_f(results['predicted_speedup'], '.2f', 'x')}), lossless="
-            f"{results['lossless']}"]
+            f"{results['lossless']}" + "".join(
+                f", {label} {_f(results[k], '.3f')} (autoregressive "
+                f"{_f(results.get('baseline_' + k), '.3f')})"
+                for k, label in (("json_valid_rate", "valid"),
+                                 ("regex_match_rate", "regex"),
+                                 ("pass_at_1", "pass@1"))
+                if k in results)]
   return "\n".join(lines)
+
+
+def _prompt_lossless(row: dict[str, Any], results: dict[str, Any]) -> str:
+  """A per-prompt row's lossless cell (`lossy` under a lossy rule)."""
+  if results.get("lossy"):
+    return "lossy" + ("" if row.get("matches_baseline") is None else
+                      " (= base)" if row["matches_baseline"] else
+                      f" (@{row['first_mismatch']})")
+  if row["lossless"] is None:
+    return "n/a"
+  return "yes" if row["lossless"] else f"no @{row['first_mismatch']}"
 
 
 # ------------------------------------------------------------------- plots
@@ -234,7 +331,10 @@ def save_plots(results: dict[str, Any],
   Always `acceptance_by_position.png` (one line per γ at the headline B);
   `speedup_vs_gamma.png` when γ is swept and `speedup_vs_batch.png` when the
   batch size is swept (measured and predicted, with the break-even line);
-  `speedup_by_drafter.png` when drafters are compared.
+  `speedup_by_drafter.png` when drafters are compared;
+  `acceptance_rules.png` when acceptance rules are (α, speedup, and
+  pass@1 or the validity rate where scored). The others show the headline
+  acceptance rule's runs.
   """
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
@@ -244,9 +344,11 @@ def save_plots(results: dict[str, Any],
   out.mkdir(parents=True, exist_ok=True)
   # γ and batch sweeps of the headline drafter's fixed-γ chains; the
   # drafter plot has every drafter, the tree plot every tree size.
+  same_rule = lambda r: (r.get("acceptance", "exact")
+                         == results.get("acceptance", "exact"))
   runs = [r for r in results["runs"]
           if r.get("drafter") == results.get("drafter")
-          and isinstance(r["gamma"], int)]
+          and isinstance(r["gamma"], int) and same_rule(r)]
   chains = [r for r in runs if not r.get("num_nodes")]
   gammas, batches = results["sweep"]["gammas"], results["sweep"]["batch_sizes"]
   title = f"{results['config']['draft']} → {results['config']['target']}"
@@ -332,7 +434,7 @@ def save_plots(results: dict[str, Any],
   if len(names) > 1:
     head = [r for r in results["runs"]
             if r["batch_size"] == results["batch_size"]
-            and r["gamma"] == results["gamma"]]
+            and r["gamma"] == results["gamma"] and same_rule(r)]
     fig, ax = plt.subplots(figsize=(6, 4))
     x = np.arange(len(head))
     for offset, key, label in ((-0.27, "speedup", "end to end"),
@@ -348,4 +450,36 @@ def save_plots(results: dict[str, Any],
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     save(fig, "speedup_by_drafter.png")
+  rules = results["sweep"].get("acceptances", [])
+  if len(rules) > 1:
+    sel = [r for r in results["runs"]
+           if r["batch_size"] == results["batch_size"]
+           and r["gamma"] == results["gamma"]
+           and r.get("drafter") == results.get("drafter")
+           and not r.get("num_nodes")]
+    score = next((k for k in ("pass_at_1", "json_valid_rate")
+                  if any(k in r for r in sel)), None)
+    panels = [("acceptance_rate", "α"), ("speedup", "speedup vs "
+                                         "autoregressive")]
+    if score:
+      panels.append((score, "pass@1" if score == "pass_at_1"
+                     else "validity rate"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4))
+    labels = [f"{r['acceptance']}\n(lossy)" if r.get("lossy")
+              else r["acceptance"] for r in sel]
+    for ax, (key, label) in zip(axes, panels):
+      ax.bar(np.arange(len(sel)), [_nan(r.get(key)) for r in sel])
+      if key == "speedup":
+        ax.axhline(1.0, color="gray", lw=1)
+      if key == score:
+        base = results["baselines"][str(results["batch_size"])].get(key)
+        ax.axhline(_nan(base), color="gray", lw=1, ls="--",
+                   label="autoregressive")
+        ax.legend(fontsize=8)
+      ax.set_xticks(np.arange(len(sel)), labels, fontsize=8)
+      ax.set(ylabel=label, title=f"{label}\n{results.get('drafter')}, "
+             f"γ={results['gamma']}")
+      ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(title, fontsize=9)
+    save(fig, "acceptance_rules.png")
   return written

