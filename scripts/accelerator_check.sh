@@ -9,7 +9,7 @@
 #
 # --tiny (or SPECJAX_CHECK_TINY=1) runs the same code paths at tiny shapes
 # on the CPU in well under two minutes (tests/test_accelerator_check.py,
-# in CI's slow step).
+# run before a lease: pytest -m extended).
 #
 # Wheels to carry: the machine has no network. specjax imports jax, jaxlib
 # and the CUDA plugin (jax[cuda12]: usually in the image), numpy,

@@ -3,7 +3,8 @@
 The check is written for a short GPU lease, where a failure costs the
 lease: this runs every code path of it (both pairs, autoregressive at B = 1
 and 8, model drafts at fixed γ and `auto`, prompt lookup, first-call and
-operation counts) at tiny shapes first.
+operation counts) at tiny shapes first: run `pytest -m extended
+tests/test_accelerator_check.py` before a lease.
 """
 
 import json
@@ -15,7 +16,10 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow  # about a minute on a 2-core CPU; runs in the slow step
+# One to five minutes on a 2-core CPU: the pre-flight of a GPU lease, run
+# before one (`-m extended`), not in CI.
+@pytest.mark.slow
+@pytest.mark.extended
 def test_accelerator_check_runs_at_tiny_shapes(tmp_path):
   out = tmp_path / "check"
   run = subprocess.run(

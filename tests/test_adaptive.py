@@ -81,17 +81,18 @@ def _phases(pair, prompts):
                  bad_to=shortest + 30)
 
 
-# The default suite runs each policy with one drafter; the other pairs run
-# with the slow tests.
+# The default suite runs each policy with one drafter, the slow step two
+# more pairs, and `-m extended` the combined drafters.
+_EXTENDED = (pytest.mark.slow, pytest.mark.extended)
 @pytest.mark.parametrize("policy, kind", [
     ("auto", "model"),
-    pytest.param("heuristic", "lookup", marks=pytest.mark.slow),
+    pytest.param("heuristic", "lookup", marks=_EXTENDED),
     pytest.param("auto", "lookup", marks=pytest.mark.slow),
     pytest.param("heuristic", "model", marks=pytest.mark.slow),
-    pytest.param("auto", "fallback", marks=pytest.mark.slow),
-    pytest.param("heuristic", "fallback", marks=pytest.mark.slow),
-    pytest.param("auto", "cascade", marks=pytest.mark.slow),
-    pytest.param("heuristic", "cascade", marks=pytest.mark.slow)])
+    pytest.param("auto", "fallback", marks=_EXTENDED),
+    pytest.param("heuristic", "fallback", marks=_EXTENDED),
+    pytest.param("auto", "cascade", marks=_EXTENDED),
+    pytest.param("heuristic", "cascade", marks=_EXTENDED)])
 def test_greedy_equals_autoregressive(pair, baseline, policy, kind):
   target, draft = pair
   lookup = drafters.PromptLookup(target.vocab_size)
@@ -536,8 +537,9 @@ MACHINE_C_B8 = policies.StepCosts(
 
 
 @pytest.mark.slow  # two simulated sweeps per cost set
-@pytest.mark.parametrize("batch, costs", [(1, MACHINE_B_B1),
-                                          (8, MACHINE_C_B8)])
+@pytest.mark.parametrize("batch, costs", [
+    (1, MACHINE_B_B1),
+    pytest.param(8, MACHINE_C_B8, marks=pytest.mark.extended)])
 def test_auto_loses_little_to_the_best_fixed_gamma(batch, costs):
   """The outcome that matters: over 32 tokens, from its prior (cold) and
   from what one earlier generation learned (warm), `auto` is within 5% of

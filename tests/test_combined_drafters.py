@@ -41,11 +41,18 @@ def _drafters(models):
 
 # Whole generations, each compiling its own loop: the slow step (the
 # step-level tests in test_step_distribution cover both drafters' laws).
+# CI runs the fallback and the two-level cascade at γ = 3; the rest are
+# `-m extended`.
+_EXT = pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, gamma", [
-    ("cascade", 1), ("fallback", 1), ("cascade2", 1), ("fallback", 3),
-    ("cascade", 3), ("cascade2", 3), ("fallback", 6), ("cascade", 6),
-    ("cascade2", 6)])
+    pytest.param("cascade", 1, marks=_EXT),
+    pytest.param("fallback", 1, marks=_EXT),
+    pytest.param("cascade2", 1, marks=_EXT), ("fallback", 3),
+    pytest.param("cascade", 3, marks=_EXT), ("cascade2", 3),
+    pytest.param("fallback", 6, marks=_EXT),
+    pytest.param("cascade", 6, marks=_EXT),
+    pytest.param("cascade2", 6, marks=_EXT)])
 def test_greedy_equals_autoregressive(models, kind, gamma):
   drafter = _drafters(models)[kind]
   ref = decode.generate(models[0], PROMPTS, max_new_tokens=MAX_NEW)
@@ -57,7 +64,8 @@ def test_greedy_equals_autoregressive(models, kind, gamma):
 
 
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
-@pytest.mark.parametrize("kind", ["fallback", "cascade"])
+@pytest.mark.parametrize("kind", [
+    pytest.param("fallback", marks=pytest.mark.extended), "cascade"])
 def test_eos_inside_a_block(models, kind):
   target = models[0]
   ref = decode.generate(target, PROMPTS, max_new_tokens=MAX_NEW)
@@ -85,10 +93,11 @@ def test_fallback_uses_lookup_where_it_matches(models):
   assert model_fwd < alone.stats.draft_forwards.sum()  # steps it sat out
 
 
-# Each case takes one to two minutes on a 2-core CPU: both run in the slow
-# step.
+# Each case takes one to two minutes on a 2-core CPU: the fallback runs in
+# the slow step, the two-level cascade with `-m extended`.
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["fallback", "cascade2"])
+@pytest.mark.parametrize("kind", [
+    "fallback", pytest.param("cascade2", marks=pytest.mark.extended)])
 def test_model_caches_stay_in_sync(models, kind):
   target, middle, small = models
   drafter = _drafters(models)[kind]

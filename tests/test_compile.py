@@ -49,27 +49,6 @@ def test_autoregressive_settings_do_not_recompile():
   assert loops.generate_loop._cache_size() == compiled
 
 
-@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
-def test_prompt_lengths_and_max_new_tokens_compile_few_programs():
-  # Documented bound (specjax/decode.py): one program per cache class,
-  # here 256, 512 and 1024 positions (the bound was 7 with one program
-  # per power-of-two prompt bucket).
-  target, draft = testing.tiny_pair(seed=4)
-  lengths = [5, 17, 40, 64, 65, 130, 200, 300, 450, 600]
-  generate_before = loops.generate_loop._cache_size()
-  spec_before = loops.speculative_loop._cache_size()
-  for i, n in enumerate(lengths):
-    prompt = [(7 * j + i) % 100 + 1 for j in range(n)]
-    for new in (3, 17, 64):
-      ref = decode.generate(target, [prompt, prompt[:3]], max_new_tokens=new)
-      out = decode.speculative_generate(target, draft, [prompt, prompt[:3]],
-                                        gamma=2, max_new_tokens=new)
-      assert out.tokens.shape == (2, new)
-      np.testing.assert_array_equal(out.tokens, ref.tokens)
-  assert loops.generate_loop._cache_size() - generate_before <= 4
-  assert loops.speculative_loop._cache_size() - spec_before <= 4
-
-
 _LOWERED = {"count": 0}
 
 
@@ -178,8 +157,9 @@ def _auto() -> policies.Auto:
 
 
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
-@pytest.mark.parametrize("policy,synthetic",
-                         [(None, False), ("auto", False), ("auto", True)])
+@pytest.mark.parametrize("policy,synthetic", [
+    (None, False), ("auto", False),
+    pytest.param("auto", True, marks=pytest.mark.extended)])
 def test_decoding_loops_update_caches_in_place(policy, synthetic):
   # Every forward reads the old cache, then writes the chunk's keys and
   # values into it. Unless the write is ordered after the last read, XLA

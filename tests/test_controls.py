@@ -38,7 +38,13 @@ def _tables():
 
 TARGET, DRAFT = (testing.FixedLogitsModel(t) for t in _tables())
 
-CONTROLS = {
+# Each control alone is the others at their neutral values: every case
+# then runs one compiled program (values are traced), and the neutral
+# values are themselves checked to change nothing.
+NEUTRAL = dict(repetition_penalty=1.0, frequency_penalty=0.0,
+               presence_penalty=0.0, logit_bias={0: 0.0}, min_p=0.0)
+CONTROLS = {name: {**NEUTRAL, **kw} for name, kw in {
+    "neutral": {},
     "repetition": dict(repetition_penalty=1.6),
     "frequency": dict(frequency_penalty=0.8),
     "presence": dict(presence_penalty=1.5),
@@ -46,7 +52,7 @@ CONTROLS = {
     "min_p": dict(min_p=0.2),
     "combined": dict(repetition_penalty=1.3, frequency_penalty=0.4,
                      presence_penalty=0.6, logit_bias={5: 1.5}, min_p=0.1),
-}
+}.items()}
 
 
 # ------------------------------------------------ processing vs references
@@ -131,8 +137,9 @@ def baselines():
 def test_greedy_chain_equals_generate(baselines, name):
   want = baselines[name]
   plain = decode.generate(TARGET, PROMPTS, max_new_tokens=MAX_NEW)
-  if name != "min_p":  # greedy: min-p never removes the argmax
-    assert not np.array_equal(want.tokens, plain.tokens), name
+  # Greedy: min-p never removes the argmax.
+  changes = name not in ("neutral", "min_p")
+  assert np.array_equal(want.tokens, plain.tokens) != changes, name
   got = decode.speculative_generate(TARGET, DRAFT, PROMPTS, gamma=3,
                                     max_new_tokens=MAX_NEW,
                                     **CONTROLS[name])
@@ -155,10 +162,11 @@ def test_greedy_tree_equals_generate(baselines, drafter):
 def test_changing_a_penalty_does_not_recompile():
   from specjax import compilation  # pylint: disable=g-import-not-at-top
   decode.generate(TARGET, PROMPTS, max_new_tokens=MAX_NEW,
-                  repetition_penalty=1.1, logit_bias={1: 1.0})
+                  **dict(NEUTRAL, repetition_penalty=1.1, logit_bias={1: 1}))
   before = compilation.num_compiled()
   decode.generate(TARGET, PROMPTS, max_new_tokens=MAX_NEW,
-                  repetition_penalty=1.9, logit_bias={2: -3.0, 4: 1.0})
+                  **dict(NEUTRAL, repetition_penalty=1.9, min_p=0.3,
+                         logit_bias={2: -3.0, 4: 1.0}))
   assert compilation.num_compiled() == before
 
 
@@ -223,7 +231,7 @@ def test_typical_rule_by_hand():
 
 def test_relaxed_threshold_accepts_more_than_exact():
   kw = dict(max_new_tokens=MAX_NEW, temperature=1.0, key=3)
-  prompts = PROMPTS * 20
+  prompts = PROMPTS * 4
   exact = decode.speculative_generate(TARGET, DRAFT, prompts, gamma=3, **kw)
   relaxed = decode.speculative_generate(
       TARGET, DRAFT, prompts, gamma=3, acceptance="relaxed",

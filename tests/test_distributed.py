@@ -41,6 +41,7 @@ def _launch(argv_for, timeout=900):
   return [out for out, _ in outs]
 
 
+@pytest.mark.extended
 def test_two_processes_decode_the_same_tokens_as_one():
   address = f"localhost:{_free_port()}"
   outs = _launch(lambda i: [sys.executable, str(ROOT / "tests" /
@@ -54,6 +55,7 @@ def test_two_processes_decode_the_same_tokens_as_one():
       assert result[mesh] == reference, mesh
 
 
+@pytest.mark.extended
 def test_experiment_runs_on_two_processes_and_writes_once(tmp_path):
   address = f"localhost:{_free_port()}"
   outs = _launch(lambda i: [

@@ -12,7 +12,8 @@ transformers, each compiling its own loop. Every drafter, policy, tree and
 sampling setting is checked at the step level, on fixed-logit models
 (`test_step_distribution.py`); here are the drafters that need a
 transformer (self-speculation, heads) and one case of each path that writes
-a real KV cache differently (chains, cascades, `auto`'s widths, trees).
+a real KV cache differently (chains, cascades, `auto`'s widths, trees;
+the last three with `-m extended`).
 """
 
 
@@ -149,6 +150,7 @@ def test_speculative_samples_match_exact_distribution_in_bf16(pair):
 
 
 @_SLOW
+@pytest.mark.extended
 def test_cascade_matches_exact_distribution(pair):
   # The draft model drafts its block by speculative sampling over prompt
   # lookup, so q comes from its verification passes on its own cache.
@@ -163,7 +165,8 @@ def test_cascade_matches_exact_distribution(pair):
 
 @pytest.mark.parametrize("exit_layer, skip, gamma, settings", [
     pytest.param(1, (), 3, (1.0, 0, 1.0), marks=_SLOW),
-    pytest.param(None, (0,), 2, (0.7, 3, 1.0), marks=_SLOW),
+    pytest.param(None, (0,), 2, (0.7, 3, 1.0),
+                 marks=(_SLOW, pytest.mark.extended)),
 ], ids=["early-exit-t1", "skip-t0.7-topk3"])
 def test_self_speculation_matches_exact_distribution(pair, exit_layer, skip,
                                                      gamma, settings):
@@ -202,6 +205,7 @@ def _alternating(max_gamma):
 
 
 @_SLOW
+@pytest.mark.extended
 def test_adaptive_gamma_matches_exact_distribution(pair):
   # `auto` alternates plain and drafting steps: verify passes of several
   # widths write the target's cache.
@@ -218,6 +222,7 @@ TREE_PROMPT = [1, 2, 1, 3, 1]
 
 
 @_SLOW
+@pytest.mark.extended
 def test_token_trees_match_exact_distribution(pair):
   # The draft model's tree (3 nodes per depth, top-3 children) is scored in
   # both models' caches, and the accepted path is compacted into them.
@@ -230,6 +235,7 @@ def test_token_trees_match_exact_distribution(pair):
 
 
 @_SLOW
+@pytest.mark.extended
 def test_the_test_rejects_the_draft_distribution(pair):
   settings = (1.0, 0, 1.0)
   joint = _exact_joint(pair[0], settings)

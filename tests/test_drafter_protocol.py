@@ -135,7 +135,8 @@ def _perturbed_draft(target, scale=0.1):
 
 
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
-@pytest.mark.parametrize("gamma", [2, 4])
+@pytest.mark.parametrize("gamma", [
+    2, pytest.param(4, marks=pytest.mark.extended)])
 def test_partial_acceptance_on_a_perturbed_draft(gamma):
   target, _ = testing.tiny_pair(seed=0)
   draft = _perturbed_draft(target)

@@ -320,6 +320,7 @@ def test_batch_sweep_plot(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_drafter_sweep(tmp_path):
   # One row per drafter, each lossless under greedy decoding, and the plot
   # that compares them.
@@ -346,6 +347,7 @@ def test_drafter_sweep(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_drafters_from_trained_heads(tmp_path):
   # Heads trained briefly for the tiny target (the experiment's own model)
   # are read from their checkpoint directory and draft losslessly.
@@ -383,6 +385,7 @@ def test_drafters_from_trained_heads(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_policy_and_tree_sweep(tmp_path):
   # Adaptive policies beside a fixed γ, and token trees of two sizes beside
   # the chain: one row each, all lossless, the tree plot written.
@@ -423,6 +426,7 @@ def test_bad_policy_and_tree_config(field, value, message):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_crossover_sweep_and_merge(tmp_path):
   # The batch crossover on the tiny pair: every policy timed at one B and
   # α, its cell written; then two runs merged into one table and plot.

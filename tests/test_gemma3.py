@@ -220,8 +220,10 @@ def _drafter(kind, pair):
 
 
 @pytest.mark.parametrize("kind", [
-    "model", *(pytest.param(k, marks=pytest.mark.slow)
-               for k in ("early-exit", "skip-global", "lookup"))])
+    "model",
+    pytest.param("early-exit", marks=(pytest.mark.slow, pytest.mark.extended)),
+    *(pytest.param(k, marks=pytest.mark.slow)
+      for k in ("skip-global", "lookup"))])
 def test_speculative_greedy_equals_generate(gemma_pair, gemma_baseline,
                                             kind):
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -237,7 +239,8 @@ def test_speculative_greedy_equals_generate(gemma_pair, gemma_baseline,
 # Whole generations on the tiny Gemma pair (over a minute each on a 2-core
 # CPU): the slow step. The step-level enumeration tests cover the sampler.
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["model", "early-exit"])
+@pytest.mark.parametrize("kind", [
+    "model", pytest.param("early-exit", marks=pytest.mark.extended)])
 def test_speculative_sampling_matches_exact_distribution(kind):
   """20 000 samples of 3 tokens after a 3-token prompt (positions 3..5,
   past the window of 4 from position 4 on) against the enumerated joint

@@ -93,7 +93,7 @@ def _agreement_length(a, b):
 
 @pytest.mark.slow  # trains the tiny model first (300 Adam steps)
 @pytest.mark.parametrize("spec,ppl_ratio,agree,length", [
-    ("int8", 1.002, 0.98, 20),
+    pytest.param("int8", 1.002, 0.98, 20, marks=pytest.mark.extended),
     ("int4", 1.03, 0.85, 6),
     ("int4:g64:sym", 1.06, 0.8, 6),
 ])

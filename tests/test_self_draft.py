@@ -69,9 +69,12 @@ def test_shares_the_targets_parameters(target):
   assert drafter.model.init_cache(1, 8).k.shape[0] == 2
 
 
-@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
-@pytest.mark.parametrize("exit_layer, skip", [(1, ()), (3, ()), (None, (1,)),
-                                              (3, (0, 2))])
+# Over 15 s each on a 2-core CPU: an early exit and a layer skip run in
+# the slow step, the other two with `-m extended`.
+@pytest.mark.slow
+@pytest.mark.parametrize("exit_layer, skip", [
+    (1, ()), pytest.param(3, (), marks=pytest.mark.extended),
+    pytest.param(None, (1,), marks=pytest.mark.extended), (3, (0, 2))])
 def test_greedy_equals_autoregressive(target, exit_layer, skip):
   baseline = decode.generate(target, PROMPTS, max_new_tokens=MAX_NEW)
   out = decode.speculative_generate(

@@ -33,6 +33,9 @@ from specjax.sharding.batch import Placement
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESHES = ("1x8", "2x4", "8x1")
+# One pytest-xdist worker runs the whole module (with `--dist loadgroup`,
+# as .ci/run does), so the subprocess runs once, not once per worker.
+pytestmark = pytest.mark.xdist_group("sharding_worker")
 
 
 @functools.lru_cache(maxsize=1)

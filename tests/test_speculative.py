@@ -20,7 +20,7 @@ MAX_NEW = 13  # not a multiple of gamma + 1 for any gamma below
 
 
 @pytest.mark.parametrize("gamma", [
-    1, pytest.param(2, marks=pytest.mark.slow), 4,
+    1, pytest.param(2, marks=(pytest.mark.slow, pytest.mark.extended)), 4,
     pytest.param(7, marks=pytest.mark.slow)])
 def test_greedy_equals_autoregressive(pair, baseline, gamma):
   target, draft = pair
@@ -32,6 +32,7 @@ def test_greedy_equals_autoregressive(pair, baseline, gamma):
 
 
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
+@pytest.mark.extended
 def test_greedy_equality_other_sizes_and_seeds():
   # A different seed, and a draft with more layers than heads of the target.
   target = models.init_random(
@@ -48,6 +49,7 @@ def test_greedy_equality_other_sizes_and_seeds():
 
 
 @pytest.mark.slow  # bf16 matmuls are slow on XLA CPU
+@pytest.mark.extended
 def test_greedy_equals_autoregressive_in_bf16():
   # dtype="auto" on a GPU or TPU: weights and caches in bf16; attention
   # logits, softmax and the sampler's probabilities in fp32. A γ + 1 token

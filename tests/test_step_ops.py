@@ -75,6 +75,7 @@ def beyond_forward():
 
 
 @pytest.mark.slow  # six programs compiled and profiled; the slow step
+@pytest.mark.extended
 def test_step_operations_stay_within_their_bounds(beyond_forward):
   # Regression bounds at today's counts (+10%): a change that adds
   # operations to a step must say so here.

@@ -36,17 +36,18 @@ def _drafter(kind, pair):
           "self": drafters.DraftModel(target)}[kind]
 
 
-# The default suite keeps one tree per drafter; the other shapes run with
-# the slow tests.
+# The default suite keeps one tree per drafter, the slow step another
+# depth and self-drafting, `-m extended` the other shapes.
 _SLOW = pytest.mark.slow
+_EXTENDED = (pytest.mark.slow, pytest.mark.extended)
 
 
 @pytest.mark.parametrize("gamma, num_nodes", [
-    pytest.param(1, 1, id="1-node", marks=_SLOW),
-    pytest.param(4, 4, id="chain-4", marks=_SLOW),
+    pytest.param(1, 1, id="1-node", marks=_EXTENDED),
+    pytest.param(4, 4, id="chain-4", marks=_EXTENDED),
     pytest.param(4, 16, id="16-nodes-depth-4"),
     pytest.param(3, 16, id="16-nodes-depth-3", marks=_SLOW),
-    pytest.param(8, 64, id="64-nodes", marks=_SLOW)])
+    pytest.param(8, 64, id="64-nodes", marks=_EXTENDED)])
 @pytest.mark.parametrize("kind", [
     "lookup", "model", pytest.param("self", marks=_SLOW)])
 def test_greedy_equals_autoregressive(pair, baseline, kind, gamma,
@@ -66,6 +67,7 @@ def test_greedy_equals_autoregressive(pair, baseline, kind, gamma,
 
 
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
+@pytest.mark.extended
 def test_model_tree_children_are_the_top_tokens_after_their_path(pair):
   # Independent check of the draft's tree attention: every node's token is
   # among the `width` most likely tokens of a fresh forward over the
