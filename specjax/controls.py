@@ -210,9 +210,10 @@ class Controls:
   def advance_many(self, tokens: jax.Array, num_new: jax.Array
                    ) -> "Controls":
     """The state after each row's first num_new [B] of tokens [B, C]."""
+    out = self
     for i in range(tokens.shape[1]):
-      self = self.advance(tokens[:, i], i < num_new)  # pylint: disable=self-cls-assignment
-    return self
+      out = out.advance(tokens[:, i], i < num_new)
+    return out
 
   def along_chain(self, tokens: jax.Array) -> "Controls":
     """The state at each position of a verified chain: [B] -> [B, G+1],
@@ -226,7 +227,8 @@ class Controls:
     if state is not None:
       states = [state]
       for i in range(tokens.shape[1]):
-        states.append(grammar_lib.advance(self.grammar, states[-1], tokens[:, i]))
+        states.append(grammar_lib.advance(self.grammar, states[-1],
+                                          tokens[:, i]))
       state = jnp.stack(states, 1)
     return self.replace(counts=counts, state=state)
 

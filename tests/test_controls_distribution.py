@@ -1,8 +1,8 @@
 """Speculative sampling stays exact under history-dependent controls.
 
 The counterpart of `test_step_distribution.py` with penalties, logit bias,
-min-p and a regex mask: the same fixed-logit target and draft, one jitted prefill and
-`speculate_step`, 20 000 rows. The reference is computed by enumeration
+min-p and a regex mask: the same fixed-logit target and draft, one jitted
+prefill and `speculate_step`, 20 000 rows. The reference is computed by enumeration
 over all V^3 texts: each conditional is the target's logits after the
 previous token, processed here in numpy by the Hugging Face repetition
 penalty and the OpenAI presence / frequency penalties and bias over that
