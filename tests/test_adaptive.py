@@ -112,6 +112,7 @@ def test_greedy_equals_autoregressive(pair, baseline, policy, kind):
   assert scored.max() <= GAMMA
 
 
+@pytest.mark.slow  # a whole generation per regime; the slow step
 def test_auto_switches_between_autoregressive_and_full_drafts(pair,
                                                               baseline):
   # Full acceptance, then a stretch where every draft is rejected, then

@@ -54,8 +54,11 @@ def models_():
   return target, draft
 
 
+# Whole generations: int4 in the slow step, q8_0 with `-m extended`; the
+# default suite keeps the step-level sampling test.
 @pytest.mark.parametrize("kind", [
-    "int4", pytest.param("q8_0", marks=pytest.mark.slow)])
+    pytest.param("int4", marks=pytest.mark.slow),
+    pytest.param("q8_0", marks=(pytest.mark.slow, pytest.mark.extended))])
 def test_greedy_speculation_equals_the_quantized_targets_generate(models_,
                                                                   kind):
   target, draft = models_
