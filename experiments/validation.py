@@ -16,6 +16,7 @@ import jsonschema
 import numpy as np
 
 from experiments import prompts as prompts_lib
+from specjax import controls as controls_lib
 from specjax import stops as stops_lib
 from specjax.models import quantized
 from specjax.tuning import matmul as tuning
@@ -251,11 +252,9 @@ def _control_errors(config: Any) -> list[str]:
     stops_lib.validate(tuple(stop) if isinstance(stop, list) else stop)
   except ValueError as e:
     check(False, f"config.stop must be a tuple of non-empty strings: {e}")
-  for name, low, high, open_low in (
-      ("repetition_penalty", 0.0, math.inf, True),
-      ("presence_penalty", -2.0, 2.0, False),
-      ("frequency_penalty", -2.0, 2.0, False),
-      ("min_p", 0.0, 1.0, False)):
+  for name in ("repetition_penalty", "presence_penalty", "frequency_penalty",
+               "min_p"):
+    low, high, open_low = controls_lib.RANGES[name]  # the library's ranges
     value = config.get(name)
     ok = value is None or (_is_num(value) and (
         low < value if open_low else low <= value) and value <= high)

@@ -49,11 +49,26 @@ import numpy as np
 from specjax import grammar as grammar_lib
 from specjax import stops as stops_lib
 
-__all__ = ["Controls", "resolve"]
+__all__ = ["Controls", "RANGES", "resolve", "setting"]
 
-# The OpenAI API's ranges.
-_PENALTY_RANGE = (-2.0, 2.0)
-_BIAS_RANGE = (-100.0, 100.0)
+# Each float setting's (low, high, low excluded): Hugging Face's ρ > 0,
+# the OpenAI API's penalties and bias, min-p a probability ratio.
+RANGES = {
+    "repetition_penalty": (0.0, np.inf, True),
+    "presence_penalty": (-2.0, 2.0, False),
+    "frequency_penalty": (-2.0, 2.0, False),
+    "logit_bias": (-100.0, 100.0, False),
+    "min_p": (0.0, 1.0, False),
+}
+
+
+def setting(name: str, value: float | None,
+            label: str | None = None) -> np.ndarray | None:
+  """The float setting `name` (a key of `RANGES`) validated, as a numpy
+  scalar (None stays None); errors name it `label` (default `name`)."""
+  label = label or name
+  low, high, open_low = RANGES[name]
+  return _scalar(label, value, low, high, open_low=open_low)
 
 
 def _scalar(name: str, value: float | None, low: float, high: float,
@@ -86,7 +101,7 @@ def _bias_vector(logit_bias: Mapping[int, float] | None,
     if not 0 <= token < vocab_size:
       raise ValueError(f"logit_bias token {token} is outside the "
                        f"vocabulary [0, {vocab_size}).")
-    vector[token] = _scalar(f"logit_bias[{token}]", bias, *_BIAS_RANGE)
+    vector[token] = setting("logit_bias", bias, f"logit_bias[{token}]")
   return vector
 
 
@@ -142,12 +157,9 @@ class Controls:
         outside the vocabulary.
     """
     out = cls(
-        repetition_penalty=_scalar("repetition_penalty", repetition_penalty,
-                                   0.0, np.inf, open_low=True),
-        presence_penalty=_scalar("presence_penalty", presence_penalty,
-                                 *_PENALTY_RANGE),
-        frequency_penalty=_scalar("frequency_penalty", frequency_penalty,
-                                  *_PENALTY_RANGE),
+        repetition_penalty=setting("repetition_penalty", repetition_penalty),
+        presence_penalty=setting("presence_penalty", presence_penalty),
+        frequency_penalty=setting("frequency_penalty", frequency_penalty),
         logit_bias=_bias_vector(logit_bias, vocab_size), grammar=grammar)
     return out if out.active else None
 

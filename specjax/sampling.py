@@ -62,13 +62,11 @@ class SamplingParams:
       raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
     if int(top_k) != top_k or top_k < 0:
       raise ValueError(f"top_k must be a non-negative integer, got {top_k}.")
-    if min_p is not None and not 0.0 <= float(min_p) <= 1.0:
-      raise ValueError(f"min_p must be in [0, 1], got {min_p}.")
     # Numpy leaves: a jitted call transfers them without compiling
     # anything (`jnp.float32(x)` compiles a conversion program).
     return cls(temperature=np.float32(temperature),
                top_k=np.int32(top_k), top_p=np.float32(top_p),
-               min_p=None if min_p is None else np.float32(min_p),
+               min_p=controls_lib.setting("min_p", min_p),
                controls=controls)
 
   def advance(self, tokens: jax.Array,

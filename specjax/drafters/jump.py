@@ -3,15 +3,16 @@
 Shape letters (`specjax.shapes`): B batch, G = γ.
 
 Under structured output (`regex=` / `json_schema=`, `specjax.grammar`) the
-automaton often leaves one allowed token: the quote after a key, a
-schema's fixed field names, the closing braces. Those tokens are known
-without running any model. `JumpForward` proposes, per row, the chain of
-forced tokens from the row's committed automaton state (read from the
-sampling settings' controls, `specjax.controls`), up to γ, with no q (a
-deterministic drafter). Exact by construction: the target's processed
-distribution at a forced position is one-hot at the forced token (the
-mask leaves nothing else), so each is accepted with probability 1 and the
-rejection sampler is unchanged.
+automaton often forces text: the quote after a key, a schema's fixed field
+names, the closing braces. That text is known without running any model.
+`JumpForward` proposes, per row, the chain of forced tokens from the row's
+committed automaton state (read from the sampling settings' controls,
+`specjax.controls`; `grammar.forced`: the one allowed token, or the
+longest token spelling forced text), up to γ, with no q (a deterministic
+drafter). Exact by construction, as any deterministic proposal verified
+by the rejection sampler is; where one token is allowed the target's
+masked distribution is one-hot and it is accepted with probability 1,
+and forced text the target splits into other tokens is rejected there.
 
 Typical use: `Fallback(JumpForward(V), DraftModel(small))`: forced runs
 are drafted free, and elsewhere the model drafts (it catches up on the
