@@ -17,7 +17,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8")
 
 import jax  # pylint: disable=g-import-not-at-top
-import jax.numpy as jnp
 import numpy as np
 
 from specjax import decode
@@ -129,12 +128,12 @@ def main() -> None:
     placed = sharding.shard(target, mesh)
     small = sharding.shard(draft, mesh, split=False)
     entry = {"decoded": _decode(placed, small),
-             "decoded_by_argument": _decode(target, draft, mesh=mesh),
-             "draft_split": _decode(placed,
-                                    sharding.shard(draft, mesh))[1]}
+             "decoded_by_argument": _decode(target, draft, mesh=mesh)}
     if model > 1:
       entry["layout"] = _layout(placed, small, mesh)
       entry["vocab_gathers"] = _vocab_gathers(placed, small, mesh)
+    if data > 1 and model > 1:  # the placement variants, on both axes
+      entry["draft_split"] = _decode(placed, sharding.shard(draft, mesh))[1]
       entry["head_hidden"] = _decode(
           sharding.shard(target, mesh, head="hidden"), small)
     del placed, small

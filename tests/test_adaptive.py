@@ -81,13 +81,13 @@ def _phases(pair, prompts):
                  bad_to=shortest + 30)
 
 
-# The default suite runs each policy with one drafter, the slow step two
-# more pairs, and `-m extended` the combined drafters.
+# The default suite runs `auto` with the draft model, the slow step the
+# heuristic with it, and `-m extended` the other drafters.
 _EXTENDED = (pytest.mark.slow, pytest.mark.extended)
 @pytest.mark.parametrize("policy, kind", [
     ("auto", "model"),
     pytest.param("heuristic", "lookup", marks=_EXTENDED),
-    pytest.param("auto", "lookup", marks=pytest.mark.slow),
+    pytest.param("auto", "lookup", marks=_EXTENDED),
     pytest.param("heuristic", "model", marks=pytest.mark.slow),
     pytest.param("auto", "fallback", marks=_EXTENDED),
     pytest.param("heuristic", "fallback", marks=_EXTENDED),

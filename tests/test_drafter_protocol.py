@@ -161,11 +161,21 @@ def _check_track_in_sync(track, state, prompts, lengths, draft, b):
   np.testing.assert_array_equal(track.context[b, :len(committed)], committed)
   cached = int(track.cache.lengths[b])
   assert 1 <= len(committed) - cached
-  fed = jnp.asarray([committed[:cached]], jnp.int32)
-  _, fresh = draft(fed, draft.init_cache(1, cached))
-  np.testing.assert_allclose(track.cache.k[:, b, :cached], fresh.k[:, 0],
-                             atol=1e-5)
+  # Padded to the cache's size, so one program serves every step (keys
+  # before slot `cached` do not read the padding: causal attention).
+  fed = np.zeros((1, track.cache.size), np.int32)
+  fed[0, :cached] = committed[:cached]
+  fresh = _prefill_keys(draft, jnp.asarray(fed))
+  np.testing.assert_allclose(track.cache.k[:, b, :cached],
+                             fresh[:, 0, :cached], atol=1e-5)
   return len(committed) - cached
+
+
+@jax.jit
+def _prefill_keys(model, tokens):
+  """[1, P] tokens -> the keys [L, 1, P, K, D] of their fresh prefill."""
+  _, cache = model(tokens, model.init_cache(*tokens.shape))
+  return cache.k
 
 
 def _run_steps(target, drafter, prompts, gamma, max_new, on_step,

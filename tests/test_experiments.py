@@ -1,9 +1,10 @@
 """End-to-end tests of the experiment runner (`experiments/`, `configs/`).
 
 The tiny config runs through `experiments.bench.run_and_save` in-process
-with a γ sweep, then once through the absl entry point in a subprocess; both
-share a persistent XLA compilation cache, so the subprocess compiles nothing
-new. A fixed-logit pair checks the reported acceptance against a hand-run
+with a γ sweep, then (in the same test, so on the same pytest-xdist worker)
+once through the absl entry point in a subprocess; both share a persistent
+XLA compilation cache, so the subprocess compiles nothing new. A
+fixed-logit pair checks the reported acceptance against a hand-run
 simulation of greedy speculative decoding.
 """
 
@@ -80,7 +81,7 @@ def tiny_results(jax_cache, tmp_path_factory):
 
 
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
-def test_tiny_end_to_end(tiny_results):
+def test_tiny_end_to_end(tiny_results, jax_cache, tmp_path):
   config, results = tiny_results
   out = pathlib.Path(config.output_dir)
   saved = json.loads((out / "results.json").read_text())
@@ -113,23 +114,23 @@ def test_tiny_end_to_end(tiny_results):
   assert "decoding: - tok/s after the first token = - of" in (
       report.format_report(saved))
 
-
-@pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
-def test_absl_main_subprocess(tiny_results, jax_cache, tmp_path):
-  del tiny_results  # Runs after it, so every program is in the cache.
+  # The absl entry point in a subprocess, in the same test (so on the same
+  # pytest-xdist worker, after the run above): every program it needs is in
+  # the module's persistent cache, so it compiles nothing new.
   env = dict(os.environ, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  command_line = tmp_path / "command_line"
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.run",
-       "--config=configs/tiny_pair.py", f"--config.output_dir={tmp_path}",
+       "--config=configs/tiny_pair.py", f"--config.output_dir={command_line}",
        f"--config.jax_cache_dir={jax_cache}", "--config.progress=False"],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
       check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "base tok/s" in proc.stdout and "lossless=True" in proc.stdout
-  saved = json.loads((tmp_path / "results.json").read_text())
+  saved = json.loads((command_line / "results.json").read_text())
   assert saved["lossless"] is True
-  assert (tmp_path / "acceptance_by_position.png").exists()
+  assert (command_line / "acceptance_by_position.png").exists()
 
 
 def _simulate_greedy(last: int, target_next, draft_next, gamma: int,

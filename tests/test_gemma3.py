@@ -236,11 +236,14 @@ def test_speculative_greedy_equals_generate(gemma_pair, gemma_baseline,
   assert out.stats.proposed_by_position.sum() > 0
 
 
-# Whole generations on the tiny Gemma pair (over a minute each on a 2-core
-# CPU): the slow step. The step-level enumeration tests cover the sampler.
+# Whole generations on the tiny Gemma pair, 20 000 rows (about two minutes
+# each on a 2-core CPU): `-m extended`. CI covers what they combine: the
+# sampler's law (step-level enumeration, and whole generations on the Llama
+# pair in tests/test_distribution.py) and Gemma's forward (transformers'
+# logits and greedy output: above, and tests/test_generate_hf.py).
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", [
-    "model", pytest.param("early-exit", marks=pytest.mark.extended)])
+@pytest.mark.extended
+@pytest.mark.parametrize("kind", ["model", "early-exit"])
 def test_speculative_sampling_matches_exact_distribution(kind):
   """20 000 samples of 3 tokens after a 3-token prompt (positions 3..5,
   past the window of 4 from position 4 on) against the enumerated joint

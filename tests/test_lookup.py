@@ -82,7 +82,8 @@ def _repetitive_prompts():
 
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 @pytest.mark.parametrize("gamma", [
-    1, 3, pytest.param(6, marks=pytest.mark.extended)])
+    pytest.param(1, marks=pytest.mark.extended), 3,
+    pytest.param(6, marks=pytest.mark.extended)])
 def test_greedy_lookup_equals_generate(gamma):
   from specjax import decode, testing  # pylint: disable=g-import-not-at-top
   target, _ = testing.tiny_pair(seed=2)

@@ -95,7 +95,7 @@ def _agreement_length(a, b):
 @pytest.mark.parametrize("spec,ppl_ratio,agree,length", [
     pytest.param("int8", 1.002, 0.98, 20, marks=pytest.mark.extended),
     ("int4", 1.03, 0.85, 6),
-    ("int4:g64:sym", 1.06, 0.8, 6),
+    pytest.param("int4:g64:sym", 1.06, 0.8, 6, marks=pytest.mark.extended),
 ])
 def test_quantized_perplexity_and_greedy_agreement(trained, spec, ppl_ratio,
                                                    agree, length):

@@ -21,7 +21,7 @@ MAX_NEW = 13  # not a multiple of gamma + 1 for any gamma below
 
 @pytest.mark.parametrize("gamma", [
     1, pytest.param(2, marks=(pytest.mark.slow, pytest.mark.extended)), 4,
-    pytest.param(7, marks=pytest.mark.slow)])
+    pytest.param(7, marks=(pytest.mark.slow, pytest.mark.extended))])
 def test_greedy_equals_autoregressive(pair, baseline, gamma):
   target, draft = pair
   out = decode.speculative_generate(target, draft, PROMPTS, gamma=gamma,

@@ -84,7 +84,11 @@ def test_step_operations_stay_within_their_bounds(beyond_forward):
   assert beyond_forward["gamma=4, drafting step"] <= 340, beyond_forward
 
 
+# An unmet target, not a regression check (the bounds above are): it
+# compiles every `auto` program for minutes to report the same expected
+# failure, so it runs by hand with the extended tests.
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.xfail(strict=True, reason=(
     "issue 54's target, not met yet: a plain step under auto executes "
     "7.6x generate's operations beyond the forward (see the module doc)"))
