@@ -1,9 +1,9 @@
 """quantize="gguf" on the real offline Qwen files (fetched on first use).
 
 The 0.5B file holds all four kept formats (Q5_0, Q8_0, Q6_K, Q4_K), the
-1.5B Q4_K and Q6_K. Every tensor of the 0.5B file, and the first three of
-each type of the 1.5B's, is repacked and dequantised by XLA, and compared
-bit for bit with `gguf.quants.dequantize` (the fp32 loader's
+1.5B Q4_K and Q6_K. Every tensor of the 0.5B file, and the first three
+under 32 MB of each type of the 1.5B's, is repacked and dequantised by
+XLA, and compared bit for bit with `gguf.quants.dequantize` (the fp32 loader's
 dequantisation); the 0.5B's logits on a prompt are compared with the
 fp32-dequantised model's.
 """
@@ -26,8 +26,10 @@ _dequantize = jax.jit(quantized.dequantize)
 
 
 # The 0.5B file holds all four formats: every tensor is checked. The 1.5B
-# holds two of them (Q4_K, Q6_K) at other shapes: its first tensors of
-# each type are (every tensor took four minutes of the real-model step).
+# holds two of them (Q4_K, Q6_K) at other widths: its first layers' tensors
+# of each type are (every tensor took four minutes of the real-model step;
+# its [151936, 1536] embedding and output, a minute: the 0.5B's have those
+# rows).
 @pytest.mark.parametrize("name, per_type", [
     ("qwen2.5-coder-0.5b-instruct", None),
     ("qwen2.5-coder-1.5b-instruct", 3)])
@@ -38,7 +40,8 @@ def test_every_block_tensor_dequantises_bit_for_bit(name, per_type):
     if t.tensor_type not in gguf_blocks.SUPPORTED:
       continue
     kind = t.tensor_type.name
-    if per_type is not None and seen.get(kind, 0) >= per_type:
+    if per_type is not None and (seen.get(kind, 0) >= per_type
+                                 or t.data.nbytes > 32 << 20):
       continue
     seen[kind] = seen.get(kind, 0) + 1
     w = gguf_blocks.from_blocks(t.data, t.tensor_type, t.name, (1, 1))

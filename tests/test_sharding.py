@@ -1,8 +1,9 @@
 """Sharded decoding: equal to one device, really split, memory planned.
 
-The multi-device checks run `tests/sharding_worker.py` once, in a subprocess
-with 8 host CPU devices, on meshes 1x8, 2x4 and 8x1 (slow: about 80 s of
-compiles on a 2-core EPYC), once per pytest run (the `worker` fixture).
+The multi-device checks run `tests/sharding_worker.py` in subprocesses with
+8 host CPU devices, on meshes 1x8, 2x4 and 8x1 (slow: about 80 s of
+compiles on a 2-core EPYC), in two parts (`PARTS`) that two pytest-xdist
+workers can run at once, each once per pytest run (the `worker` fixture).
 The rest run here on this process's one device.
 """
 
@@ -34,41 +35,49 @@ from specjax.sharding.batch import Placement
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESHES = ("1x8", "2x4", "8x1")
+PARTS = ("1x8,8x1", "2x4")  # one subprocess each; 2x4 adds the memory plan
 
 
 @pytest.fixture(scope="session")
-def worker(tmp_path_factory, worker_id) -> dict:
-  """The subprocess's JSON, run once per pytest run.
+def worker(tmp_path_factory, worker_id):
+  """mesh -> the JSON of the subprocess that ran it (its part of `PARTS`).
 
-  pytest-xdist workers share it through a file under the run's temporary
-  root, under a lock: the first worker to ask runs the subprocess, the other
-  waits and reads (`--dist loadgroup` cannot keep the module on one worker:
-  pytest 9.2 ignores the group suffix xdist writes, pytest-xdist#1386).
+  Each part runs once per pytest run. pytest-xdist workers share its JSON
+  through a file under the run's temporary root, under a lock per part: the
+  first worker to ask runs the subprocess, a second one asking for the same
+  part waits and reads (`--dist loadgroup` cannot keep the module on one
+  worker: pytest 9.2 ignores the group suffix xdist writes,
+  pytest-xdist#1386).
   """
   root = tmp_path_factory.getbasetemp()
   if worker_id != "master":
     root = root.parent  # shared by the workers of this run only
-  out = root / "sharding_worker.json"
-  with open(root / "sharding_worker.lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    if not out.exists():
-      env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-      done = subprocess.run(
-          [sys.executable, str(ROOT / "tests" / "sharding_worker.py")],
-          capture_output=True, text=True, env=env, timeout=1200,
-          check=False)
-      assert done.returncode == 0, done.stderr[-4000:]
-      out.write_text(done.stdout)
-  return json.loads(out.read_text())
+
+  def run(mesh: str) -> dict:
+    part = next(p for p in PARTS if mesh in p.split(","))
+    out = root / f"sharding_worker_{part}.json"
+    with open(root / f"sharding_worker_{part}.lock", "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+      if not out.exists():
+        env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "sharding_worker.py"),
+             part], capture_output=True, text=True, env=env, timeout=1200,
+            check=False)
+        assert done.returncode == 0, done.stderr[-4000:]
+        out.write_text(done.stdout)
+    return json.loads(out.read_text())
+
+  return run
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_sharded_greedy_equals_unsharded(worker, mesh):
-  reference = worker["reference"]
+  reference = worker(mesh)["reference"]
   # Ragged rows, B = 3 on data axes of 1, 2 and 8.
   assert {len(row) for row in reference[0]} == {12}
-  run = worker["meshes"][mesh]
+  run = worker(mesh)["meshes"][mesh]
   assert run["decoded"] == reference  # generate, speculative, lengths
   assert run["decoded_by_argument"] == reference  # mesh= placing the models
   # The placement variants run on the mesh with both axes (2x4).
@@ -81,7 +90,7 @@ def test_sharded_greedy_equals_unsharded(worker, mesh):
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", ("1x8", "2x4"))
 def test_parameters_and_cache_are_split_on_the_model_axis(worker, mesh):
-  layout = worker["meshes"][mesh]["layout"]
+  layout = worker(mesh)["meshes"][mesh]["layout"]
   model = layout["model_axis"]
   assert model == int(mesh.split("x")[1])
   for path, (total, per_device) in layout["params"].items():
@@ -103,7 +112,7 @@ def test_vocab_split_logits_are_not_gathered_per_position(worker, mesh):
   gathered, except in the top-k / top-p branch (a sort over V, run only
   when they are on). One row's [B, V] distribution is gathered where a
   token is drawn from it (the CDF inversion of `sampling.sample`)."""
-  gathers = worker["meshes"][mesh]["vocab_gathers"]
+  gathers = worker(mesh)["meshes"][mesh]["vocab_gathers"]
   assert gathers  # the check sees the gathers it should
   for shape, name in gathers:
     if len(shape) > 2:
@@ -115,7 +124,7 @@ def test_vocab_split_logits_are_not_gathered_per_position(worker, mesh):
 
 @pytest.mark.slow
 def test_memory_plan_matches_live_arrays(worker):
-  plan = worker["memory"]
+  plan = worker("2x4")["memory"]
   assert plan["live_on_device_0"] > 0
   assert abs(plan["planned_weights"] / plan["live_on_device_0"] - 1) < 0.05
   message = plan["impossible"]
