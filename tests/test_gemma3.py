@@ -207,7 +207,9 @@ def gemma_baseline(gemma_pair):
 
 
 def _drafter(kind, pair):
-  from specjax import drafters  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from specjax import drafters
+  from specjax import testing
   target, draft = pair
   return {
       "model": lambda: draft,
@@ -216,6 +218,10 @@ def _drafter(kind, pair):
       "skip-global": lambda: drafters.EarlyExit(target, None, skip=(2,)),
       "lookup": lambda: drafters.PromptLookup(
           vocab_size=target.vocab_size, max_ngram=3, min_ngram=1),
+      # Random heads: Medusa on the final hidden state, an EAGLE layer
+      # built as one of Gemma's local layers (window, rope, four norms).
+      "medusa": lambda: testing.random_medusa(target, 3),
+      "eagle": lambda: testing.random_eagle(target),
   }[kind]()
 
 
@@ -223,7 +229,7 @@ def _drafter(kind, pair):
     "model",
     pytest.param("early-exit", marks=(pytest.mark.slow, pytest.mark.extended)),
     *(pytest.param(k, marks=pytest.mark.slow)
-      for k in ("skip-global", "lookup"))])
+      for k in ("skip-global", "lookup", "medusa", "eagle"))])
 def test_speculative_greedy_equals_generate(gemma_pair, gemma_baseline,
                                             kind):
   import numpy as np  # pylint: disable=g-import-not-at-top
