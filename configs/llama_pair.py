@@ -16,8 +16,9 @@ Pairs (`configs/llama_pair.py:pair=NAME`):
 - `llama3`: meta-llama/Llama-3.2-1B -> meta-llama/Llama-3.1-8B (base models,
   no chat template; gated on the Hub, so usually local paths).
 - `gemma3`: Gemma 3 270M (base, offline GGUF `gemma-3-270m`) drafting for
-  itself: it has no smaller sibling, so prompt lookup or its own layers
-  (`early_exit`, `layer_skip`) draft; HumanEval prompts, no chat template.
+  itself: it has no smaller sibling, so prompt lookup, its own layers
+  (`early_exit`, `layer_skip`) or heads trained on it (`eagle=WORKDIR`)
+  draft; HumanEval prompts, no chat template.
 - `tiny`: random tiny models and a byte-level stand-in tokenizer (smoke runs;
   acceptance is meaningless).
 
