@@ -1,8 +1,8 @@
 """Runs sharded decoding on 8 host CPU devices and prints what it saw (JSON).
 
 Usage: `python tests/sharding_worker.py 1x8,8x1` (the meshes, data x
-model; the memory plan runs with 2x4). Started by tests/test_sharding.py in
-a subprocess, because the device count
+model; the memory plan runs with 2x4). Started by tests/test_sharding.py
+in a subprocess, because the device count
 (`--xla_force_host_platform_device_count=8`) must be set before JAX starts
 and must not leak into the other tests. Every comparison is made here
 against a one-device run of the same models; the test asserts on the JSON.

@@ -3,9 +3,9 @@
 The 0.5B file holds all four kept formats (Q5_0, Q8_0, Q6_K, Q4_K), the
 1.5B Q4_K and Q6_K. Every tensor of the 0.5B file, and the first three
 under 32 MB of each type of the 1.5B's, is repacked and dequantised by
-XLA, and compared bit for bit with `gguf.quants.dequantize` (the fp32 loader's
-dequantisation); the 0.5B's logits on a prompt are compared with the
-fp32-dequantised model's.
+XLA, and compared bit for bit with `gguf.quants.dequantize` (the fp32
+loader's dequantisation); the 0.5B's logits on a prompt are compared with
+the fp32-dequantised model's.
 """
 
 import gguf

@@ -74,10 +74,11 @@ def worker(tmp_path_factory, worker_id):
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_sharded_greedy_equals_unsharded(worker, mesh):
-  reference = worker(mesh)["reference"]
+  out = worker(mesh)
+  reference = out["reference"]
   # Ragged rows, B = 3 on data axes of 1, 2 and 8.
   assert {len(row) for row in reference[0]} == {12}
-  run = worker(mesh)["meshes"][mesh]
+  run = out["meshes"][mesh]
   assert run["decoded"] == reference  # generate, speculative, lengths
   assert run["decoded_by_argument"] == reference  # mesh= placing the models
   # The placement variants run on the mesh with both axes (2x4).
