@@ -225,9 +225,12 @@ def _drafter(kind, pair):
   }[kind]()
 
 
+# The draft model on Gemma runs in the default suite through
+# docs/nnx_gemma.md (tests/test_own_model.py): specjax's Gemma drafts for an
+# NNX Gemma target, and an NNX Gemma drafts for specjax's Gemma target.
 @pytest.mark.parametrize("kind", [
-    "model",
-    pytest.param("early-exit", marks=(pytest.mark.slow, pytest.mark.extended)),
+    *(pytest.param(k, marks=(pytest.mark.slow, pytest.mark.extended))
+      for k in ("model", "early-exit")),
     *(pytest.param(k, marks=pytest.mark.slow)
       for k in ("skip-global", "lookup", "medusa", "eagle"))])
 def test_speculative_greedy_equals_generate(gemma_pair, gemma_baseline,

@@ -1,5 +1,5 @@
-"""Runs the README's "Use from your own model" snippet and the drafter
-snippet of docs/drafters.md after it.
+"""Runs the README's "Use from your own model" snippet, the drafter
+snippet of docs/drafters.md after it, and docs/nnx_gemma.md.
 
 The model snippet is the first fenced `python` block under the heading
 `## Use from your own model` in README.md. It wraps a Flax GRU language
@@ -8,7 +8,9 @@ model (not a specjax transformer) in a `LanguageModel` adapter, decodes with
 protocol change that breaks user models fails here. The drafter snippet,
 the first block under `## The protocol: ...` in docs/drafters.md, run after
 it in the same namespace, writes a `Drafter` subclass against the declared
-protocol and drafts with it for the GRU target.
+protocol and drafts with it for the GRU target. The NNX page's block loads
+a Gemma 3 checkpoint into a Flax NNX model of its own and into specjax's
+Gemma forward, and speculates with each drafting for the other.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL = (ROOT / "README.md", "## Use from your own model")
 DRAFTER = (ROOT / "docs" / "drafters.md",
            "## The protocol: `specjax.drafters.Drafter`")
+NNX = (ROOT / "docs" / "nnx_gemma.md", "# Another JAX project's model: a "
+       "Flax NNX Gemma 3 through `specjax.decode`")
 
 
 def _section(text: str, heading: str) -> str:
@@ -70,7 +74,8 @@ def _run(codes: list[str], source: pathlib.Path) -> dict:
   return module.__dict__
 
 
-@pytest.mark.parametrize("where", [MODEL, DRAFTER], ids=["model", "drafter"])
+@pytest.mark.parametrize("where", [MODEL, DRAFTER, NNX],
+                         ids=["model", "drafter", "nnx"])
 def test_snippet_ends_with_an_assert(where):
   code, source = snippet(where)
   last = [l for l in code.splitlines() if l.strip()][-1]
@@ -99,3 +104,24 @@ def test_own_drafter_snippet_runs():
   assert out.tokens.shape == ref.tokens.shape == (2, 12)
   assert int(out.stats.steps) >= 1
   assert int(out.stats.proposed.sum()) > 0  # it proposed drafts
+
+
+def test_nnx_gemma_snippet_runs(hf_checkpoint, monkeypatch):
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  directory, _ = hf_checkpoint("gemma3")  # transformers' tiny random Gemma 3
+  monkeypatch.setenv("GEMMA3_CHECKPOINT", directory)
+  code, source = snippet(NNX)
+  namespace = _run([code], source)
+  # An NNX module of the page's own on each side of a speculation.
+  for name in ("nnx_gemma", "nnx_draft"):
+    module = nnx.merge(namespace[name].graph, namespace[name].state)
+    assert isinstance(module, nnx.Module), name
+    assert type(module).__module__ == "readme_snippet", name
+  out, back = namespace["out"], namespace["back"]
+  assert out.tokens.shape == back.tokens.shape == (2, 16)
+  # specjax's forward drafted exactly the NNX model's greedy tokens at every
+  # position (the two implementations agree), while the random NNX draft
+  # was rejected somewhere, so the NNX cache was rolled back.
+  from_specjax, from_nnx = namespace["alpha"]
+  assert from_specjax == 1.0
+  assert 0.0 < from_nnx < 1.0
