@@ -39,7 +39,8 @@ drafter), `policies=auto/heuristic` (adaptive γ runs beside the
 fixed ones, `specjax.policies`) with `max_gamma=8`, `nodes=16` (token trees
 of at most 16 nodes at depth <= γ; 0 drafts chains), `nodes_sweep=0/8/16`
 (one row per tree size, 0 a chain), `quantize=gguf|int8|int4` and
-`draft_quantize=...` (weight quantization of each model).
+`draft_quantize=...` (weight quantization of each model; with
+`--config.draft=same`, the target's own weights quantized draft for it).
 
 Generation controls (`specjax.decode.generate`; the baseline and every
 speculative run get the same): `stop=S1/S2` (stop strings, `/`-separated,
@@ -147,7 +148,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # directory, a Hugging Face Hub id, or `tiny` (random tiny model).
   config.target = pair["target"]
   # Draft model, same forms as `target`; `same` drafts with the target
-  # itself (α = 1 sanity check). Must share the target's tokenizer.
+  # itself (α = 1 sanity check), or with `draft_quantize` with a quantized
+  # copy of the target's own weights (self-speculation from quantized
+  # weights: `draft=same`, `draft_quantize=int4`, or `gguf` for the
+  # target's GGUF blocks). Must share the target's tokenizer.
   config.draft = pair["draft"]
   # Parameter dtype: `auto` (float32 on CPU, bfloat16 on GPU/TPU), `float32`,
   # `bfloat16` or `float16`. XLA CPU bf16 matmuls are ~25x slower than fp32.

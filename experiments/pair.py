@@ -80,7 +80,7 @@ def load_pair(config: Any) -> Pair:
                                       dtype=dtype)
     if config.get("quantize"):
       target = target.quantize(config.quantize)
-    if config.get("draft_quantize"):
+    if config.get("draft_quantize") and config.draft != "same":
       draft = draft.quantize(config.draft_quantize)
     target, _ = tuning.apply(target, config.matmul, rows=rows,
                              cache_dir=config.cache_dir or None)
@@ -100,7 +100,7 @@ def load_pair(config: Any) -> Pair:
       draft, _ = load(config.draft, split=config.draft_split,
                       quantize=config.get("draft_quantize") or None)
   if config.draft == "same":
-    draft = target
+    draft = _same(config, target, load if config.target != "tiny" else None)
   elif mesh is not None:  # the tiny pair; loaders placed the others
     target = sharding.shard(target, mesh)
     draft = sharding.shard(draft, mesh, split=config.draft_split)
@@ -111,6 +111,25 @@ def load_pair(config: Any) -> Pair:
         f"{target.vocab_size}; speculative decoding needs a shared "
         "tokenizer.")
   return Pair(target, draft, tokenizer, time.perf_counter() - start)
+
+
+def _same(config: Any, target: Any, load: Any) -> Any:
+  """`draft=same`: the target itself (α = 1), or with `draft_quantize` a
+  quantized copy of the target's own weights (QSpec-style
+  self-speculation: no second model, no training). The copy has its own
+  parameters and, as a draft, its own cache, so the target is untouched
+  and speculation stays exact. `gguf` reads the target's GGUF file's own
+  blocks (`load`: the pair's loader; None for the tiny pair)."""
+  spec = config.get("draft_quantize")
+  if not spec:
+    return target
+  if spec == "gguf":
+    if load is None:
+      raise ConfigError("config.draft_quantize='gguf' needs a GGUF target "
+                        f"(config.target={config.target!r}).")
+    logging.info("Loading the target's GGUF blocks as its draft")
+    return load(config.target, quantize="gguf")[0]
+  return target.quantize(spec)
 
 
 def make_mesh(config: Any) -> jax.sharding.Mesh | None:

@@ -175,9 +175,9 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
                            dict(mesh=mesh, split=split) if mesh else {},
                            spec)
   if spec is not None and matmul == "auto":
-    # Nothing float to tune; the kernel reads 4- and 8-bit codes 3-8x
-    # faster than XLA's dequantise-then-dot on CPU (tests/
-    # test_quantized_kernel.py; other formats stay on XLA either way).
+    # Nothing float to tune; the kernel reads every format's packed codes
+    # once for all rows, where XLA's CPU backend dequantises each matrix
+    # into a float32 temporary first (tests/test_quantized_kernel.py).
     matmul = "out_in/kernel" if kernels.available() else None
   if matmul is not None:
     model, _ = tuning.matmul.apply(model, matmul, rows=tune_rows, donate=True,

@@ -303,3 +303,40 @@ def test_sentencepiece_bpe_merges_in_file_order():
   assert tok.encode("<start_of_turn>h") == [ids["<start_of_turn>"],
                                              ids["h"]]
   assert tok.decode(tok.encode("hello  é")) == "hello  é"
+
+
+@pytest.mark.parametrize("geometry", ["chain", "tree"])
+def test_local_layers_read_only_their_window(geometry, monkeypatch):
+  """Once the cache holds twice the window, a local layer reads only its
+  window's W slots per row (`transformer.window_start`); its logits equal
+  reading all S slots, for ragged rows and a token tree. (The same terms
+  plus masked zeros, summed in another order: float32 rounding.)"""
+  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from specjax.models import transformer
+  target, _ = tiny.gemma3_pair(seed=3)
+  window, size = target.config.sliding_window, 32
+  keys = jax.random.split(jax.random.key(0))
+  prompts = jax.random.randint(keys[0], (2, 20), 1, target.vocab_size)
+  lengths = jnp.array([13, 20], jnp.int32)  # both past the window
+  _, cache = target.prefill(prompts, lengths, target.init_cache(2, size))
+  chunk = jax.random.randint(keys[1], (2, 5), 1, target.vocab_size)
+  if geometry == "tree":
+    # Root, two children, one grandchild under each.
+    ancestors = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0],
+                          [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], bool)
+    geometry = dict(positions=lengths[:, None] + jnp.array([0, 1, 1, 2, 2]),
+                    mask=jnp.asarray(ancestors)[None])
+    assert transformer.window_start(geometry["positions"], size,
+                                    window) is not None
+  else:
+    geometry = {}
+
+  def logits():
+    return np.asarray(target(chunk, cache, **geometry)[0].logits)
+
+  windowed = logits()
+  monkeypatch.setattr(transformer, "window_start", lambda *args: None)
+  np.testing.assert_allclose(windowed, logits(), rtol=1e-5, atol=1e-5)

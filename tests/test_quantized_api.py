@@ -114,3 +114,28 @@ def test_experiment_config_quantizes_draft_and_target_independently():
   config.draft_quantize = "int5"
   with pytest.raises(validation.ConfigError, match="draft_quantize"):
     validation.validate_config(config)
+
+
+def test_same_draft_with_draft_quantize_is_the_targets_quantized_copy():
+  """`draft=same` + `draft_quantize`: the target's own weights, quantized,
+  draft for the float target; the target keeps its float weights and the
+  greedy run stays exact (QSpec-style self-speculation)."""
+  from specjax import decode  # pylint: disable=g-import-not-at-top
+  config = tiny_config.get_config()
+  config.draft, config.draft_quantize = "same", "int4"
+  validation.validate_config(config)
+  pair = pair_lib.load_pair(config)
+  assert (pair.target.quantization, pair.draft.quantization) == (None,
+                                                                 "int4")
+  assert pair.draft.config == pair.target.config
+  prompts = [[3, 9, 27, 81], [5, 25]]
+  ref = decode.generate(pair.target, prompts, max_new_tokens=10)
+  out = decode.speculative_generate(pair.target, pair.draft, prompts,
+                                    gamma=3, max_new_tokens=10)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  # Its own weights at 4 bits predict most of the target's tokens.
+  assert out.stats.accepted_by_position.sum() > (
+      0.5 * out.stats.proposed_by_position.sum())
+  config.draft_quantize = "gguf"  # the tiny target has no GGUF file
+  with pytest.raises(validation.ConfigError, match="GGUF target"):
+    pair_lib.load_pair(config)

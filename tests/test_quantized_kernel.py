@@ -28,7 +28,7 @@ def _matrices():
   w = np.random.default_rng(0).normal(0, 1, (40, 512)).astype(np.float32)
   out = {s: quantized.quantize_array(w, quantized.QuantSpec.parse(s), s)
          for s in ("int8", "int4", "int4:g16:sym")}
-  for qtype in (Q.Q8_0, Q.Q4_K):
+  for qtype in (Q.Q8_0, Q.Q4_K, Q.Q5_0, Q.Q6_K):
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
     out[qtype.name] = gguf_blocks.from_blocks(
         random_blocks(qtype, 40, 512 // block), qtype, "t", (512, 40))
@@ -56,15 +56,16 @@ def test_kernel_equals_the_xla_product(name, rows):
   np.testing.assert_array_equal(np.asarray(one), np.asarray(got[:1]))
 
 
-def test_formats_with_high_bits_stay_on_xla():
-  qtype = Q.Q6_K
-  w = jax.tree.map(jnp.asarray, gguf_blocks.from_blocks(
-      random_blocks(qtype, 8, 1), qtype, "t", (256, 8)))
-  assert not quantized.kernel_supports(w)
-  x = jnp.ones((3, 256), jnp.float32)
-  np.testing.assert_array_equal(
-      np.asarray(quantized.matmul(x, w, kernel=True)),
-      np.asarray(quantized.matmul(x, w)))
+def test_bad_high_bit_planes_are_refused():
+  w = MATRICES["Q6_K"]
+  x = jnp.ones((3, 512), jnp.float32)
+  with pytest.raises(ValueError, match="6-bit matrix"):
+    kernels.smallm_quantized(x, w.low, w.scales, w.mins, bits=6,
+                             group=w.group, offset=w.offset)  # no high
+  with pytest.raises(ValueError, match="6-bit matrix"):
+    kernels.smallm_quantized(x, w.low, w.scales, w.mins, bits=6,
+                             group=w.group, offset=w.offset,
+                             high=w.high[:, :-1])
 
 
 @pytest.mark.slow

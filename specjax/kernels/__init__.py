@@ -157,22 +157,24 @@ def smallm_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
                      mins: jax.Array | None, *, bits: int, group: int,
-                     offset: int) -> jax.Array:
+                     offset: int, high: jax.Array | None = None
+                     ) -> jax.Array:
   """x [X, I] float32 times a packed matrix [O, I] -> [X, O] float32.
 
   The matrix is w[o, i] = (c[o, i] - offset) * scales[o, i // G]
-  - mins[o, i // G] (`specjax.models.quantized`, formats without high
-  bits); the kernel reads each packed weight row once, dequantises it into
-  L1 and applies it to all X rows.
+  - mins[o, i // G] (`specjax.models.quantized`), with c = low | high << 4
+  for 5- and 6-bit codes; the kernel reads each packed weight row once,
+  dequantises it into L1 and applies it to all X rows.
 
   Args:
     x: [X, I] float32, X <= MAX_ROWS.
-    codes: [O, I] int8 (bits 8) or [O, I // 2] uint8 nibbles (bits 4).
+    codes: [O, I] int8 (bits 8) or [O, I // 2] uint8 nibbles (bits 4-6).
     scales: [O, I // G] float16 or float32.
     mins: [O, I // G] float32, or None.
-    bits: 8 or 4.
-    group: G.
+    bits: 4, 5, 6 or 8.
+    group: G, a multiple of 16.
     offset: subtracted from the codes.
+    high: [O, I * (bits - 4) // 8] uint8 high bits for 5 and 6 bits.
 
   Raises:
     KernelError: the kernels are not available here.
@@ -182,16 +184,25 @@ def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
     raise KernelError("The specjax CPU kernels are not available on this "
                       "machine (see the log); use an XLA matmul plan.")
   rows, cols = x.shape
-  if (x.dtype != jnp.float32 or bits not in (4, 8) or rows > MAX_ROWS
-      or codes.shape[1] * (8 // bits) != cols
-      or scales.shape != (codes.shape[0], cols // group)):
+  per_byte = 1 if bits == 8 else 2
+  high_bits = bits - 4 if bits in (5, 6) else 0
+  if (x.dtype != jnp.float32 or bits not in (4, 5, 6, 8)
+      or rows > MAX_ROWS or group % 16
+      or codes.shape[1] * per_byte != cols
+      or scales.shape != (codes.shape[0], cols // group)
+      or (high is None) != (not high_bits)
+      or (high is not None
+          and high.shape != (codes.shape[0], cols * high_bits // 8))):
     raise ValueError(f"smallm_quantized: x {x.dtype}{x.shape}, codes "
-                     f"{codes.shape}, scales {scales.shape} do not make a "
-                     f"{bits}-bit matrix of groups of {group}.")
+                     f"{codes.shape}, high "
+                     f"{None if high is None else high.shape}, scales "
+                     f"{scales.shape} do not make a {bits}-bit matrix of "
+                     f"groups of {group}.")
   codes = jax.lax.bitcast_convert_type(codes, jnp.uint8)
   scales = scales.astype(jnp.float32)  # float16 -> float32 is exact
   out = jax.ShapeDtypeStruct((rows, codes.shape[0]), jnp.float32)
   return jax.ffi.ffi_call(_QUANT_TARGET, out)(
-      x, codes, scales, scales if mins is None else mins,
+      x, codes, codes if high is None else high, scales,
+      scales if mins is None else mins,
       bits=np.int64(bits), group=np.int64(group), offset=np.int64(offset),
       has_mins=np.int64(mins is not None))

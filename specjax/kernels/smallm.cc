@@ -12,6 +12,7 @@
 // lower to AVX-512, AVX2 or NEON as the machine has.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -168,16 +169,44 @@ ffi::Error SmallMImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
-// Quantized weights (specjax.models.quantized, formats without high bits):
-// codes [N, K] int8 (bits 8) or [N, K / 2] nibbles (bits 4; in each group
-// of G, byte i holds element i in its low nibble and i + G/2 in its high
-// one), one scale (and min) per group of G inputs:
-// w = (code - offset) * scale - min. Each tile's weight rows are read as
-// packed bytes once, dequantised into a buffer that stays in L1, and
-// applied to every x row by the float tiles above.
+// Quantized weights (specjax.models.quantized): codes [N, K] int8 (bits 8)
+// or [N, K / 2] nibbles (bits 4, 5, 6; in each group of G, byte i holds
+// element i in its low nibble and i + G/2 in its high one), for 5 and 6
+// bits a plane of hb = bits - 4 high bits per element, [N, K * hb / 8]
+// (byte b holds elements b * 8/hb + p at bit p * hb), and one scale (and
+// min) per group of G inputs: w = (code - offset) * scale - min, with code
+// = low | high << 4. Each tile's weight rows are read as packed bytes once,
+// dequantised into a buffer that stays in L1, and applied to every x row
+// by the float tiles above.
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+typedef uint64_t u64x2 __attribute__((vector_size(16)));
+constexpr uint64_t kLowNibbles = 0x0f0f0f0f0f0f0f0full;
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef float f32x16 __attribute__((vector_size(64)));
+
+// A byte of hb-bit high codes -> its 8 / hb elements' bytes, each shifted
+// into bits 4 and up (element p of the byte at bit p * hb).
+template <int HB, typename T>
+constexpr std::array<T, 256> high_table() {
+  std::array<T, 256> table{};
+  for (int byte = 0; byte < 256; ++byte) {
+    T out = 0;
+    for (int p = 0; p < 8 / HB; ++p) {
+      const T code = (byte >> (p * HB)) & ((1 << HB) - 1);
+      out |= (code << 4) << (8 * p);
+    }
+    table[byte] = out;
+  }
+  return table;
+}
+constexpr std::array<uint32_t, 256> kHigh2 = high_table<2, uint32_t>();
+constexpr std::array<uint64_t, 256> kHigh1 = high_table<1, uint64_t>();
+
 struct QWork {
   const float* x;
   const uint8_t* codes;
+  const uint8_t* high;  // nullptr: no high bits
   const float* scales;
   const float* mins;  // nullptr: no mins
   float* y;
@@ -185,35 +214,65 @@ struct QWork {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> finished{0};
 
+  // 16 consecutive codes of one group -> out[0, 16): (code - offset) *
+  // scale - min, as specjax.models.quantized computes it.
+  static inline void emit(i32x16 codes, int32_t off, float sc, float mv,
+                          float* out) {
+    const f32x16 w = __builtin_convertvector(codes - off, f32x16) * sc - mv;
+    std::memcpy(out, &w, sizeof(w));
+  }
+
   void dequantise(int64_t j, float* out) const {
     const int64_t groups = k / group;
-    // int32, not int64: int64 -> float has no AVX2 conversion, so the loops
-    // below would not vectorise.
     const int32_t off = static_cast<int32_t>(offset);
     const float* s = scales + j * groups;
     const float* mn = mins ? mins + j * groups : nullptr;
     if (bits == 8) {
-      const int8_t* __restrict c =
-          reinterpret_cast<const int8_t*>(codes) + j * k;
+      const uint8_t* c = codes + j * k;
       for (int64_t g = 0; g < groups; ++g) {
         const float sc = s[g], mv = mn ? mn[g] : 0.f;
-        for (int64_t i = g * group; i < (g + 1) * group; ++i)
-          out[i] = static_cast<float>(c[i] - off) * sc - mv;
+        for (int64_t e = g * group; e < (g + 1) * group; e += 16) {
+          // int8 through uint8: GCC widens uint8 vectors with one
+          // instruction but int8 ones element by element.
+          u8x16 v;
+          std::memcpy(&v, c + e, 16);
+          emit(__builtin_convertvector(v ^ 0x80, i32x16) - 128, off, sc, mv,
+               out + e);
+        }
       }
       return;
     }
-    // Within a group, byte i holds element i and element i + G/2.
+    // Within a group, byte i holds element i and element i + G/2; the
+    // codes of 16 consecutive elements are the low (then high) nibbles of
+    // 16 bytes, or for G = 16 the low then high nibbles of its 8 bytes.
     const int64_t half = group / 2;
     for (int64_t g = 0; g < groups; ++g) {
-      // Restrict: a uint8_t pointer may alias anything, which would keep
-      // these loops scalar.
-      const uint8_t* __restrict c = codes + j * (k / 2) + g * half;
-      float* __restrict o = out + g * group;
+      const uint8_t* c = codes + j * (k / 2) + g * half;
       const float sc = s[g], mv = mn ? mn[g] : 0.f;
-      for (int64_t i = 0; i < half; ++i)
-        o[i] = static_cast<float>((c[i] & 15) - off) * sc - mv;
-      for (int64_t i = 0; i < half; ++i)
-        o[half + i] = static_cast<float>((c[i] >> 4) - off) * sc - mv;
+      for (int64_t e = 0; e < group; e += 16) {
+        u8x16 v;
+        if (half == 8) {  // built from two 64-bit halves: byte shuffles
+          uint64_t b;     // and partial copies compile to scalar code
+          std::memcpy(&b, c, 8);
+          const u64x2 both = {b & kLowNibbles, (b >> 4) & kLowNibbles};
+          v = reinterpret_cast<const u8x16&>(both);
+        } else {
+          std::memcpy(&v, c + e % half, 16);
+          v = e < half ? v & 15 : v >> 4;
+        }
+        if (bits == 6) {  // 16 elements' high bits are 4 bytes
+          const uint8_t* h = high + (j * k + g * group + e) / 4;
+          const u32x4 t = {kHigh2[h[0]], kHigh2[h[1]], kHigh2[h[2]],
+                           kHigh2[h[3]]};
+          v |= reinterpret_cast<const u8x16&>(t);
+        } else if (bits == 5) {  // 2 bytes
+          const uint8_t* h = high + (j * k + g * group + e) / 8;
+          const u64x2 t = {kHigh1[h[0]], kHigh1[h[1]]};
+          v |= reinterpret_cast<const u8x16&>(t);
+        }
+        emit(__builtin_convertvector(v, i32x16), off, sc, mv,
+             out + g * group + e);
+      }
     }
   }
 
@@ -245,23 +304,30 @@ struct QWork {
 
 ffi::Error SmallMQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                            ffi::Buffer<ffi::U8> codes,
+                           ffi::Buffer<ffi::U8> high,
                            ffi::Buffer<ffi::F32> scales,
                            ffi::Buffer<ffi::F32> mins,
                            ffi::ResultBuffer<ffi::F32> y, int64_t bits,
                            int64_t group, int64_t offset, int64_t has_mins) {
   const auto xd = x.dimensions(), cd = codes.dimensions();
-  const auto sd = scales.dimensions();
+  const auto hd = high.dimensions(), sd = scales.dimensions();
+  const int64_t low_bits = bits == 8 ? 8 : 4;
+  const bool has_high = bits == 5 || bits == 6;
   if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 ||
-      (bits != 8 && bits != 4) || group <= 0 || group % 2 ||
+      (bits < 4 || bits > 8 || bits == 7) || group <= 0 || group % 16 ||
       xd[1] % group || sd[0] != cd[0] || sd[1] * group != xd[1] ||
-      cd[1] * (8 / bits) != xd[1]) {
+      cd[1] * (8 / low_bits) != xd[1] ||
+      (has_high && (hd.size() != 2 || hd[0] != cd[0] ||
+                    hd[1] * 8 != xd[1] * (bits - 4)))) {
     return ffi::Error::InvalidArgument(
         "specjax_smallm_quant expects x [M, K], codes [N, K * bits / 8] "
-        "and scales [N, K / group] with bits 4 or 8");
+        "(8 bits) or [N, K / 2], for 5 or 6 bits high [N, K * (bits - 4) "
+        "/ 8], and scales [N, K / group], group a multiple of 16");
   }
   auto work = std::make_shared<QWork>();
   work->x = x.typed_data();
   work->codes = codes.typed_data();
+  work->high = has_high ? high.typed_data() : nullptr;
   work->scales = scales.typed_data();
   work->mins = has_mins ? mins.typed_data() : nullptr;
   work->y = y->typed_data();
@@ -294,6 +360,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMQuant, SmallMQuantImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

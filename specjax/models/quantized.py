@@ -163,9 +163,9 @@ def dequantize(w: QuantizedMatrix) -> jax.Array:
 
 
 def kernel_supports(w: QuantizedMatrix) -> bool:
-  """Whether `kernels.smallm_quantized` takes w's format (4- or 8-bit codes
-  without high bits: q8_0, q4_k, int8, int4)."""
-  return w.high is None and w.bits in (4, 8)
+  """Whether `kernels.smallm_quantized` takes w's format: every format
+  (q8_0, q4_k, q5_0, q6_k, int8, int4) with groups a multiple of 16."""
+  return w.bits in (4, 5, 6, 8) and w.group % 16 == 0
 
 
 def matmul(x: jax.Array, w: QuantizedMatrix, out_dtype: Any = None,
@@ -186,7 +186,7 @@ def matmul(x: jax.Array, w: QuantizedMatrix, out_dtype: Any = None,
     lead = x.shape[:-1]
     out = kernels.smallm_quantized(
         x.reshape(-1, w.cols), w.low, w.scales, w.mins, bits=w.bits,
-        group=w.group, offset=w.offset)  # [X, O]
+        group=w.group, offset=w.offset, high=w.high)  # [X, O]
     return out.reshape(*lead, w.rows).astype(out_dtype or x.dtype)
   wf = dequantize(w).astype(x.dtype)  # [O, I]
   out = jax.lax.dot_general(x, wf, (((x.ndim - 1,), (1,)), ((), ())),

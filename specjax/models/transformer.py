@@ -14,7 +14,9 @@ Queries also read the row's valid cache slots; cache slots hold consecutive
 positions (slot s is position s, which `KVCache.compact` maintains), so a
 sliding window is computed from positions, never from index differences.
 Gemma 3's local and global layers each read their own mask and rope
-(`ModelConfig.layer_window`, `ModelConfig.layer_rope`).
+(`ModelConfig.layer_window`, `ModelConfig.layer_rope`); once the cache holds
+at least twice a local layer's window W, that layer reads only a W-slot slice
+of it per row (`window_start`), so its cost stops growing with S.
 Stale cache entries past a row's length are never read, so rollback is only a
 change of `cache.lengths`. The cache is read once per layer and never copied
 whole: only the new chunk is written.
@@ -114,22 +116,27 @@ def causal_mask(num_tokens: int) -> jax.Array:
 
 
 def attention_masks(offsets: jax.Array, positions: jax.Array,
-                    mask: jax.Array, size: int,
-                    window: int | None) -> tuple[jax.Array, jax.Array]:
+                    mask: jax.Array, size: int, window: int | None,
+                    start: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array]:
   """Which keys each query of a chunk may read.
 
   Args:
     offsets: [B] int32 valid cache length per row (slot s holds position s).
     positions: [B, T] int32 positions of the chunk's tokens.
     mask: [B or 1, T, T] bool, which chunk tokens each query reads.
-    size: S.
+    size: S, or the window W when `start` is given.
     window: sliding window, or None: a query at position p then reads only
       keys at positions > p - window.
+    start: [B] int32 first slot of the cache slice the layer reads
+      (`window_start`), or None for all S slots.
 
   Returns:
-    cache_mask [B, T, S] and chunk_mask [B or 1, T, T], bool.
+    cache_mask [B, T, S or W] and chunk_mask [B or 1, T, T], bool.
   """
   slots = jnp.arange(size)[None, None, :]
+  if start is not None:
+    slots = slots + start[:, None, None]
   cache_mask = slots < offsets[:, None, None]
   chunk_mask = mask
   if window is not None:
@@ -137,6 +144,37 @@ def attention_masks(offsets: jax.Array, positions: jax.Array,
     cache_mask &= slots > query - window
     chunk_mask &= query - positions[:, None, :] < window
   return cache_mask, chunk_mask
+
+
+def window_start(positions: jax.Array, size: int,
+                 window: int | None) -> jax.Array | None:
+  """Where a local layer's window of W = `window` cache slots starts per
+  row, or None to read all S = `size` slots (a global layer, or S < 2W,
+  where a copied window saves nothing).
+
+  A query at position p reads slots in (p - W, length); with every position
+  of the chunk at least the row's length (chains, trees verified after it,
+  prefill chunks), slots [min p - W + 1, min p + 1) hold all of them.
+
+  Args:
+    positions: [B, T] int32 positions of the chunk.
+    size: S.
+    window: the sliding window W, or None.
+
+  Returns:
+    [B] int32 first slot of each row's window, in [0, S - W].
+  """
+  if window is None or size < 2 * window:
+    return None
+  lowest = jnp.min(positions, axis=1)
+  return jnp.clip(lowest - (window - 1), 0, size - window).astype(jnp.int32)
+
+
+def window_slots(cache_k: jax.Array, start: jax.Array,
+                 window: int) -> jax.Array:
+  """[B, S, K, D] cache and [B] starts -> each row's [B, W, K, D] window."""
+  return jax.vmap(lambda rows, at: jax.lax.dynamic_slice_in_dim(
+      rows, at, window, axis=0))(cache_k, start)
 
 
 def _param(module: nn.Module, name: str, shape, dtype, init=_INIT):
@@ -216,11 +254,13 @@ class Block(nn.Module):
 
     Args:
       x: [B, T, E] residual stream.
-      k_cache: [B, S, K, D] this layer's cached keys (read only), or None
-        when the cache is empty (prefill).
-      v_cache: [B, S, K, D] this layer's cached values, or None.
+      k_cache: [B, S, K, D] this layer's cached keys (read only; a local
+        layer may get only its window's [B, W, K, D]), or None when the
+        cache is empty (prefill).
+      v_cache: [B, S or W, K, D] this layer's cached values, or None.
       positions: [B, T] absolute positions of the chunk.
-      cache_mask: [B, T, S] which cache slots each query reads, or None.
+      cache_mask: [B, T, S or W] which cache slots each query reads, or
+        None.
       chunk_mask: [B or 1, T, T] which chunk tokens each query reads.
 
     Returns:
@@ -377,23 +417,34 @@ class Transformer(nn.Module):
       positions = default_positions(offsets, num_tokens)
     if mask is None:
       mask = causal_mask(num_tokens)
-    # (cache mask [B, T, S], chunk mask [B or 1, T, T]) per window run.
+    # (cache mask [B, T, S or W], chunk mask [B or 1, T, T], window start
+    # [B] or None) per window run. Local layers read only their window's
+    # slots of a long cache (`window_start`); a caller's own cache mask
+    # (tree drafts kept in the cache) sees every slot.
     masks = {}
     for window in sorted({c.layer_window(i) for i in range(first, stop)},
                          key=str):
-      cache_m, chunk_m = attention_masks(offsets, positions, mask, cache.size,
-                                         window)
+      start = (None if cache_mask is not None or cache_is_empty else
+               window_start(positions, cache.size, window))
+      cache_m, chunk_m = attention_masks(
+          offsets, positions, mask,
+          cache.size if start is None else window, window, start)
       if cache_mask is not None:
         cache_m &= cache_mask
-      masks[window] = (cache_m, chunk_m)
+      masks[window] = (cache_m, chunk_m, start)
     ks, vs, chosen = [], [], {}
     for i in range(first, stop):
-      cache_m, chunk_m = masks[c.layer_window(i)]
+      window = c.layer_window(i)
+      cache_m, chunk_m, start = masks[window]
       with jax.named_scope(f"layer_{i}"):
         if cache_is_empty:
           x, k, v = self.layers[i](x, None, None, positions, None, chunk_m)
         else:
-          x, k, v = self.layers[i](x, cache.k[i], cache.v[i], positions,
+          k_cache, v_cache = cache.k[i], cache.v[i]
+          if start is not None:
+            k_cache = window_slots(k_cache, start, window)
+            v_cache = window_slots(v_cache, start, window)
+          x, k, v = self.layers[i](x, k_cache, v_cache, positions,
                                    cache_m, chunk_m)
       ks.append(k)
       vs.append(v)
