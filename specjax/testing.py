@@ -195,3 +195,22 @@ def random_eagle(target: Model, seed: int = 1, scale: float = 0.1) -> Eagle:
       jax.random.key(0), zeros, zeros, layer_cache(c, 1, 1)))
   return Eagle(target=target,
                params=_randomized(shapes["params"], seed, scale))
+
+
+# Where each GGUF block type keeps its float16 scales (byte offsets).
+_F16_FIELDS = {"Q8_0": (0,), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(qtype: Any, rows: int, blocks: int,
+                  seed: int = 0) -> np.ndarray:
+  """[rows, blocks * type_size] uint8: random GGUF blocks of `qtype` (a
+  `gguf.GGMLQuantizationType` in Q8_0, Q5_0, Q4_K, Q6_K) with finite
+  float16 scales."""
+  import gguf  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed)
+  _, size = gguf.GGML_QUANT_SIZES[qtype]
+  data = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+  for start in _F16_FIELDS[qtype.name]:
+    scale = rng.normal(0, 0.02, (rows, blocks, 1)).astype(np.float16)
+    data[..., start:start + 2] = scale.view(np.uint8)
+  return data.reshape(rows, blocks * size)

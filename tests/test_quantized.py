@@ -20,22 +20,10 @@ from specjax.models import quantized
 from specjax.models import tiny
 from specjax.models.matmul import MatmulPlan
 from specjax.models.matmul import project
+from specjax.testing import random_blocks
 import test_gguf
 
 Q = gguf.GGMLQuantizationType
-# Byte offsets of each format's float16 fields within a block.
-_F16_FIELDS = {Q.Q8_0: (0,), Q.Q5_0: (0,), Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
-
-
-def random_blocks(qtype, rows, blocks, seed=0):
-  """[rows, blocks * type_size] uint8 of random bytes, scales finite."""
-  rng = np.random.default_rng(seed)
-  _, size = gguf.GGML_QUANT_SIZES[qtype]
-  data = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
-  for start in _F16_FIELDS[qtype]:
-    scale = rng.normal(0, 0.02, (rows, blocks, 1)).astype(np.float16)
-    data[..., start:start + 2] = scale.view(np.uint8)
-  return data.reshape(rows, blocks * size)
 
 
 def _device(w):

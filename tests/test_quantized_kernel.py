@@ -16,8 +16,8 @@ from specjax import kernels
 from specjax.checkpoints import gguf_blocks
 from specjax.models import quantized
 from specjax.models import tiny
+from specjax.testing import random_blocks
 from test_quantized import _assert_rounding_close
-from test_quantized import random_blocks
 
 Q = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(not kernels.available(),

@@ -1,0 +1,75 @@
+r"""Issue 55: one matrix product per weight format, the CPU kernel against
+XLA and against float32.
+
+A [O, I] = [8960, 1536] matrix (the 1.5B target's MLP up projection) in
+float32 and in each GGUF format the offline Qwen files use (random blocks,
+`specjax.testing.random_blocks`), times X rows (1: a decode step, 9: a
+verification pass at γ = 8). Prints the best of 20 calls per format and
+path, in ms, with the bytes the product reads and the implied GB/s.
+
+COMMAND: python scripts/bench_quant_kernel.py [--rows=1,9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import hardware
+from specjax import kernels
+from specjax.checkpoints import gguf_blocks
+from specjax.models import quantized
+from specjax.testing import random_blocks
+
+O, I = 8960, 1536
+Q = gguf.GGMLQuantizationType
+
+
+def _best_ms(fn, *args, calls: int = 20) -> float:
+  jax.block_until_ready(fn(*args))
+  best = float("inf")
+  for _ in range(calls):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - start)
+  return 1e3 * best
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--rows", default="1,9")
+  args = parser.parse_args()
+  matrices = {}
+  for qtype in (Q.Q4_K, Q.Q5_0, Q.Q6_K, Q.Q8_0):
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    matrices[qtype.name] = jax.tree.map(jnp.asarray, gguf_blocks.from_blocks(
+        random_blocks(qtype, O, I // block), qtype, "bench", (I, O)))
+  dense = jnp.asarray(np.random.default_rng(0).normal(
+      size=(O, I)).astype(np.float32))
+  kernel = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=True))
+  xla = jax.jit(quantized.matmul)
+  print(json.dumps({"cpu": hardware.cpu_id(), "jax": jax.__version__,
+                    "shape": [O, I], "kernels": kernels.available()}))
+  for rows in (int(r) for r in args.rows.split(",")):
+    x = jnp.ones((rows, I), jnp.float32)
+    fp32 = _best_ms(jax.jit(kernels.smallm_matmul), x, dense)
+    print(json.dumps({"rows": rows, "format": "float32", "bytes": dense.nbytes,
+                      "kernel_ms": round(fp32, 3),
+                      "GB_per_s": round(dense.nbytes / fp32 / 1e6, 1)}))
+    for name, w in matrices.items():
+      ms = _best_ms(kernel, x, w)
+      print(json.dumps({
+          "rows": rows, "format": name, "bytes": w.nbytes,
+          "kernel_ms": round(ms, 3), "xla_ms": round(_best_ms(xla, x, w), 3),
+          "GB_per_s": round(w.nbytes / ms / 1e6, 1),
+          "kernel_over_float32": round(ms / fp32, 3)}), flush=True)
+
+
+if __name__ == "__main__":
+  main()
