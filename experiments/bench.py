@@ -127,13 +127,6 @@ def jax_cache_dir(config: Any) -> str | None:
   return os.path.expanduser(config.jax_cache_dir)
 
 
-def _first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
-  for i, (x, y) in enumerate(zip(a, b)):
-    if x != y:
-      return i
-  return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def _ratio(a: float, b: float) -> float:
   return a / b if b else float("nan")
 
@@ -207,7 +200,7 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
     for b, index in enumerate(batch_rows[i]):
       prompt = prompt_set.prompts[index]
       spec_row, base_row = call.output.row(b), base.output.row(b)
-      mismatch = _first_mismatch(base_row, spec_row)
+      mismatch = metrics.first_difference(base_row, spec_row)
       row = {
           "id": prompt.id, "batch_index": i,
           "prompt_tokens": len(batch[b]),

@@ -32,6 +32,7 @@ from specjax import registry
 from specjax import sharding
 from specjax import testing
 from specjax.heads import train as heads_train
+from specjax.models import quantized
 from specjax.sharding import memory
 from specjax.tuning import matmul as tuning
 
@@ -123,12 +124,12 @@ def _same(config: Any, target: Any, load: Any) -> Any:
   spec = config.get("draft_quantize")
   if not spec:
     return target
-  if spec == "gguf":
+  if quantized.split_activations(spec)[0] == "gguf":
     if load is None:
-      raise ConfigError("config.draft_quantize='gguf' needs a GGUF target "
-                        f"(config.target={config.target!r}).")
+      raise ConfigError(f"config.draft_quantize={spec!r} needs a GGUF "
+                        f"target (config.target={config.target!r}).")
     logging.info("Loading the target's GGUF blocks as its draft")
-    return load(config.target, quantize="gguf")[0]
+    return load(config.target, quantize=spec)[0]
   return target.quantize(spec)
 
 

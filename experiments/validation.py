@@ -408,7 +408,7 @@ def validate_config(config: Any) -> None:
   for name in ("quantize", "draft_quantize"):
     value = config.get(name, "")
     try:
-      quantized.parse(value or None)
+      quantized.parse(quantized.split_activations(value or None)[0])
     except ValueError as e:
       check(False, f"config.{name}={value!r}: {e}")
   for name in ("gamma", "batch_size"):

@@ -4,8 +4,10 @@ Issue 55's peer benchmark. Both sides decode greedily the main job's
 prompts (`configs/llama_pair.py`: HumanEval, Qwen's chat template, the same
 token ids), B = 1, up to N new tokens, stopping at the tokenizer's EOS ids:
 
-- specjax: autoregressive on the fp32-dequantised model and on the file's
-  own blocks (`quantize="gguf"`), and prompt lookup at γ on the blocks.
+- specjax: autoregressive on the fp32-dequantised model, on the file's
+  own blocks (`quantize="gguf"`) and on the blocks with int8 activations
+  (`"gguf:a8"`, llama.cpp's arithmetic), and prompt lookup at γ on each
+  quantized model.
   Each call starts from an empty cache; the first call of each program
   is untimed (compilation), then each prompt is timed whole and with one
   new token (`hardware.timed_call`): the decoding phase is the difference.
@@ -16,13 +18,15 @@ token ids), B = 1, up to N new tokens, stopping at the tokenizer's EOS ids:
   processing is timed too ("end to end"); the decoding phase runs from the
   first generated token to the last.
 
-Also reports where llama.cpp's greedy tokens first differ from specjax's on
-the file's blocks (near-ties between two float orders can part them).
+Also reports where llama.cpp's greedy tokens first differ from each
+quantized specjax model's (near-ties between two float orders can part
+them).
 Writes `results.json` into --out and prints a table.
 
 COMMAND: python scripts/bench_llamacpp.py --out=results/llamacpp/NAME \
     [--target=qwen2.5-coder-1.5b-instruct] [--n=8] [--tokens=64] \
-    [--threads=2] [--gamma=8] [--num_pred=2,4,10]
+    [--threads=2] [--gamma=8] [--num_pred=2,4,10] \
+    [--quantize=fp32,gguf,gguf:a8]
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from experiments import pair as pair_lib
 from specjax import decode
 from specjax import drafters
 from specjax import hardware
+from specjax import metrics
 from specjax import registry
 from specjax import weights
 
@@ -55,15 +60,18 @@ def _rates(tokens: int, seconds: float, decode_tokens: int,
 
 
 def specjax_rows(target_name: str, prompts: Sequence[Sequence[int]],
-                 eos: Sequence[int], tokens: int, gamma: int
-                 ) -> tuple[dict[str, Any], list[list[int]]]:
-  """Each specjax mode's totals over `prompts`, and the greedy tokens of
-  the file's blocks."""
-  rows, outputs = {}, []
+                 eos: Sequence[int], tokens: int, gamma: int,
+                 quantizations: Sequence[str]
+                 ) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
+  """Each specjax mode's totals over `prompts` (autoregressive for each of
+  `quantizations`, "fp32" the float model, and lookup for the quantized
+  ones), and each quantized model's autoregressive greedy tokens."""
+  rows, outputs = {}, {}
   # One cache size for every prompt, as the main job: one program a mode.
   common = dict(eos_id=list(eos), cache_size=decode.default_cache_size(
       max(len(p) for p in prompts), tokens, reserve=gamma + 2))
-  for quantize in (None, "gguf"):
+  for quantize in quantizations:
+    quantize = None if quantize == "fp32" else quantize
     target, _ = registry.load_pretrained(target_name, quantize=quantize,
                                          progress=False)
     modes = {"autoregressive": lambda p, n, t=target: decode.generate(
@@ -87,7 +95,7 @@ def specjax_rows(target_name: str, prompts: Sequence[Sequence[int]],
           sum(c.decode_s for c in calls))
       rows[name]["weight_bytes_per_token"] = target.weight_bytes_per_token
       if quantize and mode == "autoregressive":
-        outputs = [c.output.row(0) for c in calls]
+        outputs[quantize] = [c.output.row(0) for c in calls]
     del target
   return rows, outputs
 
@@ -134,13 +142,6 @@ def llamacpp_rows(path: str, prompts: Sequence[Sequence[int]],
   return rows, outputs
 
 
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-  for i, (x, y) in enumerate(zip(a, b)):
-    if x != y:
-      return i
-  return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True)
@@ -150,6 +151,9 @@ def main() -> None:
   parser.add_argument("--threads", type=int, default=os.cpu_count())
   parser.add_argument("--gamma", type=int, default=8)
   parser.add_argument("--num_pred", default="2,4,10")
+  parser.add_argument("--quantize", default="fp32,gguf,gguf:a8",
+                      help="specjax's models: fp32, gguf (the file's "
+                      "blocks), gguf:a8 (and int8 activations)")
   args = parser.parse_args()
 
   config = llama_pair.get_config()
@@ -158,7 +162,7 @@ def main() -> None:
   _, prompts = pair_lib.encode_prompts(config, tokenizer)
   eos = tuple(tokenizer.eos_ids)
   spec, spec_tokens = specjax_rows(args.target, prompts, eos, args.tokens,
-                                   args.gamma)
+                                   args.gamma, args.quantize.split(","))
   peer, peer_tokens = llamacpp_rows(
       str(weights.gguf_path(args.target)), prompts, eos, args.tokens,
       args.threads, [int(k) for k in args.num_pred.split(",")])
@@ -177,8 +181,10 @@ def main() -> None:
       "best_specjax_over_best_llamacpp_end_to_end": (
           max(r["tokens_per_s"] for r in spec.values())
           / max(r["tokens_per_s"] for r in peer.values())),
-      "first_difference_from_llamacpp": [
-          _first_difference(a, b) for a, b in zip(spec_tokens, peer_tokens)],
+      "first_difference_from_llamacpp": {
+          name: [metrics.first_difference(a, b)
+                 for a, b in zip(tokens, peer_tokens)]
+          for name, tokens in spec_tokens.items()},
   }
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)

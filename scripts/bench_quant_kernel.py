@@ -5,7 +5,9 @@ A [O, I] = [8960, 1536] matrix (the 1.5B target's MLP up projection) in
 float32 and in each GGUF format the offline Qwen files use (random blocks,
 `specjax.testing.random_blocks`), times X rows (1: a decode step, 9: a
 verification pass at γ = 8). Prints the best of 20 calls per format and
-path, in ms, with the bytes the product reads and the implied GB/s.
+path, in ms, with the bytes the product reads and the implied GB/s: the
+kernel with float activations (exact), with int8 activations (`a8`,
+llama.cpp's arithmetic), and XLA.
 
 COMMAND: python scripts/bench_quant_kernel.py [--rows=1,9]
 """
@@ -57,18 +59,22 @@ def main() -> None:
   print(json.dumps({"cpu": hardware.cpu_id(), "jax": jax.__version__,
                     "shape": [O, I], "kernels": kernels.available()}))
   for rows in (int(r) for r in args.rows.split(",")):
-    x = jnp.ones((rows, I), jnp.float32)
+    x = jax.random.normal(jax.random.key(rows), (rows, I), jnp.float32)
     fp32 = _best_ms(jax.jit(kernels.smallm_matmul), x, dense)
     print(json.dumps({"rows": rows, "format": "float32", "bytes": dense.nbytes,
                       "kernel_ms": round(fp32, 3),
                       "GB_per_s": round(dense.nbytes / fp32 / 1e6, 1)}))
     for name, w in matrices.items():
       ms = _best_ms(kernel, x, w)
+      a8 = _best_ms(kernel, x, w.replace(act_bits=8))
       print(json.dumps({
           "rows": rows, "format": name, "bytes": w.nbytes,
-          "kernel_ms": round(ms, 3), "xla_ms": round(_best_ms(xla, x, w), 3),
+          "kernel_ms": round(ms, 3), "kernel_a8_ms": round(a8, 3),
+          "xla_ms": round(_best_ms(xla, x, w), 3),
           "GB_per_s": round(w.nbytes / ms / 1e6, 1),
-          "kernel_over_float32": round(ms / fp32, 3)}), flush=True)
+          "a8_GB_per_s": round(w.nbytes / a8 / 1e6, 1),
+          "kernel_over_float32": round(ms / fp32, 3),
+          "a8_over_float32": round(a8 / fp32, 3)}), flush=True)
 
 
 if __name__ == "__main__":

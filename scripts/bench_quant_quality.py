@@ -37,6 +37,7 @@ from configs import llama_pair
 from experiments import pair as pair_lib
 from specjax import decode
 from specjax import hardware
+from specjax import metrics
 from specjax import registry
 
 VARIANTS = ("float32", "gguf", "int8", "int4", "int4:g64:sym")
@@ -49,13 +50,6 @@ def _nll(model, tokens):
                  cache_is_empty=True)
   logp = jax.nn.log_softmax(out.logits.astype(jnp.float32))
   return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).sum()
-
-
-def _first_difference(a, b) -> int:
-  for i, (x, y) in enumerate(zip(a, b)):
-    if x != y:
-      return i
-  return min(len(a), len(b))
 
 
 def main() -> None:
@@ -93,7 +87,10 @@ def main() -> None:
     greedy = decode.generate(model, prompts, max_new_tokens=args.tokens)
     outputs = [greedy.row(b) for b in range(len(prompts))]
     reference = reference or outputs
-    agree = [_first_difference(a, b) for a, b in zip(outputs, reference)]
+    # Greedy agreement length: tokens equal before the first difference.
+    agree = [min(len(a), len(b)) if i is None else i
+             for a, b in zip(outputs, reference)
+             for i in [metrics.first_difference(a, b)]]
     row = {
         "model": args.model, "variant": variant,
         "quantization": model.quantization,

@@ -32,6 +32,16 @@ import numpy as np
 from specjax.tuning.cost import expected_tokens
 
 
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+  """The first index where token sequences a and b differ: the shorter
+  one's length when it is a prefix of the other, None when they are
+  equal."""
+  for i, (x, y) in enumerate(zip(a, b)):
+    if x != y:
+      return i
+  return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def _steps_run(stats: Any, row: int | None) -> np.ndarray:
   """Accepted counts of the (row, step) pairs that ran."""
   accepted = np.asarray(stats.accepted)

@@ -155,7 +155,10 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
       checkpoint's matrices (`specjax.models.quantized`). A quantized model
       has no float matrices for "auto" to tune: it gets "out_in/kernel"
       where the specjax CPU kernels are available (they read q8_0, q4_k,
-      int8 and int4 codes), else "in_out/xla". Not with `mesh`.
+      int8 and int4 codes), else "in_out/xla". Not with `mesh`. A ":a8"
+      suffix ("gguf:a8", "int4:a8") also quantizes the activations to
+      int8 (`Model.with_activations`: llama.cpp's arithmetic, integer
+      dot products in the CPU kernel).
 
   Returns:
     (model, tokenizer).
@@ -165,6 +168,7 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
       downloaded or its file failed verification.
     FileNotFoundError / ConnectionError / ValueError: from the loaders.
   """
+  quantize, act_bits = quantized.split_activations(quantize)
   spec = quantized.parse(quantize)
   if spec is not None and mesh is not None:
     raise ValueError(f"Cannot load {os.fspath(name_or_path)!r} quantized "
@@ -182,6 +186,8 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
   if matmul is not None:
     model, _ = tuning.matmul.apply(model, matmul, rows=tune_rows, donate=True,
                                    cache_dir=cache_dir)
+  if act_bits:
+    model = model.with_activations(act_bits)
   if mesh is not None:
     model = sharding.shard(model, mesh, split=split)
   return model, tokenizer

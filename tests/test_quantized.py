@@ -93,6 +93,26 @@ def test_int_quantization_error_is_half_a_step(name, bound):
   assert np.all(err.reshape(8, -1, group) <= bound * span[..., None] * 1.0001)
 
 
+def test_activation_quantization_by_chunks():
+  """Each row's chunks of 64 inputs: scale max|x| / 127, codes rounded
+  half to even (numpy's rule), an all-zero chunk all zero."""
+  rng = np.random.default_rng(3)
+  x = rng.normal(0, 2, (3, 192)).astype(np.float32)
+  x[1, 64:128] = 0.0
+  x[2, 5] = 40.0  # an outlier widens only its own chunk's step
+  got = np.asarray(quantized.quantize_activations(jnp.asarray(x)))
+  for r in range(3):
+    for c in range(3):
+      chunk = x[r, 64 * c:64 * (c + 1)]
+      d = np.float32(np.abs(chunk).max()) / np.float32(127)
+      want = (np.zeros_like(chunk) if d == 0 else
+              np.round(chunk / d).astype(np.float32) * d)
+      np.testing.assert_array_equal(got[r, 64 * c:64 * (c + 1)], want)
+  assert np.abs(got - x).max() <= 40.0 / 127 / 2 * (1 + 1e-6)
+  with pytest.raises(ValueError, match="chunks of 64"):
+    quantized.quantize_activations(jnp.ones((2, 96)))
+
+
 def test_group_size_must_divide_the_input_dimension():
   w = np.zeros((4, 96), np.float32)
   with pytest.raises(ValueError, match=r"'layers_0/up'.*64 does not divide"):

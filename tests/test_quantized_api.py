@@ -17,6 +17,7 @@ from specjax import registry
 from specjax.checkpoints import gguf as gguf_lib
 from specjax.checkpoints import hf
 from specjax.checkpoints import native
+from specjax.models import quantized
 from specjax.models import tiny
 from specjax.sharding import memory
 import test_gguf
@@ -82,6 +83,37 @@ def test_load_pretrained_gguf_file_each_way(tmp_path):
   want = _logits(dense, tokens)
   np.testing.assert_allclose(_logits(kept, tokens), want, rtol=0,
                              atol=1e-5 * max(1.0, np.abs(want).max()))
+
+
+def test_int8_activations_api(tmp_path):
+  """":a8" on `quantize` (load_pretrained, Model.quantize, the experiment
+  config) and `Model.with_activations`; checkpoint loaders refuse it, and
+  a matrix whose inputs are not chunks of 64 is named."""
+  bits = lambda m: {w.act_bits for w in jax.tree.leaves(
+      m.params, is_leaf=quantized.is_quantized) if quantized.is_quantized(w)}
+  target, draft = tiny.tiny_pair()
+  a8, int4 = target.quantize("int4:a8"), target.quantize("int4")
+  assert (bits(int4), bits(a8), a8.quantization) == ({0}, {8}, "int4")
+  tokens = jnp.array([[5, 9, 2]])
+  want, got = _logits(int4, tokens), _logits(a8, tokens)
+  assert 0 < np.abs(got - want).max() < 3e-2 * np.abs(want).max()
+  np.testing.assert_allclose(_logits(a8.with_activations(0), tokens), want,
+                             rtol=0, atol=1e-5 * np.abs(want).max())
+  with pytest.raises(ValueError, match="quantize its weights first"):
+    target.with_activations(8)
+  with pytest.raises(ValueError,
+                     match=r"matrix \['embed'\] \[128, 32\].*chunks of 64"):
+    draft.quantize("int8:a8")  # hidden size 32
+  path = tmp_path / "tiny.gguf"
+  test_gguf.write_gguf(path, "qwen2", types=_Q8)
+  with pytest.raises(ValueError, match="Model.with_activations"):
+    gguf_lib.load_gguf(path, quantize="gguf:a8")
+  with pytest.raises(ValueError, match="not chunks of 64"):
+    registry.load_pretrained(path, quantize="gguf:a8", progress=False)
+  config = tiny_config.get_config()
+  config.quantize = "int4:a8"
+  validation.validate_config(config)
+  assert bits(pair_lib.load_pair(config).target) == {8}
 
 
 def test_memory_plan_counts_packed_bytes():

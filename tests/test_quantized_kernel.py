@@ -56,6 +56,35 @@ def test_kernel_equals_the_xla_product(name, rows):
   np.testing.assert_array_equal(np.asarray(one), np.asarray(got[:1]))
 
 
+@pytest.mark.parametrize("name", sorted(MATRICES))
+@pytest.mark.parametrize("rows", [1, 9, 33, 100])
+def test_int8_activation_kernel_equals_the_xla_product(name, rows):
+  """act_bits 8: the kernel's integer dot products equal XLA's product of
+  the int8-quantized activations (`quantize_activations`) and the
+  dequantised matrix, to accumulation-order rounding."""
+  w = MATRICES[name].replace(act_bits=8)
+  x = jax.random.normal(jax.random.key(rows), (rows, 512), jnp.float32)
+  run = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=True))
+  got = np.asarray(run(x, w))
+  want = np.asarray(jax.jit(quantized.matmul)(x, w))
+  _assert_rounding_close(got, want)
+  np.testing.assert_array_equal(np.asarray(run(x[:1], w)), got[:1])
+  # Quantizing the activations moves the product by about its step (the
+  # flag is not ignored), no more.
+  exact = np.asarray(jax.jit(quantized.matmul)(x, MATRICES[name]))
+  moved = np.abs(want - exact).max() / np.abs(exact).max()
+  assert 1e-4 < moved < 3e-2, moved
+
+
+def test_int8_activations_need_chunks_of_64_inputs():
+  w = MATRICES["Q8_0"]
+  x = jnp.ones((2, 480), jnp.float32)
+  with pytest.raises(ValueError, match="int8 activations"):
+    kernels.smallm_quantized(x, w.low[:, :480], w.scales[:, :15], None,
+                             bits=8, group=32, offset=0,
+                             int8_activations=True)
+
+
 def test_bad_high_bit_planes_are_refused():
   w = MATRICES["Q6_K"]
   x = jnp.ones((3, 512), jnp.float32)

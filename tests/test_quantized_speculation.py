@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from specjax import decode
+from specjax import kernels
 from specjax import policies
 from specjax import speculate
 from specjax import testing
@@ -74,6 +75,23 @@ def test_greedy_speculation_equals_the_quantized_targets_generate(models_,
                                       max_new_tokens=MAX_NEW)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.lengths, want.lengths)
+
+
+def test_greedy_speculation_on_an_int8_activation_target(models_):
+  """int4 weights with int8 activations (llama.cpp's arithmetic) through
+  the CPU kernel where it is available: speculation equals the target's
+  own greedy generate (a model whose logits are not its int4 self's)."""
+  target, draft = models_
+  plan = "out_in/kernel" if kernels.available() else "in_out/xla"
+  quant = target.quantize("int4:a8").with_plan(plan)
+  tokens = jnp.asarray([PROMPTS[0]])
+  logits = lambda m: np.asarray(m(tokens, m.init_cache(1, 8))[0].logits)
+  assert np.abs(logits(quant) - logits(quant.with_activations(0))).max() > 0
+  want = decode.generate(quant, PROMPTS, max_new_tokens=MAX_NEW)
+  got = decode.speculative_generate(quant, draft, PROMPTS, gamma=3,
+                                    max_new_tokens=MAX_NEW)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.lengths, want.lengths)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax import metrics
 from specjax import registry
 from tests import real_reference
 
@@ -44,13 +45,6 @@ def test_target_logits_match_transformers(reference, target):
   real_reference.check_logits(TARGET, reference, target)
 
 
-def _first_difference(a, b):
-  for i, (x, y) in enumerate(zip(a, b)):
-    if x != y:
-      return i
-  return None
-
-
 def test_greedy_and_speculative_match_transformers_on_the_real_pair(
     reference, target):
   """1.5B greedy equals transformers' greedy; 0.5B->1.5B speculative equals
@@ -69,7 +63,7 @@ def test_greedy_and_speculative_match_transformers_on_the_real_pair(
 
   for b, (prompt, want) in enumerate(zip(prompts, reference["greedy"])):
     got = greedy.row(b)
-    i = _first_difference(got, want)
+    i = metrics.first_difference(got, want)
     if i is None:
       assert got == want
       print(f"prompt {b}: {len(got)} tokens equal to transformers'")

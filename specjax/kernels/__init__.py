@@ -8,6 +8,8 @@ decode step (X = B) and a verification pass (X = B(γ+1)) spend their time in.
 XLA CPU lowers a few-row dot to a GEMM that packs or re-reads the weight, so
 on some CPUs a 5-row pass costs 2x a 1-row pass (BENCHMARKS.md). The kernel
 (`smallm.cc`) reads each weight row once and applies it to all X rows.
+`smallm_quantized` does the same from packed codes, with float or int8
+activations (integer dot products, AVX-512 VNNI where present).
 
 The source ships with the package and is compiled once per machine with the
 host's C++ compiler and `-march=native` into
@@ -157,8 +159,8 @@ def smallm_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
                      mins: jax.Array | None, *, bits: int, group: int,
-                     offset: int, high: jax.Array | None = None
-                     ) -> jax.Array:
+                     offset: int, high: jax.Array | None = None,
+                     int8_activations: bool = False) -> jax.Array:
   """x [X, I] float32 times a packed matrix [O, I] -> [X, O] float32.
 
   The matrix is w[o, i] = (c[o, i] - offset) * scales[o, i // G]
@@ -175,6 +177,10 @@ def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
     group: G, a multiple of 16.
     offset: subtracted from the codes.
     high: [O, I * (bits - 4) // 8] uint8 high bits for 5 and 6 bits.
+    int8_activations: quantize x's rows to int8 per chunk of 64 inputs
+      (`specjax.models.quantized.quantize_activations`) and sum integer
+      products (VNNI where the CPU has it); needs I % 64 == 0 and G 16,
+      32 or a multiple of 64.
 
   Raises:
     KernelError: the kernels are not available here.
@@ -191,18 +197,22 @@ def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
       or codes.shape[1] * per_byte != cols
       or scales.shape != (codes.shape[0], cols // group)
       or (high is None) != (not high_bits)
+      or (int8_activations and (cols % 64 or (
+          group not in (16, 32) and group % 64)))
       or (high is not None
           and high.shape != (codes.shape[0], cols * high_bits // 8))):
     raise ValueError(f"smallm_quantized: x {x.dtype}{x.shape}, codes "
                      f"{codes.shape}, high "
                      f"{None if high is None else high.shape}, scales "
                      f"{scales.shape} do not make a {bits}-bit matrix of "
-                     f"groups of {group}.")
-  codes = jax.lax.bitcast_convert_type(codes, jnp.uint8)
+                     f"groups of {group}"
+                     f"{' for int8 activations' if int8_activations else ''}"
+                     ".")
   scales = scales.astype(jnp.float32)  # float16 -> float32 is exact
   out = jax.ShapeDtypeStruct((rows, codes.shape[0]), jnp.float32)
   return jax.ffi.ffi_call(_QUANT_TARGET, out)(
       x, codes, codes if high is None else high, scales,
       scales if mins is None else mins,
       bits=np.int64(bits), group=np.int64(group), offset=np.int64(offset),
-      has_mins=np.int64(mins is not None))
+      has_mins=np.int64(mins is not None),
+      act8=np.int64(int8_activations))

@@ -7,18 +7,25 @@
 // into chunks that XLA's intra-op thread pool and the calling thread claim
 // with an atomic counter, so no thread waits on a task that never started.
 //
-// Built at first use by specjax/kernels/build.py with the host's compiler and
-// -march=native; vector code comes from GCC/Clang vector extensions, which
-// lower to AVX-512, AVX2 or NEON as the machine has.
+// Built at first use by specjax/kernels/__init__.py with the host's compiler
+// and -march=native; vector code comes from GCC/Clang vector extensions,
+// which lower to AVX-512, AVX2 or NEON as the machine has, plus AVX-512
+// intrinsics (VNNI, VBMI) where the compiler targets them, each with a
+// portable fallback.
 
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -39,10 +46,19 @@ inline vec load(const float* p) {
   return v;
 }
 
-inline float hsum(vec v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x16 __attribute__((vector_size(64)));
+
+// Sums by halves: a tree of log2(lanes) dependent adds, not a chain.
+inline float hsum(f32x4 v) { return (v[0] + v[2]) + (v[1] + v[3]); }
+inline float hsum(f32x8 v) {
+  return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3) +
+              __builtin_shufflevector(v, v, 4, 5, 6, 7));
+}
+inline float hsum(f32x16 v) {
+  return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
 // Rows [0, R) of x against NB consecutive weight rows: NB * R vector
@@ -175,15 +191,16 @@ ffi::Error SmallMImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // bits a plane of hb = bits - 4 high bits per element, [N, K * hb / 8]
 // (byte b holds elements b * 8/hb + p at bit p * hb), and one scale (and
 // min) per group of G inputs: w = (code - offset) * scale - min, with code
-// = low | high << 4. Each tile's weight rows are read as packed bytes once,
-// dequantised into a buffer that stays in L1, and applied to every x row
-// by the float tiles above.
+// = low | high << 4. Each weight row is read as packed bytes once and
+// unpacked into its codes, one byte each, in a buffer that stays in L1
+// (row_codes). With float activations the codes are dequantised there and
+// the float tiles above apply them to every x row; with int8 activations
+// (act8) qtile multiplies the codes by each row's int8 x directly.
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
 typedef uint64_t u64x2 __attribute__((vector_size(16)));
 constexpr uint64_t kLowNibbles = 0x0f0f0f0f0f0f0f0full;
 typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef float f32x16 __attribute__((vector_size(64)));
 
 // A byte of hb-bit high codes -> its 8 / hb elements' bytes, each shifted
 // into bits 4 and up (element p of the byte at bit p * hb).
@@ -203,6 +220,187 @@ constexpr std::array<T, 256> high_table() {
 constexpr std::array<uint32_t, 256> kHigh2 = high_table<2, uint32_t>();
 constexpr std::array<uint64_t, 256> kHigh1 = high_table<1, uint64_t>();
 
+// int8 activations ("a8", as llama.cpp computes its quantized products):
+// each x row is quantized per chunk of kChunk inputs, d = max|x| / 127 and
+// q = round(x / d) (half to even), and a product sums code * q in int32
+// over each 4 inputs (VNNI's vpdpbusd where the CPU has it).
+constexpr int64_t kChunk = 64;
+typedef uint8_t u8x64 __attribute__((vector_size(64)));
+typedef int8_t i8x64 __attribute__((vector_size(64)));
+
+// out[l] = sum over t < 4 of u[4l + t] * q[4l + t].
+inline i32x16 dot_quads(u8x64 u, i8x64 q) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return (i32x16)_mm512_dpbusd_epi32(_mm512_setzero_si512(), (__m512i)u,
+                                     (__m512i)q);
+#else
+  i32x16 out;
+  for (int l = 0; l < 16; ++l) {
+    int32_t sum = 0;
+    for (int t = 0; t < 4; ++t) {
+      sum += int32_t{u[4 * l + t]} * int32_t{q[4 * l + t]};
+    }
+    out[l] = sum;
+  }
+  return out;
+#endif
+}
+
+// x [M, K] as int8: q [M, K], d [M, K / kChunk], and gsum [M, K / G], each
+// group's sum of q * d (the offset and min terms of the product).
+struct Act8 {
+  std::unique_ptr<int8_t[]> q;
+  std::unique_ptr<float[]> d, gsum;
+
+  Act8(const float* x, int64_t m, int64_t k, int64_t group)
+      : q(new int8_t[m * k]),
+        d(new float[m * k / kChunk]),
+        gsum(new float[m * k / group]()) {
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t c = 0; c < k / kChunk; ++c) {
+        const float* xc = x + r * k + c * kChunk;
+        float amax = 0.f;
+        for (int64_t i = 0; i < kChunk; ++i) {
+          amax = std::max(amax, std::fabs(xc[i]));
+        }
+        const float dc = amax / 127.f;
+        d[r * (k / kChunk) + c] = dc;
+        int8_t* qc = q.get() + r * k + c * kChunk;
+        for (int64_t i = 0; i < kChunk; i += 16) {
+          int32_t sum = 0;
+          for (int64_t t = i; t < i + 16; ++t) {
+            const float v = dc > 0.f ? std::nearbyint(xc[t] / dc) : 0.f;
+            qc[t] = static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
+            sum += qc[t];
+          }
+          gsum[r * (k / group) + (c * kChunk + i) / group] += dc * sum;
+        }
+      }
+    }
+  }
+};
+
+// Lane l of a chunk's dot_quads covers inputs [4l, 4l + 4): the scale of
+// its group, for LPG = G / 4 lanes a group (G = 16, 32), or one group for
+// the whole chunk (LPG = 16: G >= 64).
+template <int LPG>
+inline f32x16 lane_scales(const float* s, int64_t c, int64_t group) {
+  if constexpr (LPG == 4) {
+#if defined(__AVX512F__)  // (GCC shuffles a loaded f32x4 through the stack)
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1,
+                                         0, 0, 0, 0);
+    return (f32x16)_mm512_permutexvar_ps(
+        idx, _mm512_castps128_ps512(_mm_loadu_ps(s + 4 * c)));
+#else
+    f32x4 p;
+    std::memcpy(&p, s + 4 * c, sizeof(p));
+    return __builtin_shufflevector(p, p, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2,
+                                   3, 3, 3, 3);
+#endif
+  } else if constexpr (LPG == 8) {
+    // (Two broadcasts: a shuffle of a loaded pair goes through the stack.)
+    const f32x16 a = f32x16{} + s[2 * c], b = f32x16{} + s[2 * c + 1];
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26,
+                                   27, 28, 29, 30, 31);
+  } else {
+    return f32x16{} + s[c * kChunk / group];
+  }
+}
+
+// Rows [0, R) of the int8 activations against one weight row's codes u
+// (element order, K bytes) and scales s: y[r] = sum over chunks of d[r, c]
+// * sum over lanes of s * dot, less corr[r] (the offset and min terms).
+template <int R, int LPG>
+void qtile(const Act8& a, int64_t r0, int64_t k, int64_t group,
+           const uint8_t* u, const float* s, const float* coef, float* y,
+           int64_t ldy) {
+  const int64_t chunks = k / kChunk, groups = k / group;
+  f32x16 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = f32x16{};
+  for (int64_t c = 0; c < chunks; ++c) {
+    u8x64 uc;
+    std::memcpy(&uc, u + c * kChunk, sizeof(uc));
+    const f32x16 sc = lane_scales<LPG>(s, c, group);
+    for (int r = 0; r < R; ++r) {
+      i8x64 qc;
+      std::memcpy(&qc, a.q.get() + (r0 + r) * k + c * kChunk, sizeof(qc));
+      const f32x16 dot = __builtin_convertvector(dot_quads(uc, qc), f32x16);
+      acc[r] += dot * (sc * a.d[(r0 + r) * chunks + c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* gs = a.gsum.get() + (r0 + r) * groups;
+    const int64_t gv = groups / 16 * 16;
+    f32x16 corr{};
+    for (int64_t g = 0; g < gv; g += 16) {
+      f32x16 cg, sg;
+      std::memcpy(&cg, coef + g, sizeof(cg));
+      std::memcpy(&sg, gs + g, sizeof(sg));
+      corr += cg * sg;
+    }
+    float tail = 0.f;
+    for (int64_t g = gv; g < groups; ++g) tail += coef[g] * gs[g];
+    y[r * ldy] = hsum(acc[r]) - (hsum(corr) + tail);
+  }
+}
+
+using QTileFn = void (*)(const Act8&, int64_t, int64_t, int64_t,
+                         const uint8_t*, const float*, const float*, float*,
+                         int64_t);
+template <int LPG>
+constexpr QTileFn kQRow[kMaxRows + 1] = {
+    nullptr,          qtile<1, LPG>,  qtile<2, LPG>,  qtile<3, LPG>,
+    qtile<4, LPG>,    qtile<5, LPG>,  qtile<6, LPG>,  qtile<7, LPG>,
+    qtile<8, LPG>,    qtile<9, LPG>,  qtile<10, LPG>, qtile<11, LPG>,
+    qtile<12, LPG>};
+
+#if defined(__AVX512VBMI__)
+// The HB-bit high codes of 64 elements (64 * HB / 8 bytes at h; element
+// p of a byte at bit p * HB) ORed into bits 4 and up of u[0, 64): vpermb
+// copies each byte to its elements' lanes and each lane tests its bits.
+template <int HB>
+inline void or_high64(const uint8_t* h, uint8_t* u) {
+  constexpr int per = 8 / HB;  // elements per byte
+  alignas(64) static constexpr auto masks = [] {
+    std::array<std::array<uint8_t, 64>, 3> m{};
+    for (int e = 0; e < 64; ++e) {
+      m[0][e] = e / per;                       // source byte
+      m[1][e] = 1u << (e % per * HB);          // the code's bit 0
+      m[2][e] = HB == 2 ? 2u << (e % per * HB) : 0;  // bit 1
+    }
+    return m;
+  }();
+  const __m128i src =
+      HB == 2 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(h))
+              : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(h));
+  const __m512i lanes = _mm512_permutexvar_epi8(
+      _mm512_load_si512(masks[0].data()), _mm512_castsi128_si512(src));
+  __m512i v = _mm512_loadu_si512(u);
+  v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(
+      _mm512_test_epi8_mask(lanes, _mm512_load_si512(masks[1].data())),
+      _mm512_set1_epi8(0x10)));
+  if (HB == 2) {
+    v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(
+        _mm512_test_epi8_mask(lanes, _mm512_load_si512(masks[2].data())),
+        _mm512_set1_epi8(0x20)));
+  }
+  _mm512_storeu_si512(u, v);
+}
+#endif
+
+// 16 bytes -> 16 int32 (GCC turns __builtin_convertvector on a loaded
+// vector into byte-by-byte inserts).
+inline i32x16 widen(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (i32x16)_mm512_cvtepu8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  u8x16 v;
+  std::memcpy(&v, p, 16);
+  return __builtin_convertvector(v, i32x16);
+#endif
+}
+
 struct QWork {
   const float* x;
   const uint8_t* codes;
@@ -210,6 +408,7 @@ struct QWork {
   const float* scales;
   const float* mins;  // nullptr: no mins
   float* y;
+  std::unique_ptr<Act8> act;  // nullptr: float activations
   int64_t m, k, n, group, bits, offset, chunk, num_chunks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> finished{0};
@@ -222,66 +421,100 @@ struct QWork {
     std::memcpy(out, &w, sizeof(w));
   }
 
-  void dequantise(int64_t j, float* out) const {
-    const int64_t groups = k / group;
-    const int32_t off = static_cast<int32_t>(offset);
-    const float* s = scales + j * groups;
-    const float* mn = mins ? mins + j * groups : nullptr;
+  // What codes16 adds to a code: 8-bit codes are int8, read as uint8
+  // through code ^ 0x80 = code + 128 (GCC widens uint8 vectors with one
+  // instruction but int8 ones element by element; VNNI multiplies uint8).
+  int32_t bias() const { return bits == 8 ? 128 : 0; }
+
+  // The codes (plus bias()) of weight row j, in element order -> u[0, K).
+  void row_codes(int64_t j, uint8_t* __restrict u) const {
+    // Members as locals: stores through u (uint8_t aliases anything) would
+    // otherwise reload them every iteration.
+    const int64_t k = this->k, group = this->group, bits = this->bits;
+    const uint8_t* codes = this->codes;
+    const uint8_t* high = this->high;
     if (bits == 8) {
-      const uint8_t* c = codes + j * k;
-      for (int64_t g = 0; g < groups; ++g) {
-        const float sc = s[g], mv = mn ? mn[g] : 0.f;
-        for (int64_t e = g * group; e < (g + 1) * group; e += 16) {
-          // int8 through uint8: GCC widens uint8 vectors with one
-          // instruction but int8 ones element by element.
-          u8x16 v;
-          std::memcpy(&v, c + e, 16);
-          emit(__builtin_convertvector(v ^ 0x80, i32x16) - 128, off, sc, mv,
-               out + e);
-        }
+      for (int64_t e = 0; e < k; e += 16) {
+        u8x16 v;
+        std::memcpy(&v, codes + j * k + e, 16);
+        v ^= 0x80;
+        std::memcpy(u + e, &v, 16);
       }
       return;
     }
-    // Within a group, byte i holds element i and element i + G/2; the
-    // codes of 16 consecutive elements are the low (then high) nibbles of
-    // 16 bytes, or for G = 16 the low then high nibbles of its 8 bytes.
+    // Within a group, byte i holds element i (low nibble) and element
+    // i + G/2 (high nibble).
     const int64_t half = group / 2;
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* c = codes + j * (k / 2) + g * half;
-      const float sc = s[g], mv = mn ? mn[g] : 0.f;
-      for (int64_t e = 0; e < group; e += 16) {
+    const uint8_t* c = codes + j * (k / 2);
+    for (int64_t g = 0; g < k / group; ++g, c += half) {
+      uint8_t* out = u + g * group;
+      if (half == 8) {  // built from two 64-bit halves: byte shuffles
+        uint64_t b;     // and partial copies compile to scalar code
+        std::memcpy(&b, c, 8);
+        const u64x2 both = {b & kLowNibbles, (b >> 4) & kLowNibbles};
+        std::memcpy(out, &both, 16);
+        continue;
+      }
+      for (int64_t e = 0; e < half; e += 16) {
         u8x16 v;
-        if (half == 8) {  // built from two 64-bit halves: byte shuffles
-          uint64_t b;     // and partial copies compile to scalar code
-          std::memcpy(&b, c, 8);
-          const u64x2 both = {b & kLowNibbles, (b >> 4) & kLowNibbles};
-          v = reinterpret_cast<const u8x16&>(both);
-        } else {
-          std::memcpy(&v, c + e % half, 16);
-          v = e < half ? v & 15 : v >> 4;
-        }
-        if (bits == 6) {  // 16 elements' high bits are 4 bytes
-          const uint8_t* h = high + (j * k + g * group + e) / 4;
-          const u32x4 t = {kHigh2[h[0]], kHigh2[h[1]], kHigh2[h[2]],
-                           kHigh2[h[3]]};
-          v |= reinterpret_cast<const u8x16&>(t);
-        } else if (bits == 5) {  // 2 bytes
-          const uint8_t* h = high + (j * k + g * group + e) / 8;
-          const u64x2 t = {kHigh1[h[0]], kHigh1[h[1]]};
-          v |= reinterpret_cast<const u8x16&>(t);
-        }
-        emit(__builtin_convertvector(v, i32x16), off, sc, mv,
-             out + g * group + e);
+        std::memcpy(&v, c + e, 16);
+        const u8x16 lo = v & 15, hi = v >> 4;
+        std::memcpy(out + e, &lo, 16);
+        std::memcpy(out + half + e, &hi, 16);
+      }
+    }
+    if (bits == 6) {  // 16 elements' high bits are 4 bytes
+      const uint8_t* h = high + j * k / 4;
+      int64_t e = 0;
+#if defined(__AVX512VBMI__)
+      for (; e + 64 <= k; e += 64, h += 16) or_high64<2>(h, u + e);
+#endif
+      for (; e < k; e += 16, h += 4) {
+        const u32x4 t = {kHigh2[h[0]], kHigh2[h[1]], kHigh2[h[2]],
+                         kHigh2[h[3]]};
+        u8x16 v;
+        std::memcpy(&v, u + e, 16);
+        v |= reinterpret_cast<const u8x16&>(t);
+        std::memcpy(u + e, &v, 16);
+      }
+    } else if (bits == 5) {  // 2 bytes
+      const uint8_t* h = high + j * k / 8;
+      int64_t e = 0;
+#if defined(__AVX512VBMI__)
+      for (; e + 64 <= k; e += 64, h += 8) or_high64<1>(h, u + e);
+#endif
+      for (; e < k; e += 16, h += 2) {
+        const u64x2 t = {kHigh1[h[0]], kHigh1[h[1]]};
+        u8x16 v;
+        std::memcpy(&v, u + e, 16);
+        v |= reinterpret_cast<const u8x16&>(t);
+        std::memcpy(u + e, &v, 16);
       }
     }
   }
 
-  void columns(int64_t n0, int64_t n1, float* rows_buf) const {
+  // Weight row j dequantised -> out[0, K), through its codes u[0, K).
+  void dequantise(int64_t j, uint8_t* __restrict u,
+                  float* __restrict out) const {
+    row_codes(j, u);
+    const int64_t k = this->k, group = this->group, groups = k / group;
+    const int32_t off = static_cast<int32_t>(offset) + bias();
+    const float* s = scales + j * groups;
+    const float* mn = mins ? mins + j * groups : nullptr;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float sc = s[g], mv = mn ? mn[g] : 0.f;
+      for (int64_t e = g * group; e < (g + 1) * group; e += 16) {
+        emit(widen(u + e), off, sc, mv, out + e);
+      }
+    }
+  }
+
+  void columns(int64_t n0, int64_t n1, uint8_t* u, float* rows_buf) const {
     const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
     const int nb = block_for(static_cast<int>((m + groups - 1) / groups));
     for (int64_t j = n0; j < n1;) {
       const int width = j + nb <= n1 ? nb : 1;
-      for (int t = 0; t < width; ++t) dequantise(j + t, rows_buf + t * k);
+      for (int t = 0; t < width; ++t) dequantise(j + t, u, rows_buf + t * k);
       int64_t r0 = 0;
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t rows = (m - r0) / (groups - g);
@@ -292,29 +525,64 @@ struct QWork {
     }
   }
 
+  // Output columns [n0, n1) from int8 activations: each weight row's codes
+  // are unpacked once into u (K bytes, in L1) and applied to every row.
+  void columns_a8(int64_t n0, int64_t n1, uint8_t* u, float* coef) const {
+    const int64_t groups = k / group;
+    const int lpg = group >= kChunk ? 16 : static_cast<int>(group / 4);
+    const QTileFn* tiles = lpg == 4 ? kQRow<4> : lpg == 8 ? kQRow<8>
+                                                          : kQRow<16>;
+    const float off = static_cast<float>(offset + bias());
+    for (int64_t j = n0; j < n1; ++j) {
+      const float* s = scales + j * groups;
+      row_codes(j, u);
+      for (int64_t g = 0; g < groups; ++g) {
+        coef[g] = s[g] * off + (mins ? mins[j * groups + g] : 0.f);
+      }
+      const int64_t row_groups = (m + kMaxRows - 1) / kMaxRows;
+      int64_t r0 = 0;
+      for (int64_t rg = 0; rg < row_groups; ++rg) {
+        const int64_t rows = (m - r0) / (row_groups - rg);
+        tiles[rows](*act, r0, k, group, u, s, coef, y + r0 * n + j, n);
+        r0 += rows;
+      }
+    }
+  }
+
   void drain() {
     std::unique_ptr<float[]> buf(new float[kMaxBlock * k]);
+    std::unique_ptr<uint8_t[]> u(new uint8_t[k]);
     for (int64_t c; (c = next.fetch_add(1)) < num_chunks;) {
-      const int64_t n0 = c * chunk;
-      columns(n0, std::min(n, n0 + chunk), buf.get());
+      const int64_t n0 = c * chunk, n1 = std::min(n, n0 + chunk);
+      if (act) {
+        columns_a8(n0, n1, u.get(), buf.get());
+      } else {
+        columns(n0, n1, u.get(), buf.get());
+      }
       finished.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
+// codes and high are any one-byte type (int8 codes are read as bytes: an
+// XLA bitcast to uint8 would copy them every call).
 ffi::Error SmallMQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                           ffi::Buffer<ffi::U8> codes,
-                           ffi::Buffer<ffi::U8> high,
+                           ffi::AnyBuffer codes, ffi::AnyBuffer high,
                            ffi::Buffer<ffi::F32> scales,
                            ffi::Buffer<ffi::F32> mins,
                            ffi::ResultBuffer<ffi::F32> y, int64_t bits,
-                           int64_t group, int64_t offset, int64_t has_mins) {
+                           int64_t group, int64_t offset, int64_t has_mins,
+                           int64_t act8) {
   const auto xd = x.dimensions(), cd = codes.dimensions();
   const auto hd = high.dimensions(), sd = scales.dimensions();
   const int64_t low_bits = bits == 8 ? 8 : 4;
   const bool has_high = bits == 5 || bits == 6;
   if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 ||
+      ffi::ByteWidth(codes.element_type()) != 1 ||
+      (has_high && ffi::ByteWidth(high.element_type()) != 1) ||
       (bits < 4 || bits > 8 || bits == 7) || group <= 0 || group % 16 ||
+      (act8 && (xd[1] % kChunk ||
+               (group != 16 && group != 32 && group % kChunk))) ||
       xd[1] % group || sd[0] != cd[0] || sd[1] * group != xd[1] ||
       cd[1] * (8 / low_bits) != xd[1] ||
       (has_high && (hd.size() != 2 || hd[0] != cd[0] ||
@@ -322,12 +590,15 @@ ffi::Error SmallMQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument(
         "specjax_smallm_quant expects x [M, K], codes [N, K * bits / 8] "
         "(8 bits) or [N, K / 2], for 5 or 6 bits high [N, K * (bits - 4) "
-        "/ 8], and scales [N, K / group], group a multiple of 16");
+        "/ 8], and scales [N, K / group], group a multiple of 16 (with "
+        "int8 activations, K a multiple of 64 and group 16, 32 or a "
+        "multiple of 64)");
   }
   auto work = std::make_shared<QWork>();
   work->x = x.typed_data();
-  work->codes = codes.typed_data();
-  work->high = has_high ? high.typed_data() : nullptr;
+  work->codes = static_cast<const uint8_t*>(codes.untyped_data());
+  work->high =
+      has_high ? static_cast<const uint8_t*>(high.untyped_data()) : nullptr;
   work->scales = scales.typed_data();
   work->mins = has_mins ? mins.typed_data() : nullptr;
   work->y = y->typed_data();
@@ -338,6 +609,7 @@ ffi::Error SmallMQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   work->bits = bits;
   work->offset = offset;
   if (work->m == 0 || work->n == 0) return ffi::Error::Success();
+  if (act8) work->act.reset(new Act8(work->x, work->m, work->k, group));
   // About 64 KiB of packed weights per chunk, a multiple of the tile rows.
   const int64_t row_bytes = std::max<int64_t>(1, work->k * bits / 8);
   work->chunk = std::max<int64_t>(
@@ -360,15 +632,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMQuant, SmallMQuantImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("group")
                                   .Attr<int64_t>("offset")
-                                  .Attr<int64_t>("has_mins"));
+                                  .Attr<int64_t>("has_mins")
+                                  .Attr<int64_t>("act8"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallM, SmallMImpl,
                               ffi::Ffi::Bind()

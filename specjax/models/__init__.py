@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from specjax import cache as cache_lib
 from specjax import hardware
+from specjax.models import quantized
 from specjax.models.config import ARCHITECTURES
 from specjax.models.config import check_params
 from specjax.models.config import flatten
@@ -137,13 +138,29 @@ class Model(Decoder):
   def quantize(self, spec: QuantSpec | str, *,
                donate: bool = False) -> "Model":
     """The same model with every matrix weight-only quantized ("int8",
-    "int4", "int4:g64:sym"; `quantize_params`); norms and biases stay."""
+    "int4", "int4:g64:sym"; `quantize_params`); norms and biases stay.
+    A ":a8" suffix ("int4:a8") also quantizes the activations
+    (`with_activations`)."""
     if self.mesh is not None:
       raise ValueError("Cannot quantize a model placed on a mesh: "
                        "quantized matrices are not sharded.")
-    return self.replace(params=quantize_params(
+    spec, act_bits = quantized.split_activations(spec)
+    model = self.replace(params=quantize_params(
         self.config, self.params, spec, out_in=self.plan.transposed,
         donate=donate))
+    return model.with_activations(act_bits) if act_bits else model
+
+  def with_activations(self, bits: int) -> "Model":
+    """The same quantized weights multiplying int8 activations (bits 8:
+    each row quantized per chunk of 64 inputs, integer dot products, as
+    llama.cpp computes; `quantized.quantize_activations`) or float ones
+    (0). Speculation stays exact for the model this returns: its verify
+    pass and decode step compute the same function.
+
+    Raises:
+      ValueError: the model has no quantized matrix, or bits not 0 or 8.
+    """
+    return self.replace(params=quantized.with_activations(self.params, bits))
 
   def init_cache(self, batch: int, size: int) -> cache_lib.KVCache:
     c = self.config

@@ -110,7 +110,8 @@ def project(x: jax.Array, w: jax.Array | quantized.QuantizedMatrix,
     w: [I, O] ("in_out") or [O, I] ("out_in"); or a `QuantizedMatrix`,
       always [O, I] whatever the plan, dequantised inside the computation
       (`specjax.models.quantized.matmul`; with `plan.kernel`, products of
-      `kernel_min_rows`..`kernel_max_rows` rows read its packed rows in
+      `kernel_min_rows`..`kernel_max_rows` rows, or of any number over
+      `kernel_min_rows` with int8 activations, read its packed rows in
       the specjax CPU kernel).
     plan: the model's plan (static).
     out_dtype: the result's dtype (accumulation is float32); default x's.
@@ -123,9 +124,12 @@ def project(x: jax.Array, w: jax.Array | quantized.QuantizedMatrix,
   for n in lead:
     rows *= n
   if quantized.is_quantized(w):
+    # With int8 activations the kernel's integer products beat XLA's
+    # dequantise-then-dot at prefill sizes too (BENCHMARKS.md: a 157-row
+    # chunk of a Q4_K [8960, 1536] matrix in 26 ms against 44 ms).
     return quantized.matmul(
-        x, w, out_dtype, kernel=plan.kernel and (
-            plan.kernel_min_rows <= rows <= plan.kernel_max_rows))
+        x, w, out_dtype, kernel=plan.kernel and plan.kernel_min_rows <= rows
+        and (rows <= plan.kernel_max_rows or w.act_bits == 8))
   if (plan.kernel and plan.kernel_min_rows <= rows <= plan.kernel_max_rows
       and x.dtype == jnp.float32 and w.dtype == jnp.float32):
     out = kernels.smallm_matmul(x.reshape(rows, x.shape[-1]), w)  # [X, O]

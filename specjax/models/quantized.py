@@ -37,6 +37,12 @@ bandwidth saving of a kernel that reads each block once for all rows.
 `tests/test_quantized.py` checks in the compiled HLO that the packed
 arrays are the parameters and no float32 [O, I] parameter or constant
 exists.
+
+With `act_bits` 8 (`with_activations`, a ":a8" suffix on `quantize`) a
+product first quantizes x to int8 per row and chunk of `ACT_CHUNK` inputs
+(`quantize_activations`): a different model from the weight-only one,
+which the CPU kernel computes with integer dot products, as llama.cpp's
+quantized matmuls do.
 """
 
 from __future__ import annotations
@@ -55,11 +61,14 @@ from specjax.models.config import flatten
 from specjax.models.config import matrix_paths
 from specjax.models.config import unflatten
 
-__all__ = ["FORMATS", "QuantSpec", "QuantizedMatrix", "dequantize",
-           "is_quantized", "matmul", "quantize_array", "quantize_params",
-           "take"]
+__all__ = ["ACT_CHUNK", "FORMATS", "QuantSpec", "QuantizedMatrix",
+           "dequantize", "is_quantized", "matmul", "quantize_activations",
+           "quantize_array", "quantize_params", "split_activations", "take",
+           "with_activations"]
 
 FORMATS = ("q8_0", "q5_0", "q4_k", "q6_k", "int8", "int4")
+# Inputs per scale of int8 activations (`quantize_activations`).
+ACT_CHUNK = 64
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -79,6 +88,9 @@ class QuantizedMatrix:
     shape: the logical parameter shape, as `param_shapes` gives it:
       [I, O] for projections, [V, E] = [O, I] for the embedding (static).
     dtype: the dtype of the dequantised matrix (static).
+    act_bits: 0 multiplies float activations; 8 quantizes them to int8
+      per row and chunk of `ACT_CHUNK` inputs first (`quantize_activations`,
+      llama.cpp's arithmetic: integer dot products), static.
   """
 
   low: jax.Array
@@ -91,6 +103,7 @@ class QuantizedMatrix:
   offset: int = flax.struct.field(pytree_node=False, default=0)
   shape: tuple[int, int] = flax.struct.field(pytree_node=False)
   dtype: Any = flax.struct.field(pytree_node=False, default=jnp.float32)
+  act_bits: int = flax.struct.field(pytree_node=False, default=0)
 
   @property
   def rows(self) -> int:
@@ -164,8 +177,30 @@ def dequantize(w: QuantizedMatrix) -> jax.Array:
 
 def kernel_supports(w: QuantizedMatrix) -> bool:
   """Whether `kernels.smallm_quantized` takes w's format: every format
-  (q8_0, q4_k, q5_0, q6_k, int8, int4) with groups a multiple of 16."""
-  return w.bits in (4, 5, 6, 8) and w.group % 16 == 0
+  (q8_0, q4_k, q5_0, q6_k, int8, int4) with groups a multiple of 16; with
+  int8 activations, I a multiple of `ACT_CHUNK` and G 16, 32 or a multiple
+  of `ACT_CHUNK`."""
+  if w.bits not in (4, 5, 6, 8) or w.group % 16:
+    return False
+  return not w.act_bits or (w.cols % ACT_CHUNK == 0 and (
+      w.group in (16, 32) or w.group % ACT_CHUNK == 0))
+
+
+def quantize_activations(x: jax.Array) -> jax.Array:
+  """x [..., I] float32 -> the float32 values of its int8 quantization.
+
+  Each row's chunks of `ACT_CHUNK` inputs get d = max|x| / 127 and codes
+  round(x / d) (half to even), as `specjax/kernels/smallm.cc` computes
+  them: the kernel's integer products equal this times the dequantised
+  matrix, summed in another order.
+  """
+  if x.shape[-1] % ACT_CHUNK:
+    raise ValueError(f"int8 activations need inputs in chunks of "
+                     f"{ACT_CHUNK}; got {x.shape[-1]}.")
+  chunks = x.reshape(*x.shape[:-1], -1, ACT_CHUNK)  # [..., I / C, C]
+  d = jnp.max(jnp.abs(chunks), axis=-1, keepdims=True) / 127.0
+  codes = jnp.clip(jnp.round(chunks / jnp.where(d > 0, d, 1.0)), -127, 127)
+  return (codes * d).reshape(x.shape)
 
 
 def matmul(x: jax.Array, w: QuantizedMatrix, out_dtype: Any = None,
@@ -175,23 +210,59 @@ def matmul(x: jax.Array, w: QuantizedMatrix, out_dtype: Any = None,
   Accumulation is float32; the matrix is dequantised in float32 and cast to
   x's dtype (a no-op for float32 models). With `kernel` (and float32 x, a
   format `kernel_supports`, the CPU kernels available), the specjax CPU
-  kernel reads the packed rows once for all X rows instead: the same
-  weights, summed in another order.
+  kernel reads the packed rows once for all X rows (per piece of
+  `kernels.MAX_ROWS`) instead: the same weights, summed in another order.
+  With `w.act_bits` 8, x is first
+  quantized to int8 (`quantize_activations`; the kernel multiplies the
+  integer codes).
   """
   if x.shape[-1] != w.cols:
     raise ValueError(f"Cannot multiply activations [..., {x.shape[-1]}] by "
                      f"a quantized {w.fmt} matrix [{w.rows}, {w.cols}].")
   if (kernel and x.dtype == jnp.float32 and kernel_supports(w)
       and kernels.available()):
-    lead = x.shape[:-1]
-    out = kernels.smallm_quantized(
-        x.reshape(-1, w.cols), w.low, w.scales, w.mins, bits=w.bits,
-        group=w.group, offset=w.offset, high=w.high)  # [X, O]
+    lead, rows = x.shape[:-1], x.reshape(-1, w.cols)
+    # Pieces of at most kernels.MAX_ROWS rows, each reading w once.
+    pieces = [kernels.smallm_quantized(
+        rows[i:i + kernels.MAX_ROWS], w.low, w.scales, w.mins, bits=w.bits,
+        group=w.group, offset=w.offset, high=w.high,
+        int8_activations=w.act_bits == 8)
+              for i in range(0, rows.shape[0], kernels.MAX_ROWS)]
+    out = jnp.concatenate(pieces)  # [X, O]
     return out.reshape(*lead, w.rows).astype(out_dtype or x.dtype)
+  if w.act_bits:
+    x = quantize_activations(x.astype(jnp.float32)).astype(x.dtype)
   wf = dequantize(w).astype(x.dtype)  # [O, I]
   out = jax.lax.dot_general(x, wf, (((x.ndim - 1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
   return out.astype(out_dtype or x.dtype)
+
+
+def with_activations(params: Any, bits: int) -> Any:
+  """params with every quantized matrix multiplying `bits`-bit activations
+  (8: int8, `quantize_activations`; 0: float).
+
+  Raises:
+    ValueError: bits not 0 or 8, params without a quantized matrix, or a
+      matrix whose inputs are not chunks of `ACT_CHUNK`.
+  """
+  if bits not in (0, 8):
+    raise ValueError(f"Activation bits must be 0 (float) or 8 (int8), got "
+                     f"{bits!r}.")
+  leaves = [(path, w) for path, w in jax.tree_util.tree_leaves_with_path(
+      params, is_leaf=is_quantized) if is_quantized(w)]
+  if not leaves:
+    raise ValueError("int8 activations multiply quantized matrices, and "
+                     "this model has none: quantize its weights first "
+                     "(quantize='gguf', 'int8' or 'int4').")
+  for path, w in leaves:
+    if bits and w.cols % ACT_CHUNK:
+      raise ValueError(
+          f"The quantized {w.fmt} matrix {jax.tree_util.keystr(path)} "
+          f"[{w.rows}, {w.cols}] cannot take int8 activations: its "
+          f"{w.cols} inputs are not chunks of {ACT_CHUNK}.")
+  return jax.tree.map(lambda w: w.replace(act_bits=bits)
+                      if is_quantized(w) else w, params, is_leaf=is_quantized)
 
 
 def take(w: jax.Array | QuantizedMatrix, ids: jax.Array) -> jax.Array:
@@ -248,11 +319,28 @@ def parse(quantize: str | QuantSpec | None) -> str | QuantSpec | None:
   if quantize is None or quantize == "gguf" or isinstance(quantize,
                                                            QuantSpec):
     return quantize
+  if isinstance(quantize, str) and quantize.endswith(_A8):
+    raise ValueError(f"quantize={quantize!r}: int8 activations ({_A8!r}) "
+                     "are set by registry.load_pretrained, Model.quantize "
+                     "or Model.with_activations; checkpoint loaders take "
+                     "the weight format alone.")
   if not isinstance(quantize, str) or not quantize.startswith("int"):
     raise ValueError(f"Unknown quantize={quantize!r}; expected None, 'gguf',"
                      " 'int8', 'int4', 'int4:g<group>' or "
                      "'int4:g<group>:sym'.")
   return QuantSpec.parse(quantize)
+
+
+_A8 = ":a8"
+
+
+def split_activations(quantize: str | QuantSpec | None
+                      ) -> tuple[str | QuantSpec | None, int]:
+  """A `quantize` name and its activation bits: "gguf:a8" -> ("gguf", 8)
+  (int8 activations, `with_activations`), "int4" -> ("int4", 0)."""
+  if isinstance(quantize, str) and quantize.endswith(_A8):
+    return quantize[:-len(_A8)], 8
+  return quantize, 0
 
 
 def quantize_array(w: np.ndarray, spec: QuantSpec, name: str,
