@@ -6,8 +6,8 @@ token ids), B = 1, up to N new tokens, stopping at the tokenizer's EOS ids:
 
 - specjax: autoregressive on the fp32-dequantised model, on the file's
   own blocks (`quantize="gguf"`) and on the blocks with int8 activations
-  (`"gguf:a8"`, llama.cpp's arithmetic), and prompt lookup at γ on each
-  quantized model.
+  (`"gguf:a8"`, llama.cpp's arithmetic), each autoregressive and with
+  prompt lookup at γ.
   Each call starts from an empty cache; the first call of each program
   is untimed (compilation), then each prompt is timed whole and with one
   new token (`hardware.timed_call`): the decoding phase is the difference.
@@ -63,9 +63,9 @@ def specjax_rows(target_name: str, prompts: Sequence[Sequence[int]],
                  eos: Sequence[int], tokens: int, gamma: int,
                  quantizations: Sequence[str]
                  ) -> tuple[dict[str, Any], dict[str, list[list[int]]]]:
-  """Each specjax mode's totals over `prompts` (autoregressive for each of
-  `quantizations`, "fp32" the float model, and lookup for the quantized
-  ones), and each quantized model's autoregressive greedy tokens."""
+  """Each specjax mode's totals over `prompts` (autoregressive and prompt
+  lookup for each of `quantizations`, "fp32" the float model), and each
+  quantized model's autoregressive greedy tokens."""
   rows, outputs = {}, {}
   # One cache size for every prompt, as the main job: one program a mode.
   common = dict(eos_id=list(eos), cache_size=decode.default_cache_size(
@@ -74,13 +74,12 @@ def specjax_rows(target_name: str, prompts: Sequence[Sequence[int]],
     quantize = None if quantize == "fp32" else quantize
     target, _ = registry.load_pretrained(target_name, quantize=quantize,
                                          progress=False)
+    lookup = drafters.PromptLookup(vocab_size=target.vocab_size)
     modes = {"autoregressive": lambda p, n, t=target: decode.generate(
-        t, [p], max_new_tokens=n, **common)}
-    if quantize:
-      lookup = drafters.PromptLookup(vocab_size=target.vocab_size)
-      modes[f"lookup γ={gamma}"] = lambda p, n, t=target: (
-          decode.speculative_generate(t, lookup, [p], gamma=gamma,
-                                      max_new_tokens=n, **common))
+        t, [p], max_new_tokens=n, **common),
+             f"lookup γ={gamma}": lambda p, n, t=target: (
+                 decode.speculative_generate(t, lookup, [p], gamma=gamma,
+                                             max_new_tokens=n, **common))}
     for mode, run in modes.items():
       seen, calls = set(), []
       for p in prompts:
