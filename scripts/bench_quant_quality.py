@@ -3,7 +3,8 @@ r"""Issue 55's quality figures: int8 / int4 on a real model against float32.
 Loads a registry model (default the main job's target,
 Qwen2.5-Coder-1.5B, dequantised from its GGUF file to float32), then for
 float32 and each quantization (the file's own blocks, `int8`, `int4`,
-`int4:g64:sym`, applied to the float32 weights):
+`int4:g64:sym`, applied to the float32 weights; ":a8" with int8
+activations too):
 
 - perplexity on a held-out text that ships offline with every Python:
   the standard library's `textwrap.py`, tokenized whole and scored in
@@ -16,7 +17,7 @@ Prints one JSON line per model variant and writes them to --out.
 
 COMMAND: python scripts/bench_quant_quality.py --out=results/quantized/NAME \
     [--model=qwen2.5-coder-1.5b-instruct] [--windows=4] [--window=512] \
-    [--n=8] [--tokens=64]
+    [--n=8] [--tokens=64] [--variants=float32,gguf,gguf:a8,...]
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from specjax import hardware
 from specjax import metrics
 from specjax import registry
 
-VARIANTS = ("float32", "gguf", "int8", "int4", "int4:g64:sym")
+VARIANTS = ("float32", "gguf", "gguf:a8", "int8", "int8:a8", "int4",
+            "int4:a8", "int4:g64:sym")
 
 
 @jax.jit
@@ -60,6 +62,7 @@ def main() -> None:
   parser.add_argument("--window", type=int, default=512)
   parser.add_argument("--n", type=int, default=8)
   parser.add_argument("--tokens", type=int, default=64)
+  parser.add_argument("--variants", default=",".join(VARIANTS))
   args = parser.parse_args()
 
   tokenizer = registry.load_tokenizer(args.model)
@@ -74,12 +77,12 @@ def main() -> None:
 
   base, _ = registry.load_pretrained(args.model, progress=False)
   rows, reference = [], None
-  for variant in VARIANTS:
+  for variant in args.variants.split(","):
     start = time.perf_counter()
     if variant == "float32":
       model = base
-    elif variant == "gguf":
-      model, _ = registry.load_pretrained(args.model, quantize="gguf",
+    elif variant.startswith("gguf"):
+      model, _ = registry.load_pretrained(args.model, quantize=variant,
                                           progress=False)
     else:
       model = base.quantize(variant)

@@ -85,6 +85,20 @@ def test_int8_activations_need_chunks_of_64_inputs():
                              int8_activations=True)
 
 
+def test_nibble_groups_of_48_stay_on_xla():
+  """A group of 48 nibbles is not two 16-byte runs: the kernel refuses it
+  and the product falls back to XLA, with the dequantised values."""
+  rng = np.random.default_rng(1)
+  w = jax.tree.map(jnp.asarray, quantized.quantize_array(
+      rng.normal(0, 1, (8, 96)).astype(np.float32),
+      quantized.QuantSpec.parse("int4:g48"), "t"))
+  assert not quantized.kernel_supports(w)
+  x = jnp.asarray(rng.normal(0, 1, (3, 96)).astype(np.float32))
+  got = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=True))(x, w)
+  _assert_rounding_close(np.asarray(got),
+                         np.asarray(x) @ np.asarray(quantized.dequantize(w)).T)
+
+
 def test_bad_high_bit_planes_are_refused():
   w = MATRICES["Q6_K"]
   x = jnp.ones((3, 512), jnp.float32)

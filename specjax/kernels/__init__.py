@@ -174,7 +174,7 @@ def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
     scales: [O, I // G] float16 or float32.
     mins: [O, I // G] float32, or None.
     bits: 4, 5, 6 or 8.
-    group: G, a multiple of 16.
+    group: G, a multiple of 16 (for 4-6 bits, 16 or a multiple of 32).
     offset: subtracted from the codes.
     high: [O, I * (bits - 4) // 8] uint8 high bits for 5 and 6 bits.
     int8_activations: quantize x's rows to int8 per chunk of 64 inputs
@@ -194,6 +194,7 @@ def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
   high_bits = bits - 4 if bits in (5, 6) else 0
   if (x.dtype != jnp.float32 or bits not in (4, 5, 6, 8)
       or rows > MAX_ROWS or group % 16
+      or (bits < 8 and group != 16 and group % 32)
       or codes.shape[1] * per_byte != cols
       or scales.shape != (codes.shape[0], cols // group)
       or (high is None) != (not high_bits)

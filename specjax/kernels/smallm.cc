@@ -421,7 +421,7 @@ struct QWork {
     std::memcpy(out, &w, sizeof(w));
   }
 
-  // What codes16 adds to a code: 8-bit codes are int8, read as uint8
+  // What row_codes adds to a code: 8-bit codes are int8, read as uint8
   // through code ^ 0x80 = code + 128 (GCC widens uint8 vectors with one
   // instruction but int8 ones element by element; VNNI multiplies uint8).
   int32_t bias() const { return bits == 8 ? 128 : 0; }
@@ -581,6 +581,7 @@ ffi::Error SmallMQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       ffi::ByteWidth(codes.element_type()) != 1 ||
       (has_high && ffi::ByteWidth(high.element_type()) != 1) ||
       (bits < 4 || bits > 8 || bits == 7) || group <= 0 || group % 16 ||
+      (bits < 8 && group != 16 && group % 32) ||
       (act8 && (xd[1] % kChunk ||
                (group != 16 && group != 32 && group % kChunk))) ||
       xd[1] % group || sd[0] != cd[0] || sd[1] * group != xd[1] ||
@@ -590,7 +591,8 @@ ffi::Error SmallMQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument(
         "specjax_smallm_quant expects x [M, K], codes [N, K * bits / 8] "
         "(8 bits) or [N, K / 2], for 5 or 6 bits high [N, K * (bits - 4) "
-        "/ 8], and scales [N, K / group], group a multiple of 16 (with "
+        "/ 8], and scales [N, K / group], group a multiple of 16 (of 32 "
+        "for nibbles, or 16; with "
         "int8 activations, K a multiple of 64 and group 16, 32 or a "
         "multiple of 64)");
   }

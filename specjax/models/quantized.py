@@ -177,10 +177,12 @@ def dequantize(w: QuantizedMatrix) -> jax.Array:
 
 def kernel_supports(w: QuantizedMatrix) -> bool:
   """Whether `kernels.smallm_quantized` takes w's format: every format
-  (q8_0, q4_k, q5_0, q6_k, int8, int4) with groups a multiple of 16; with
-  int8 activations, I a multiple of `ACT_CHUNK` and G 16, 32 or a multiple
-  of `ACT_CHUNK`."""
-  if w.bits not in (4, 5, 6, 8) or w.group % 16:
+  (q8_0, q4_k, q5_0, q6_k, int8, int4) with groups a multiple of 16 (for
+  nibbles 16 or a multiple of 32: a group's two halves of 16-byte runs);
+  with int8 activations, I a multiple of `ACT_CHUNK` and G 16, 32 or a
+  multiple of `ACT_CHUNK`."""
+  if w.bits not in (4, 5, 6, 8) or w.group % 16 or (
+      w.bits < 8 and w.group != 16 and w.group % 32):
     return False
   return not w.act_bits or (w.cols % ACT_CHUNK == 0 and (
       w.group in (16, 32) or w.group % ACT_CHUNK == 0))
