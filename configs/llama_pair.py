@@ -38,9 +38,10 @@ the heads `experiments.train_heads` trained, in `medusa=WORKDIR` and
 drafter), `policies=auto/heuristic` (adaptive γ runs beside the
 fixed ones, `specjax.policies`) with `max_gamma=8`, `nodes=16` (token trees
 of at most 16 nodes at depth <= γ; 0 drafts chains), `nodes_sweep=0/8/16`
-(one row per tree size, 0 a chain), `quantize=gguf|int8|int4` and
-`draft_quantize=...` (weight quantization of each model; with
-`--config.draft=same`, the target's own weights quantized draft for it).
+(one row per tree size, 0 a chain), `quantize=gguf|int8|int4` (":a8"
+adds int8 activations) and `draft_quantize=...` (weight quantization of
+each model; with `--config.draft=same`, the target's own weights quantized
+draft for it).
 
 Generation controls (`specjax.decode.generate`; the baseline and every
 speculative run get the same): `stop=S1/S2` (stop strings, `/`-separated,
@@ -165,7 +166,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # its float weights, `gguf` keeps a GGUF file's own blocks (Q4_K, Q5_0,
   # Q6_K, Q8_0; exact: the dequantised weights are the float loader's),
   # `int8` (per output channel) or `int4` (`int4:g64`, `int4:g32:sym`)
-  # weight-only quantizes any checkpoint.
+  # weight-only quantizes any checkpoint; a ":a8" suffix (`gguf:a8`) also
+  # quantizes the activations to int8, as llama.cpp computes.
   config.quantize = arg["quantize"]
   # The same for the draft, independently of the target.
   config.draft_quantize = arg["draft_quantize"]
