@@ -69,6 +69,8 @@ __all__ = ["ACT_CHUNK", "FORMATS", "QuantSpec", "QuantizedMatrix",
 FORMATS = ("q8_0", "q5_0", "q4_k", "q6_k", "int8", "int4")
 # Inputs per scale of int8 activations (`quantize_activations`).
 ACT_CHUNK = 64
+# The `quantize` suffix that adds int8 activations ("gguf:a8").
+_A8 = ":a8"
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -214,9 +216,8 @@ def matmul(x: jax.Array, w: QuantizedMatrix, out_dtype: Any = None,
   format `kernel_supports`, the CPU kernels available), the specjax CPU
   kernel reads the packed rows once for all X rows (per piece of
   `kernels.MAX_ROWS`) instead: the same weights, summed in another order.
-  With `w.act_bits` 8, x is first
-  quantized to int8 (`quantize_activations`; the kernel multiplies the
-  integer codes).
+  With `w.act_bits` 8, x is first quantized to int8
+  (`quantize_activations`; the kernel multiplies the integer codes).
   """
   if x.shape[-1] != w.cols:
     raise ValueError(f"Cannot multiply activations [..., {x.shape[-1]}] by "
@@ -331,9 +332,6 @@ def parse(quantize: str | QuantSpec | None) -> str | QuantSpec | None:
                      " 'int8', 'int4', 'int4:g<group>' or "
                      "'int4:g<group>:sym'.")
   return QuantSpec.parse(quantize)
-
-
-_A8 = ":a8"
 
 
 def split_activations(quantize: str | QuantSpec | None
