@@ -38,8 +38,9 @@ import numpy as np
 from specjax import hardware
 from specjax import weights
 
-__all__ = ["KernelError", "MAX_ROWS", "available", "build", "smallm_matmul",
-           "smallm_quantized", "source_hash"]
+__all__ = ["ACT_CHUNK", "KernelError", "MAX_ROWS", "available", "build",
+           "quantized_format_ok", "smallm_matmul", "smallm_quantized",
+           "source_hash"]
 
 _SOURCE = pathlib.Path(__file__).with_name("smallm.cc")
 _TARGET = "specjax_smallm_f32"
@@ -47,6 +48,8 @@ _QUANT_TARGET = "specjax_smallm_quant"
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 # Rows the kernel accepts in one call; larger products (prefill) go to XLA.
 MAX_ROWS = 64
+# Inputs per scale of int8 activations (smallm.cc's kChunk).
+ACT_CHUNK = 64
 
 _log = logging.getLogger(__name__)
 
@@ -157,6 +160,20 @@ def smallm_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   return jax.ffi.ffi_call(_TARGET, out)(x, w)
 
 
+def quantized_format_ok(bits: int, group: int, cols: int,
+                        int8_activations: bool = False) -> bool:
+  """Whether `smallm_quantized` takes codes of `bits` in groups of `group`
+  over `cols` inputs: 4, 5, 6 or 8 bits, G a multiple of 16 (for nibbles
+  16 or a multiple of 32: a group's two halves are 16-byte runs), G
+  dividing I; with int8 activations, I a multiple of `ACT_CHUNK` and G 16,
+  32 or a multiple of `ACT_CHUNK`."""
+  if bits not in (4, 5, 6, 8) or group % 16 or cols % group or (
+      bits < 8 and group != 16 and group % 32):
+    return False
+  return not int8_activations or (cols % ACT_CHUNK == 0 and (
+      group in (16, 32) or group % ACT_CHUNK == 0))
+
+
 def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
                      mins: jax.Array | None, *, bits: int, group: int,
                      offset: int, high: jax.Array | None = None,
@@ -174,13 +191,12 @@ def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
     scales: [O, I // G] float16 or float32.
     mins: [O, I // G] float32, or None.
     bits: 4, 5, 6 or 8.
-    group: G, a multiple of 16 (for 4-6 bits, 16 or a multiple of 32).
+    group: G (`quantized_format_ok` says which).
     offset: subtracted from the codes.
     high: [O, I * (bits - 4) // 8] uint8 high bits for 5 and 6 bits.
-    int8_activations: quantize x's rows to int8 per chunk of 64 inputs
-      (`specjax.models.quantized.quantize_activations`) and sum integer
-      products (VNNI where the CPU has it); needs I % 64 == 0 and G 16,
-      32 or a multiple of 64.
+    int8_activations: quantize x's rows to int8 per chunk of `ACT_CHUNK`
+      inputs (`specjax.models.quantized.quantize_activations`) and sum
+      integer products (VNNI where the CPU has it).
 
   Raises:
     KernelError: the kernels are not available here.
@@ -192,14 +208,11 @@ def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
   rows, cols = x.shape
   per_byte = 1 if bits == 8 else 2
   high_bits = bits - 4 if bits in (5, 6) else 0
-  if (x.dtype != jnp.float32 or bits not in (4, 5, 6, 8)
-      or rows > MAX_ROWS or group % 16
-      or (bits < 8 and group != 16 and group % 32)
+  if (x.dtype != jnp.float32 or rows > MAX_ROWS
+      or not quantized_format_ok(bits, group, cols, int8_activations)
       or codes.shape[1] * per_byte != cols
       or scales.shape != (codes.shape[0], cols // group)
       or (high is None) != (not high_bits)
-      or (int8_activations and (cols % 64 or (
-          group not in (16, 32) and group % 64)))
       or (high is not None
           and high.shape != (codes.shape[0], cols * high_bits // 8))):
     raise ValueError(f"smallm_quantized: x {x.dtype}{x.shape}, codes "

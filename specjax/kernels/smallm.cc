@@ -388,6 +388,32 @@ inline void or_high64(const uint8_t* h, uint8_t* u) {
 }
 #endif
 
+// The HB-bit high codes of one row of K elements (K * HB / 8 bytes at h)
+// ORed into bits 4 and up of its codes u[0, K): 64 elements at a time
+// where the CPU has VBMI, then 16 at a time through the kHigh tables.
+template <int HB>
+void or_high_row(const uint8_t* h, uint8_t* u, int64_t k) {
+  int64_t e = 0;
+#if defined(__AVX512VBMI__)
+  for (; e + 64 <= k; e += 64, h += 8 * HB) or_high64<HB>(h, u + e);
+#endif
+  for (; e < k; e += 16, h += 2 * HB) {  // 16 elements: 2 * HB bytes
+    u8x16 t;
+    if constexpr (HB == 2) {
+      const u32x4 w = {kHigh2[h[0]], kHigh2[h[1]], kHigh2[h[2]],
+                       kHigh2[h[3]]};
+      t = reinterpret_cast<const u8x16&>(w);
+    } else {
+      const u64x2 w = {kHigh1[h[0]], kHigh1[h[1]]};
+      t = reinterpret_cast<const u8x16&>(w);
+    }
+    u8x16 v;
+    std::memcpy(&v, u + e, 16);
+    v |= t;
+    std::memcpy(u + e, &v, 16);
+  }
+}
+
 // 16 bytes -> 16 int32 (GCC turns __builtin_convertvector on a loaded
 // vector into byte-by-byte inserts).
 inline i32x16 widen(const uint8_t* p) {
@@ -463,33 +489,10 @@ struct QWork {
         std::memcpy(out + half + e, &hi, 16);
       }
     }
-    if (bits == 6) {  // 16 elements' high bits are 4 bytes
-      const uint8_t* h = high + j * k / 4;
-      int64_t e = 0;
-#if defined(__AVX512VBMI__)
-      for (; e + 64 <= k; e += 64, h += 16) or_high64<2>(h, u + e);
-#endif
-      for (; e < k; e += 16, h += 4) {
-        const u32x4 t = {kHigh2[h[0]], kHigh2[h[1]], kHigh2[h[2]],
-                         kHigh2[h[3]]};
-        u8x16 v;
-        std::memcpy(&v, u + e, 16);
-        v |= reinterpret_cast<const u8x16&>(t);
-        std::memcpy(u + e, &v, 16);
-      }
-    } else if (bits == 5) {  // 2 bytes
-      const uint8_t* h = high + j * k / 8;
-      int64_t e = 0;
-#if defined(__AVX512VBMI__)
-      for (; e + 64 <= k; e += 64, h += 8) or_high64<1>(h, u + e);
-#endif
-      for (; e < k; e += 16, h += 2) {
-        const u64x2 t = {kHigh1[h[0]], kHigh1[h[1]]};
-        u8x16 v;
-        std::memcpy(&v, u + e, 16);
-        v |= reinterpret_cast<const u8x16&>(t);
-        std::memcpy(u + e, &v, 16);
-      }
+    if (bits == 6) {
+      or_high_row<2>(high + j * k / 4, u, k);
+    } else if (bits == 5) {
+      or_high_row<1>(high + j * k / 8, u, k);
     }
   }
 

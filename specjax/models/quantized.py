@@ -68,7 +68,7 @@ __all__ = ["ACT_CHUNK", "FORMATS", "QuantSpec", "QuantizedMatrix",
 
 FORMATS = ("q8_0", "q5_0", "q4_k", "q6_k", "int8", "int4")
 # Inputs per scale of int8 activations (`quantize_activations`).
-ACT_CHUNK = 64
+ACT_CHUNK = kernels.ACT_CHUNK
 # The `quantize` suffix that adds int8 activations ("gguf:a8").
 _A8 = ":a8"
 
@@ -178,16 +178,11 @@ def dequantize(w: QuantizedMatrix) -> jax.Array:
 
 
 def kernel_supports(w: QuantizedMatrix) -> bool:
-  """Whether `kernels.smallm_quantized` takes w's format: every format
-  (q8_0, q4_k, q5_0, q6_k, int8, int4) with groups a multiple of 16 (for
-  nibbles 16 or a multiple of 32: a group's two halves of 16-byte runs);
-  with int8 activations, I a multiple of `ACT_CHUNK` and G 16, 32 or a
-  multiple of `ACT_CHUNK`."""
-  if w.bits not in (4, 5, 6, 8) or w.group % 16 or (
-      w.bits < 8 and w.group != 16 and w.group % 32):
-    return False
-  return not w.act_bits or (w.cols % ACT_CHUNK == 0 and (
-      w.group in (16, 32) or w.group % ACT_CHUNK == 0))
+  """Whether `kernels.smallm_quantized` takes w's format
+  (`kernels.quantized_format_ok`: every format the loaders make, q8_0,
+  q4_k, q5_0, q6_k, int8 and int4, with their usual groups)."""
+  return kernels.quantized_format_ok(w.bits, w.group, w.cols,
+                                     bool(w.act_bits))
 
 
 def quantize_activations(x: jax.Array) -> jax.Array:
