@@ -7,7 +7,7 @@ visible:
 - `call(jitted, name, shapes, ...)` runs a jitted function and, when the
   call compiled a new program, logs one line with the time XLA spent
   (tracing, lowering and backend compilation, read from JAX's monitoring
-  events) and counts it in `num_compiled()`.
+  events) and counts it in `num_compiled()`; `compiled()` lists them.
 - `enable_persistent_cache()` turns on JAX's persistent compilation cache in
   `$SPECJAX_CACHE/xla_cache` (default ~/.cache/specjax/xla_cache), so a
   second process reuses what the first compiled. `call` does so once, at
@@ -18,6 +18,7 @@ visible:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
 import os
@@ -27,7 +28,8 @@ import jax
 
 from specjax import weights
 
-__all__ = ["call", "enable_persistent_cache", "num_compiled"]
+__all__ = ["Compiled", "call", "compiled", "enable_persistent_cache",
+           "num_compiled"]
 
 OPT_OUT = "SPECJAX_NO_COMPILE_CACHE"
 _EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
@@ -35,7 +37,18 @@ _EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
            "/jax/core/compile/backend_compile_duration")
 _seconds = [0.0]  # compile time seen so far in this process
 _counts: collections.Counter = collections.Counter()
+_history: list["Compiled"] = []
 _log = logging.getLogger("specjax")
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  """One program `call` compiled: what, for which shapes, and the seconds
+  JAX spent tracing, lowering and compiling it."""
+
+  name: str
+  shapes: str
+  seconds: float
 
 
 def _listener(event: str, duration: float, **kwargs: Any) -> None:
@@ -85,9 +98,15 @@ def call(jitted: Callable[..., Any], name: str, shapes: str, *args: Any,
   out = jitted(*args, **kwargs)
   if jitted._cache_size() > before:  # pylint: disable=protected-access
     _counts[name] += 1
+    _history.append(Compiled(name, shapes, _seconds[0] - seconds))
     _log.info("specjax: compiled %s for %s in %.1f s", name, shapes,
               _seconds[0] - seconds)
   return out
+
+
+def compiled() -> tuple[Compiled, ...]:
+  """Every program `call` compiled in this process, oldest first."""
+  return tuple(_history)
 
 
 def num_compiled(name: str | None = None) -> int:

@@ -3,10 +3,12 @@
 Shape letters (`specjax.shapes`): B batch, P padded prompt, S cache size, N
 max new tokens, N_cap its cap, G = γ, V vocab, E hidden.
 
-`_generate` is autoregressive decoding and `_speculative_generate` runs
-`speculate.speculate_step` until every row hit EOS or N tokens; both start
-with `start` (the target's prefill and its first token). `specjax.decode`
-validates arguments and calls them.
+`generate_loop` is autoregressive decoding (`plain.target_step`) and
+`speculative_loop` runs `speculate.speculate_step` until every row hit EOS
+or N tokens, taking the plain steps an adaptive policy chooses as runs of
+`generate`'s step (`plain.plain_run`); both start with `start` (the
+target's prefill and its first token). `specjax.decode` validates
+arguments and calls them.
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import buffers
+from specjax import plain
 from specjax import rejection
 from specjax import sampling
 from specjax import speculate
 from specjax import streaming
 from specjax.drafters.base import Drafter
 from specjax.models import LanguageModel
-from specjax.models import model_output
 from specjax.step_types import SpecState
 from specjax.step_types import SpecStats
 from specjax.step_types import StepParams
@@ -152,22 +154,13 @@ def generate_loop(model, prompts, lengths, params, eos_ids, key,
 
   def step(s: _ARState) -> _ARState:
     key, sample_key = jax.random.split(s.key)
-    start_length = s.cache.lengths
-    out, cache = model(s.last_token[:, None], s.cache)  # [B, 1] -> [B, 1, V]
-    logits = model_output(out).logits[:, 0]
-    token = sampling.sample(
-        sample_key, sampling.probabilities(logits, s.params))  # [B]
-    # Done rows do not advance, so they never run past the cache.
-    cache = cache.rollback(jnp.where(s.done, start_length, cache.lengths))
-    tokens, counts, done, stop_state = buffers.emit(
-        s.tokens, s.num_generated, s.done, token[:, None],
-        jnp.ones_like(s.num_generated), eos_ids, max_new_tokens, stops,
-        s.stop_state)
-    streaming.deliver(stream_id, tokens, s.num_generated, counts, 1)
-    return s.replace(tokens=tokens, num_generated=counts, done=done,
-                     last_token=token, cache=cache, key=key,
-                     params=s.params.advance(token, ~s.done),
-                     stop_state=stop_state)
+    e = plain.target_step(model, s.cache, s.last_token, s.params,
+                          sample_key, s.tokens, s.num_generated, s.done,
+                          eos_ids, max_new_tokens, stops, s.stop_state)
+    streaming.deliver(stream_id, e.tokens, s.num_generated, e.counts, 1)
+    return s.replace(tokens=e.tokens, num_generated=e.counts, done=e.done,
+                     last_token=e.token, cache=e.cache, key=key,
+                     params=e.params, stop_state=e.stop_state)
 
   state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
   return (buffers.finalize(state.tokens, state.num_generated, tokens_cap,
@@ -275,14 +268,30 @@ def speculative_loop(target, drafter, prompts, lengths, params, key,
       policy=policy, max_new_tokens=max_new_tokens, synthetic=synthetic,
       num_nodes=num_nodes)
 
-  def streamed(s: SpecState) -> SpecState:
-    after = step(s)
+  def streamed(s: SpecState, **kw) -> SpecState:
+    after = step(s, **kw)
     streaming.deliver(stream_id, after.tokens, s.num_generated,
                       after.num_generated, policy.max_gamma + 1)
     return after
 
-  state = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                             step if stream_id is None else streamed, state)
+  def body(s: SpecState) -> SpecState:
+    remaining = max_new_tokens - s.num_generated  # [B]
+    run = policy.plain_run(s.policy_state, s.active, remaining)
+    if run is None:  # the policy asks before every step
+      return streamed(s)
+    budget = policy.budget(s.policy_state, s.active, remaining)  # [B]
+    drafting = jnp.any(budget > 0)
+    s = plain.plain_run(s, jnp.where(drafting, 0, run), target=target,
+                        drafter=drafter, params=params, policy=policy,
+                        max_new_tokens=max_new_tokens, stream_id=stream_id)
+    # At most one drafting step: a `lax.cond` whose other branch passed
+    # the state through would make XLA copy the caches at every step.
+    _, s = jax.lax.while_loop(
+        lambda c: c[0], lambda c: (False, streamed(c[1], budget=budget)),
+        (drafting, s))
+    return s
+
+  state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
   tokens = buffers.finalize(state.tokens, state.num_generated, tokens_cap,
                             pad_id)
   return tokens, state.num_generated, state.stats, state.policy_state

@@ -50,7 +50,8 @@ def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
                    params: StepParams, policy: Any,
                    max_new_tokens: int | jax.Array,
                    synthetic: bool = False,
-                   num_nodes: int | None = None) -> SpecState:
+                   num_nodes: int | None = None,
+                   budget: jax.Array | None = None) -> SpecState:
   """Drafts up to G tokens, verifies them in one target pass, and commits.
 
   Args:
@@ -65,6 +66,8 @@ def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
       benchmarks on random weights; not distribution-preserving).
     num_nodes: None for a chain; T for a token tree of at most T nodes at
       depth at most G (`specjax.tree`, under `Fixed(G, num_nodes=T)`).
+    budget: [B] int32 the policy's budget for this state, where the caller
+      already asked it (`policy.budget`); None to ask here.
 
   Returns:
     The next state.
@@ -74,7 +77,8 @@ def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
   # The controls' history through the last committed token.
   sampling = params.sampling.replace(controls=state.controls)
   remaining = max_new_tokens - state.num_generated  # [B]
-  budget = policy.budget(state.policy_state, active, remaining)  # [B]
+  if budget is None:
+    budget = policy.budget(state.policy_state, active, remaining)  # [B]
   tree_kw = {} if num_nodes is None else {"num_nodes": num_nodes}
   propose = lambda s: drafter.propose(
       s, draft_key, sampling, policy.max_gamma, params.stop_threshold,

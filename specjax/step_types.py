@@ -257,6 +257,20 @@ class SpecStats:
         target_forwards=self.target_forwards + 1,
         draft_forwards=self.draft_forwards + proposal.num_forwards)
 
+  def plain(self, ran: jax.Array, steps: jax.Array) -> "SpecStats":
+    """Counts `steps` ([] int32) plain steps (no draft proposed or
+    scored) at once, each `update` with nothing drafted: row b ran the
+    first `ran[b]` of them (its tokens emitted), and was done for the
+    rest."""
+    column = jnp.arange(self.accepted.shape[1])[None]  # [1, M]
+    run = (column >= self.steps) & (column < self.steps + steps)
+    value = jnp.where(column < self.steps + ran[:, None], 0, -1)
+    record = lambda buf: jnp.where(run, value, buf)
+    return self.replace(accepted=record(self.accepted),
+                        scored=record(self.scored),
+                        steps=self.steps + steps,
+                        target_forwards=self.target_forwards + steps)
+
 
 @flax.struct.dataclass(kw_only=True)
 class StepParams:

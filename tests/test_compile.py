@@ -224,3 +224,15 @@ def test_a_second_process_reuses_the_persistent_cache(tmp_path):
   assert f"cache_dir {tmp_path / 'xla_cache'}" in runs[0]
   assert "hits 0" in runs[0]
   assert "hits 0" not in runs[1], runs[1]
+
+
+def test_compiled_lists_each_program_with_its_time():
+  # B = 5 and this prompt: no other test compiles this program.
+  target = testing.tiny_pair(seed=7)[0]
+  before = len(compilation.compiled())
+  prompts = [[1, 2, 3]] * 5
+  decode.generate(target, prompts, max_new_tokens=3)
+  decode.generate(target, prompts, max_new_tokens=3)  # compiled already
+  new = compilation.compiled()[before:]
+  assert [c.name for c in new] == ["generate"], new
+  assert new[0].shapes.startswith("B=5,") and new[0].seconds > 0, new

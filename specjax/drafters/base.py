@@ -48,6 +48,11 @@ class Drafter:
       (`propose_if`).
     uses_prompt_hidden: `init` takes `prompt_hidden=` [B, P, E], the
       target's last hidden states over the prompts (EAGLE).
+    commits_text: `commit` reads the committed text alone
+      (`verification.emitted` and `num_emitted`: no logits, hidden states
+      or tree path), so a run of plain steps commits its tokens once
+      after the run, G + 1 at a time (`specjax.plain`), instead of at
+      each step.
     cost_model: the `LanguageModel` one of whose one-token forwards each
       drafted token costs (policies price drafting with it), or None for
       a drafter that runs no model.
@@ -58,6 +63,7 @@ class Drafter:
   supports_trees: ClassVar[bool] = False
   gates_itself: ClassVar[bool] = False
   uses_prompt_hidden: ClassVar[bool] = False
+  commits_text: ClassVar[bool] = False
   cost_model: ClassVar[Any] = None
 
   def init(self, prompts: jax.Array, prompt_lengths: jax.Array,

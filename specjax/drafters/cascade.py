@@ -106,6 +106,10 @@ class Cascade(Drafter):
     return ("model",) + self.drafter.components
 
   @property
+  def commits_text(self) -> bool:
+    return self.drafter.commits_text
+
+  @property
   def extra_positions(self) -> int:
     """Cache positions needed past the engine's γ+1: a round may overshoot
     the block by γ', and the inner drafter may need its own."""

@@ -68,6 +68,10 @@ class Fallback(Drafter):
     return self.first.components + self.second.components
 
   @property
+  def commits_text(self) -> bool:
+    return self.first.commits_text and self.second.commits_text
+
+  @property
   def extra_positions(self) -> int:
     return max(self.first.extra_positions, self.second.extra_positions)
 

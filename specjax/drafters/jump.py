@@ -37,6 +37,7 @@ class JumpForward(Drafter):
   vocab_size: int = flax.struct.field(pytree_node=False)
 
   components = ("jump",)
+  commits_text = True
 
   def init(self, prompts, prompt_lengths, first_token, cache_size):
     del prompts, prompt_lengths, first_token, cache_size

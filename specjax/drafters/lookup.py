@@ -174,6 +174,7 @@ class PromptLookup(Drafter):
 
   components = ("lookup",)
   supports_trees = True
+  commits_text = True
 
   def __post_init__(self):
     if not isinstance(self.min_ngram, int) or self.min_ngram < 1:

@@ -68,6 +68,7 @@ class DraftModel(Drafter):
   # A `limit` of zeros runs no model: the caches only flow through while
   # loops that take no trip (`base.propose_if`).
   gates_itself = True
+  commits_text = True
 
   @property
   def cost_model(self) -> Any:

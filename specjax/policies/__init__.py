@@ -10,6 +10,7 @@ from specjax.policies.auto import Auto
 from specjax.policies.base import Fixed
 from specjax.policies.base import GammaPolicy
 from specjax.policies.base import Heuristic
+from specjax.policies.base import LONGEST_PLAIN_RUN
 from specjax.policies.base import PolicyState
 from specjax.policies.costs import catch_up_ms
 from specjax.policies.costs import drafting_ms
@@ -20,5 +21,5 @@ from specjax.verify import verify_widths
 from specjax.verify import width_index
 
 __all__ = ["Auto", "Fixed", "ForwardCosts", "GammaPolicy", "Heuristic",
-           "PolicyState", "Roofline", "StepCosts", "catch_up_ms",
-           "drafting_ms", "verify_widths", "width_index"]
+           "LONGEST_PLAIN_RUN", "PolicyState", "Roofline", "StepCosts",
+           "catch_up_ms", "drafting_ms", "verify_widths", "width_index"]

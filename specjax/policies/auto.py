@@ -53,6 +53,7 @@ import numpy as np
 
 from specjax import finish
 from specjax.policies.base import GammaPolicy
+from specjax.policies.base import LONGEST_PLAIN_RUN
 from specjax.policies.base import PolicyState
 from specjax.policies.base import reached
 from specjax.policies.base import usable_drafts
@@ -462,13 +463,19 @@ class Auto(Estimates, GammaPolicy):
       active: [B] rows that count.
       available, remaining: [B] as in `score`, or None.
     """
-    pooled, evidence = self.pooled(state, active)  # [G], [G]
-    error = jnp.sqrt(pooled[0] * (1.0 - pooled[0]) / (evidence[0] + 1.0))
-    bound = pooled.at[0].set(jnp.minimum(pooled[0] + self.optimism * error,
-                                         1.0))
+    bound, evidence = self._bound(state, active)  # [G], [G]
     rate = self.score(jnp.broadcast_to(bound, state.verified.shape), bound,
                       active, remaining, available)  # [G+1]
     return self.choose(rate, jnp.where(evidence[0] > 0, self.max_gamma, 1))
+
+  def _bound(self, state: PolicyState, active: jax.Array
+             ) -> tuple[jax.Array, jax.Array]:
+    """[G] the batch's estimates with position 1 at `hoped`'s upper
+    bound, and [G] the evidence behind them (`pooled`)."""
+    pooled, evidence = self.pooled(state, active)  # [G], [G]
+    error = jnp.sqrt(pooled[0] * (1.0 - pooled[0]) / (evidence[0] + 1.0))
+    return pooled.at[0].set(jnp.minimum(pooled[0] + self.optimism * error,
+                                        1.0)), evidence
 
   def _probe(self, state: PolicyState, k: jax.Array, active: jax.Array,
              available: jax.Array | None,
@@ -499,6 +506,44 @@ class Auto(Estimates, GammaPolicy):
                               remaining),
                   self.max_gamma)
     return jnp.where(active, k, 0).astype(jnp.int32)
+
+  def plain_run(self, state, active, remaining=None):
+    """The plain steps a plain choice stands for (`GammaPolicy.plain_run`).
+
+    The estimates learn only from drafted steps, so over plain steps
+    three things move: `idle`, which makes a probe due (`_due`), at a
+    step found here for each of the next `LONGEST_PLAIN_RUN`; the tokens left,
+    which only lower what a probe could save (`_pays_back`, `usable`:
+    once they forbid probes they do for good) and, once no row has more
+    than `horizon` left, hand the choice to `finish_rate`, so the run
+    ends there; and the rows that end, which the loop watches. Within
+    `horizon` of the end the choice stands where the steady state, at
+    `hoped`'s bound, would not draft either: no fewer tokens left can then
+    make drafting pay, since `finish_rate`'s gain over K = 0 is at most
+    `predicted_rate`'s (the slowest row alone takes E[steps] >= its
+    tokens / E[tau], by Wald's identity); elsewhere the run is this one
+    step.
+    """
+    steps = jnp.arange(1, LONGEST_PLAIN_RUN + 1)  # [R] a run of r plain steps
+    due = self._due(state.replace(idle=state.idle + steps))  # [R]
+    usable = usable_drafts(remaining)
+    allowed = self._pays_back(state, active, remaining)
+    if usable is not None:
+      allowed &= jnp.any(active & (usable > 0))
+    run = jnp.where(allowed & jnp.any(due), jnp.argmax(due) + 1,
+                    LONGEST_PLAIN_RUN)
+    if remaining is not None and self.horizon:
+      most = jnp.max(jnp.where(active, remaining, 0))
+      bound, _ = self._bound(state, active)
+      steady = self.choose(self.predicted_rate(
+          jnp.broadcast_to(bound, state.verified.shape), active, usable))
+      run = jnp.where(most > self.horizon,
+                      jnp.minimum(run, most - self.horizon),
+                      jnp.where(steady > 0, 1, run))
+    return jnp.maximum(run, 1).astype(jnp.int32)
+
+  def after_plain(self, state, steps):
+    return state.replace(idle=state.idle + steps)
 
   def trim(self, state, num_drafted, active, remaining=None):
     """The drafts are paid for: verify the K' <= G leading ones of each row

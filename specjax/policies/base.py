@@ -30,7 +30,11 @@ import jax.numpy as jnp
 from specjax.step_types import Proposal
 from specjax.verify import verify_widths
 
-__all__ = ["Fixed", "GammaPolicy", "Heuristic", "PolicyState"]
+__all__ = ["Fixed", "GammaPolicy", "Heuristic", "LONGEST_PLAIN_RUN",
+           "PolicyState"]
+
+# The most plain steps one choice may stand for (`GammaPolicy.plain_run`).
+LONGEST_PLAIN_RUN = 64
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -92,6 +96,25 @@ class GammaPolicy:
     drafted (default: all)."""
     del state, active, remaining
     return num_drafted
+
+  def plain_run(self, state: PolicyState, active: jax.Array,
+                remaining: jax.Array | None = None) -> jax.Array | None:
+    """Once `budget` chose a plain step for every row: [] int32 in [1,
+    `LONGEST_PLAIN_RUN`], the
+    plain steps (this one included) after which nothing the choice reads
+    can have changed but the tokens the rows emitted, so that the loop
+    runs them at `generate`'s cost (`specjax.plain`) and asks again after
+    them (or once a row ends); None (the default) to ask before every
+    step."""
+    del state, active, remaining
+    return None
+
+  def after_plain(self, state: PolicyState, steps: jax.Array
+                  ) -> PolicyState:
+    """`state` after `steps` ([] int32) plain steps, as `update` would
+    leave it after each (default: unchanged)."""
+    del steps
+    return state
 
   def warm(self, state: PolicyState) -> "GammaPolicy":
     """The policy for a next generation, given the `PolicyState` an

@@ -78,7 +78,9 @@ class _Prices:
 
 def _step(policy: policies.GammaPolicy, prices: _Prices, alpha: jax.Array,
           tokens: int, state: _State) -> _State:
-  """One speculative step of every row, as `speculate_step` takes it."""
+  """One speculative step of every row, as `speculate_step` takes it, or
+  the run of plain steps that a plain choice stands for, as the loop takes
+  it (`GammaPolicy.plain_run`)."""
   max_gamma = alpha.shape[0]
   widths = policies.verify_widths(max_gamma)
   active = state.generated < tokens  # [B]
@@ -102,13 +104,25 @@ def _step(policy: policies.GammaPolicy, prices: _Prices, alpha: jax.Array,
   proposal = Proposal(tokens=jnp.zeros((budget.shape[0], max_gamma),
                                        jnp.int32),
                       num_drafted=drafted, num_forwards=jnp.int32(0))
-  return state.replace(
+  stepped = state.replace(
       policy=policy.update(state.policy, budget, proposal, num_accepted,
                            active),
       generated=state.generated + emitted,
       lag=jnp.where(drafting, 0, state.lag + 1),
       ms=state.ms + prices.target_ms[width]
       + jnp.where(drafting, draft_ms, 0.0))
+  run = policy.plain_run(state.policy, active, remaining)
+  if run is None:
+    return stepped
+  # The loop's run of plain steps (`specjax.plain`), which ends early where
+  # a row does.
+  run = jnp.minimum(jnp.minimum(run, policies.LONGEST_PLAIN_RUN),
+                    jnp.min(jnp.where(active, remaining, tokens)))
+  ran = state.replace(
+      policy=policy.after_plain(state.policy, run),
+      generated=state.generated + jnp.where(active, run, 0),
+      lag=state.lag + run, ms=state.ms + run * prices.target_ms[0])
+  return jax.tree.map(lambda a, b: jnp.where(drafting, a, b), stepped, ran)
 
 
 def _generation(policy: policies.GammaPolicy, prices: _Prices,
