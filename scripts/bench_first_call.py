@@ -2,12 +2,13 @@ r"""Issue 54's compile-time bar: a first call's overhead over identical calls.
 
 Loads the real pair (Qwen2.5-Coder 1.5B target, 0.5B draft, fp32 on CPU),
 then makes the same call three times per API in this fresh process, with
-no persistent compilation cache: a 150-token prompt, N = 64, `generate`
-and `speculative_generate` with the draft model at γ = 4. Prints each
+no persistent compilation cache: a 150-token prompt, N = 64, `generate`,
+and `speculative_generate` with the draft model at γ = 4 (`spec`) and at
+`gamma="auto"` (`auto`). Prints each
 call's wall time and backend-compile seconds, and the overhead (first call
 minus the faster later one).
 
-COMMAND: python scripts/bench_first_call.py [generate] [spec]
+COMMAND: python scripts/bench_first_call.py [generate] [spec] [auto]
   (XLA_FLAGS=--xla_backend_optimization_level=0 to compare LLVM -O0)
 """
 
@@ -41,7 +42,9 @@ def main(which: list[str]) -> None:
       "generate": lambda: decode.generate(target, [prompt],
                                           max_new_tokens=64),
       "spec": lambda: decode.speculative_generate(
-          target, draft, [prompt], gamma=4, max_new_tokens=64)}
+          target, draft, [prompt], gamma=4, max_new_tokens=64),
+      "auto": lambda: decode.speculative_generate(
+          target, draft, [prompt], gamma="auto", max_new_tokens=64)}
   for name in which or list(runs):
     times = []
     for _ in range(3):
