@@ -276,13 +276,15 @@ def speculative_loop(target, drafter, prompts, lengths, params, key,
 
   def body(s: SpecState) -> SpecState:
     remaining = max_new_tokens - s.num_generated  # [B]
-    run = policy.plain_run(s.policy_state, s.active, remaining)
-    if run is None:  # the policy asks before every step
+    run = lambda: policy.plain_run(s.policy_state, s.active, remaining)
+    if run() is None:  # the policy asks before every step (unused: dropped)
       return streamed(s)
     budget = policy.budget(s.policy_state, s.active, remaining)  # [B]
     drafting = jnp.any(budget > 0)
-    s = plain.plain_run(s, jnp.where(drafting, 0, run), target=target,
-                        drafter=drafter, params=params, policy=policy,
+    # The run's length is asked only after a plain choice.
+    steps = jax.lax.cond(drafting, lambda: jnp.int32(0), run)
+    s = plain.plain_run(s, steps, target=target, drafter=drafter,
+                        params=params, policy=policy,
                         max_new_tokens=max_new_tokens, stream_id=stream_id)
     # At most one drafting step: a `lax.cond` whose other branch passed
     # the state through would make XLA copy the caches at every step.
