@@ -31,10 +31,10 @@ import jax.numpy as jnp
 from specjax import buffers
 from specjax import sampling
 from specjax import streaming
-from specjax.policies.base import LONGEST_PLAIN_RUN
 from specjax.drafters import text
 from specjax.models.protocol import ModelOutput
 from specjax.models.protocol import model_output
+from specjax.policies.base import LONGEST_PLAIN_RUN
 from specjax.step_types import Proposal
 from specjax.step_types import SpecState
 from specjax.step_types import StepParams
@@ -161,8 +161,10 @@ def commit_text(drafter: Any, drafter_state: Any, tokens: jax.Array,
     done, state = carry
     num = jnp.clip(count - done, 0, width)  # [B]
     emitted = text.window(tokens, start + done, width)  # [B, width]
+    last = jnp.take_along_axis(emitted, jnp.maximum(num - 1, 0)[:, None],
+                               axis=1)[:, 0]
     verification = Verification(
-        num_accepted=num - 1, next_token=emitted[:, 0], emitted=emitted,
+        num_accepted=num - 1, next_token=last, emitted=emitted,
         logits=None, probs=None)
     return done + width, drafter.commit(state, nothing, verification,
                                         num > 0)

@@ -483,16 +483,24 @@ class Auto(Estimates, GammaPolicy):
     """[] the budget `k`, or where it is 0 a probe: the budget `hoped`
     for, else one token if one is due (`_due`); only where some active
     row can use a draft (`available` [B] drafts per row, None for any)
-    and the tokens left (`remaining` [B]) could repay it (`_pays_back`)."""
-    usable = True if available is None else jnp.any(active & (available > 0))
+    and the tokens left (`remaining` [B]) could repay it
+    (`_may_probe`)."""
     # Only a plain step asks what the bound hopes for.
     hope = jax.lax.cond(
         k == 0, lambda: self.hoped(state, active, available,
                                    remaining).astype(jnp.int32),
         lambda: jnp.int32(0))
     probe = jnp.where(hope > 0, hope, self._due(state).astype(jnp.int32))
-    allowed = usable & self._pays_back(state, active, remaining)
+    allowed = self._may_probe(state, active, available, remaining)
     return jnp.where((k == 0) & allowed, probe, k)
+
+  def _may_probe(self, state: PolicyState, active: jax.Array,
+                 available: jax.Array | None,
+                 remaining: jax.Array | None) -> jax.Array:
+    """[] bool: some active row can use a draft (`available` [B], None
+    for any) and the tokens left could repay a probe (`_pays_back`)."""
+    usable = True if available is None else jnp.any(active & (available > 0))
+    return usable & self._pays_back(state, active, remaining)
 
   def budget(self, state, active, remaining=None):
     # A drafter that costs nothing drafts all it can; `trim` then picks
@@ -512,9 +520,9 @@ class Auto(Estimates, GammaPolicy):
 
     The estimates learn only from drafted steps, so over plain steps
     three things move: `idle`, which makes a probe due (`_due`), at a
-    step found here for each of the next `LONGEST_PLAIN_RUN`; the tokens left,
-    which only lower what a probe could save (`_pays_back`, `usable`:
-    once they forbid probes they do for good) and, once no row has more
+    step found here for each of the next `LONGEST_PLAIN_RUN`; the tokens
+    left, which only lower what a probe could save (`_may_probe`: once
+    they forbid probes they do for good) and, once no row has more
     than `horizon` left, hand the choice to `finish_rate`, so the run
     ends there; and the rows that end, which the loop watches. Within
     `horizon` of the end the choice stands where the steady state, at
@@ -524,12 +532,10 @@ class Auto(Estimates, GammaPolicy):
     tokens / E[tau], by Wald's identity); elsewhere the run is this one
     step.
     """
-    steps = jnp.arange(1, LONGEST_PLAIN_RUN + 1)  # [R] a run of r plain steps
+    steps = jnp.arange(1, LONGEST_PLAIN_RUN + 1)  # [R] runs of r steps
     due = self._due(state.replace(idle=state.idle + steps))  # [R]
     usable = usable_drafts(remaining)
-    allowed = self._pays_back(state, active, remaining)
-    if usable is not None:
-      allowed &= jnp.any(active & (usable > 0))
+    allowed = self._may_probe(state, active, usable, remaining)
     run = jnp.where(allowed & jnp.any(due), jnp.argmax(due) + 1,
                     LONGEST_PLAIN_RUN)
     if remaining is not None and self.horizon:

@@ -99,13 +99,12 @@ class GammaPolicy:
 
   def plain_run(self, state: PolicyState, active: jax.Array,
                 remaining: jax.Array | None = None) -> jax.Array | None:
-    """Once `budget` chose a plain step for every row: [] int32 in [1,
-    `LONGEST_PLAIN_RUN`], the
-    plain steps (this one included) after which nothing the choice reads
-    can have changed but the tokens the rows emitted, so that the loop
-    runs them at `generate`'s cost (`specjax.plain`) and asks again after
-    them (or once a row ends); None (the default) to ask before every
-    step."""
+    """Once `budget` chose a plain step for every row: [] int32 in
+    [1, `LONGEST_PLAIN_RUN`], the plain steps (this one included) after
+    which nothing the choice reads can have changed but the tokens the
+    rows emitted, so that the loop runs them at `generate`'s cost
+    (`specjax.plain`) and asks again after them (or once a row ends);
+    None (the default) to ask before every step."""
     del state, active, remaining
     return None
 
