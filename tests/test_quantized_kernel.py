@@ -56,6 +56,23 @@ def test_kernel_equals_the_xla_product(name, rows):
   np.testing.assert_array_equal(np.asarray(one), np.asarray(got[:1]))
 
 
+@pytest.mark.parametrize("act_bits", [0, 8])
+@pytest.mark.parametrize("rows", [1, 70])
+def test_layer_loop_pick_reads_each_layers_format(act_bits, rows):
+  # Every format as one "layer" of a loop: the kernel is handed all of
+  # them and must read the picked one's own blocks (float16 scales of
+  # Q8_0 and Q5_0 included) as `quantized.matmul` does; 70 rows take two
+  # passes.
+  ws = tuple(MATRICES[name].replace(act_bits=act_bits)
+             for name in sorted(MATRICES))
+  x = jax.random.normal(jax.random.key(rows), (rows, 512), jnp.float32)
+  pick = jax.jit(quantized.matmul_pick)
+  for i, w in enumerate(ws):
+    got = pick(x, jnp.int32(i), ws)
+    want = jax.jit(quantized.matmul)(x, w)
+    _assert_rounding_close(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("name", sorted(MATRICES))
 @pytest.mark.parametrize("rows", [1, 9, 33, 100])
 def test_int8_activation_kernel_equals_the_xla_product(name, rows):

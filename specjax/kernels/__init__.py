@@ -39,12 +39,14 @@ from specjax import hardware
 from specjax import weights
 
 __all__ = ["ACT_CHUNK", "KernelError", "MAX_ROWS", "available", "build",
-           "quantized_format_ok", "smallm_matmul", "smallm_quantized",
-           "source_hash"]
+           "quantized_format_ok", "smallm_matmul", "smallm_pick",
+           "smallm_quantized", "smallm_quantized_pick", "source_hash"]
 
 _SOURCE = pathlib.Path(__file__).with_name("smallm.cc")
 _TARGET = "specjax_smallm_f32"
 _QUANT_TARGET = "specjax_smallm_quant"
+_PICK_TARGET = "specjax_smallm_pick"
+_QUANT_PICK_TARGET = "specjax_smallm_quant_pick"
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 # Rows the kernel accepts in one call; larger products (prefill) go to XLA.
 MAX_ROWS = 64
@@ -120,6 +122,12 @@ def _register() -> None:
   jax.ffi.register_ffi_target(
       _QUANT_TARGET, jax.ffi.pycapsule(library.SpecjaxSmallMQuant),
       platform="cpu")
+  jax.ffi.register_ffi_target(
+      _PICK_TARGET, jax.ffi.pycapsule(library.SpecjaxSmallMPick),
+      platform="cpu")
+  jax.ffi.register_ffi_target(
+      _QUANT_PICK_TARGET, jax.ffi.pycapsule(library.SpecjaxSmallMQuantPick),
+      platform="cpu")
 
 
 @functools.cache
@@ -137,6 +145,13 @@ def available() -> bool:
   return True
 
 
+def _require() -> None:
+  """Raises KernelError unless the kernels can run here."""
+  if not available():
+    raise KernelError("The specjax CPU kernels are not available on this "
+                      "machine (see the log); use an XLA matmul plan.")
+
+
 def smallm_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   """x [X, I] float32 times w [O, I] float32 (contracted on I) -> [X, O].
 
@@ -144,9 +159,7 @@ def smallm_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     KernelError: the kernels are not available here.
     ValueError: wrong dtypes, ranks or sizes.
   """
-  if not available():
-    raise KernelError("The specjax CPU kernels are not available on this "
-                      "machine (see the log); use an XLA matmul plan.")
+  _require()
   if x.dtype != jnp.float32 or w.dtype != jnp.float32:
     raise ValueError(f"smallm_matmul needs float32, got {x.dtype} and "
                      f"{w.dtype}.")
@@ -158,6 +171,40 @@ def smallm_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
                      f"{x.shape[0]}.")
   out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
   return jax.ffi.ffi_call(_TARGET, out)(x, w)
+
+
+def smallm_pick(x: jax.Array, index: jax.Array,
+                ws: tuple[jax.Array, ...]) -> jax.Array:
+  """x [X, I] float32 times ws[index] [O, I] float32 -> [X, O], any X.
+
+  A layer loop's product (`specjax.models.layer_loop`): `ws` holds one
+  matrix per layer, and the kernel reads the one `index` names where it
+  lies, in passes of 64 rows; slicing a stacked [L, O, I] array for XLA's
+  dot would copy the layer's matrix every step.
+
+  Args:
+    x: [X, I] float32.
+    index: int32 scalar, the layer (traced: the loop's counter).
+    ws: L matrices [O, I] float32.
+
+  Raises:
+    KernelError: the kernels are not available here.
+    ValueError: wrong dtypes or shapes.
+  """
+  _require()
+  shapes = {(w.shape, w.dtype) for w in ws}
+  if (x.dtype != jnp.float32 or x.ndim != 2 or len(shapes) != 1
+      or index.shape != ()):
+    raise ValueError(f"smallm_pick needs x [X, I] float32, a scalar index "
+                     f"and matrices of one shape, got x {x.dtype}{x.shape}, "
+                     f"index {index.shape} and {sorted(map(str, shapes))}.")
+  (shape, dtype), = shapes
+  if dtype != jnp.float32 or len(shape) != 2 or shape[1] != x.shape[1]:
+    raise ValueError(f"smallm_pick needs matrices [O, {x.shape[1]}] "
+                     f"float32, got {dtype}{shape}.")
+  out = jax.ShapeDtypeStruct((x.shape[0], shape[0]), jnp.float32)
+  return jax.ffi.ffi_call(_PICK_TARGET, out)(
+      x, index.astype(jnp.int32), *ws)
 
 
 def quantized_format_ok(bits: int, group: int, cols: int,
@@ -188,7 +235,7 @@ def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
   Args:
     x: [X, I] float32, X <= MAX_ROWS.
     codes: [O, I] int8 (bits 8) or [O, I // 2] uint8 nibbles (bits 4-6).
-    scales: [O, I // G] float16 or float32.
+    scales: [O, I // G] float16 or float32 (read as stored).
     mins: [O, I // G] float32, or None.
     bits: 4, 5, 6 or 8.
     group: G (`quantized_format_ok` says which).
@@ -202,9 +249,7 @@ def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
     KernelError: the kernels are not available here.
     ValueError: wrong dtypes or sizes.
   """
-  if not available():
-    raise KernelError("The specjax CPU kernels are not available on this "
-                      "machine (see the log); use an XLA matmul plan.")
+  _require()
   rows, cols = x.shape
   per_byte = 1 if bits == 8 else 2
   high_bits = bits - 4 if bits in (5, 6) else 0
@@ -222,7 +267,8 @@ def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
                      f"groups of {group}"
                      f"{' for int8 activations' if int8_activations else ''}"
                      ".")
-  scales = scales.astype(jnp.float32)  # float16 -> float32 is exact
+  if scales.dtype not in (jnp.float16, jnp.float32):
+    scales = scales.astype(jnp.float32)
   out = jax.ShapeDtypeStruct((rows, codes.shape[0]), jnp.float32)
   return jax.ffi.ffi_call(_QUANT_TARGET, out)(
       x, codes, codes if high is None else high, scales,
@@ -230,3 +276,52 @@ def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
       bits=np.int64(bits), group=np.int64(group), offset=np.int64(offset),
       has_mins=np.int64(mins is not None),
       act8=np.int64(int8_activations))
+
+
+def smallm_quantized_pick(x: jax.Array, index: jax.Array,
+                          layers: tuple[dict, ...], *,
+                          int8_activations: bool = False) -> jax.Array:
+  """x [X, I] float32 times layer `index`'s packed matrix -> [X, O], any X.
+
+  `smallm_quantized` inside a layer loop, as `smallm_pick` is
+  `smallm_matmul`'s: the kernel is handed every layer's buffers and reads
+  the chosen layer's where they lie, in passes of 64 rows. Layers may
+  differ in format (a GGUF file stores some layers' `v` in Q6_K, others in
+  Q4_K).
+
+  Args:
+    x: [X, I] float32.
+    index: int32 scalar, the layer (traced: the loop's counter).
+    layers: per layer, the keywords of `smallm_quantized` that describe its
+      matrix: codes, scales, mins, high, bits, group, offset.
+    int8_activations: as in `smallm_quantized`, for every layer.
+
+  Raises:
+    KernelError: the kernels are not available here.
+    ValueError: a layer's arrays do not make the format it names.
+  """
+  _require()
+  cols = x.shape[1]
+  for q in layers:
+    if not quantized_format_ok(q["bits"], q["group"], cols,
+                               int8_activations):
+      raise ValueError(f"smallm_quantized_pick: a {q['bits']}-bit matrix "
+                       f"in groups of {q['group']} cannot take {cols} "
+                       "inputs here.")
+  if x.dtype != jnp.float32 or index.shape != () or len(
+      {q["codes"].shape[0] for q in layers}) != 1:
+    raise ValueError(f"smallm_quantized_pick needs x [X, I] float32, a "
+                     f"scalar index and layers of one output size, got x "
+                     f"{x.dtype}{x.shape} and index {index.shape}.")
+  rows = layers[0]["codes"].shape[0]
+  codes = [q["codes"] for q in layers]
+  high = [q["codes"] if q["high"] is None else q["high"] for q in layers]
+  scales = [q["scales"] for q in layers]  # float16 or float32, as stored
+  mins = [q["scales"] if q["mins"] is None else q["mins"] for q in layers]
+  attrs = {name: np.array([q[name] for q in layers], np.int64)
+           for name in ("bits", "group", "offset")}
+  out = jax.ShapeDtypeStruct((x.shape[0], rows), jnp.float32)
+  return jax.ffi.ffi_call(_QUANT_PICK_TARGET, out)(
+      x, index.astype(jnp.int32), *codes, *high, *scales, *mins,
+      has_mins=np.array([q["mins"] is not None for q in layers], np.int64),
+      act8=np.int64(int8_activations), **attrs)

@@ -23,7 +23,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -150,20 +150,14 @@ struct Work {
   }
 };
 
-ffi::Error SmallMImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                      ffi::Buffer<ffi::F32> w,
-                      ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument(
-        "specjax_smallm_matmul expects x [M, K] and w [N, K]");
-  }
-  const int64_t m = xd[0], k = xd[1], n = wd[0];
-  if (m == 0 || n == 0) return ffi::Error::Success();
+// y[m, n] = x[m, k] @ w[n, k]^T on the pool and the calling thread.
+void Multiply(ffi::ThreadPool& pool, const float* x, const float* w, float* y,
+              int64_t m, int64_t k, int64_t n) {
+  if (m == 0 || n == 0) return;
   auto work = std::make_shared<Work>();
-  work->x = x.typed_data();
-  work->w = w.typed_data();
-  work->y = y->typed_data();
+  work->x = x;
+  work->w = w;
+  work->y = y;
   work->m = m;
   work->k = k;
   work->n = n;
@@ -181,6 +175,52 @@ ffi::Error SmallMImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   work->drain();
   while (work->finished.load(std::memory_order_acquire) < work->num_chunks) {
     // Only chunks another thread already claimed remain: they are running.
+  }
+}
+
+ffi::Error SmallMImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                      ffi::Buffer<ffi::F32> w,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
+    return ffi::Error::InvalidArgument(
+        "specjax_smallm_matmul expects x [M, K] and w [N, K]");
+  }
+  Multiply(pool, x.typed_data(), w.typed_data(), y->typed_data(), xd[0],
+           xd[1], wd[0]);
+  return ffi::Error::Success();
+}
+
+// Rows of x per pass over the weights in a layer loop's product: a pass
+// reads each weight row once for this many x rows, which stay in L2.
+constexpr int64_t kPickRows = 64;
+
+// The same product with w the index-th of the remaining operands (one
+// matrix per layer): a layer loop reads its layer's matrix where it lies,
+// where slicing a stacked [L, N, K] array for XLA's dot would copy it.
+// Any number of rows, in passes of kPickRows.
+ffi::Error SmallMPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                          ffi::Buffer<ffi::S32> index, ffi::RemainingArgs ws,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const int64_t layer = index.typed_data()[0];
+  if (xd.size() != 2 || index.element_count() != 1 || layer < 0 ||
+      layer >= static_cast<int64_t>(ws.size())) {
+    return ffi::Error::InvalidArgument(
+        "specjax_smallm_pick expects x [M, K], a scalar layer index below "
+        "the number of matrices, and matrices [N, K]");
+  }
+  auto w = ws.get<ffi::Buffer<ffi::F32>>(layer);
+  if (!w.has_value()) return w.error();
+  const auto wd = w->dimensions();
+  if (wd.size() != 2 || wd[1] != xd[1]) {
+    return ffi::Error::InvalidArgument(
+        "specjax_smallm_pick expects matrices [N, K] for x [M, K]");
+  }
+  const int64_t m = xd[0], k = xd[1], n = wd[0];
+  for (int64_t r = 0; r < m; r += kPickRows) {
+    Multiply(pool, x.typed_data() + r * k, w->typed_data(),
+             y->typed_data() + r * n, std::min(kPickRows, m - r), k, n);
   }
   return ffi::Error::Success();
 }
@@ -427,11 +467,31 @@ inline i32x16 widen(const uint8_t* p) {
 #endif
 }
 
+// An IEEE half (GGUF's Q8_0 and Q5_0 block scales) as float, exactly.
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24
+    const float f = std::ldexp(static_cast<float>(man), -24);
+    return sign ? -f : f;
+  }
+  const uint32_t bits = exp == 31 ? sign | 0x7f800000u | (man << 13)
+                                  : sign | ((exp + 112) << 23) | (man << 13);
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
 struct QWork {
   const float* x;
   const uint8_t* codes;
   const uint8_t* high;  // nullptr: no high bits
-  const float* scales;
+  const float* scales;  // nullptr: scales16 holds them
+  const uint16_t* scales16;  // half scales, read as stored
   const float* mins;  // nullptr: no mins
   float* y;
   std::unique_ptr<Act8> act;  // nullptr: float activations
@@ -496,13 +556,23 @@ struct QWork {
     }
   }
 
+  // The scales of weight row j [K / G], converted into tmp if half.
+  const float* row_scales(int64_t j, float* tmp) const {
+    const int64_t groups = k / group;
+    if (scales) return scales + j * groups;
+    for (int64_t g = 0; g < groups; ++g) {
+      tmp[g] = half_to_float(scales16[j * groups + g]);
+    }
+    return tmp;
+  }
+
   // Weight row j dequantised -> out[0, K), through its codes u[0, K).
-  void dequantise(int64_t j, uint8_t* __restrict u,
-                  float* __restrict out) const {
+  void dequantise(int64_t j, uint8_t* __restrict u, float* __restrict out,
+                  float* tmp) const {
     row_codes(j, u);
     const int64_t k = this->k, group = this->group, groups = k / group;
     const int32_t off = static_cast<int32_t>(offset) + bias();
-    const float* s = scales + j * groups;
+    const float* s = row_scales(j, tmp);
     const float* mn = mins ? mins + j * groups : nullptr;
     for (int64_t g = 0; g < groups; ++g) {
       const float sc = s[g], mv = mn ? mn[g] : 0.f;
@@ -512,12 +582,15 @@ struct QWork {
     }
   }
 
-  void columns(int64_t n0, int64_t n1, uint8_t* u, float* rows_buf) const {
+  void columns(int64_t n0, int64_t n1, uint8_t* u, float* rows_buf,
+               float* tmp) const {
     const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
     const int nb = block_for(static_cast<int>((m + groups - 1) / groups));
     for (int64_t j = n0; j < n1;) {
       const int width = j + nb <= n1 ? nb : 1;
-      for (int t = 0; t < width; ++t) dequantise(j + t, u, rows_buf + t * k);
+      for (int t = 0; t < width; ++t) {
+        dequantise(j + t, u, rows_buf + t * k, tmp);
+      }
       int64_t r0 = 0;
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t rows = (m - r0) / (groups - g);
@@ -530,14 +603,15 @@ struct QWork {
 
   // Output columns [n0, n1) from int8 activations: each weight row's codes
   // are unpacked once into u (K bytes, in L1) and applied to every row.
-  void columns_a8(int64_t n0, int64_t n1, uint8_t* u, float* coef) const {
+  void columns_a8(int64_t n0, int64_t n1, uint8_t* u, float* coef,
+                  float* tmp) const {
     const int64_t groups = k / group;
     const int lpg = group >= kChunk ? 16 : static_cast<int>(group / 4);
     const QTileFn* tiles = lpg == 4 ? kQRow<4> : lpg == 8 ? kQRow<8>
                                                           : kQRow<16>;
     const float off = static_cast<float>(offset + bias());
     for (int64_t j = n0; j < n1; ++j) {
-      const float* s = scales + j * groups;
+      const float* s = row_scales(j, tmp);
       row_codes(j, u);
       for (int64_t g = 0; g < groups; ++g) {
         coef[g] = s[g] * off + (mins ? mins[j * groups + g] : 0.f);
@@ -555,60 +629,70 @@ struct QWork {
   void drain() {
     std::unique_ptr<float[]> buf(new float[kMaxBlock * k]);
     std::unique_ptr<uint8_t[]> u(new uint8_t[k]);
+    std::unique_ptr<float[]> tmp(new float[k / group]);
     for (int64_t c; (c = next.fetch_add(1)) < num_chunks;) {
       const int64_t n0 = c * chunk, n1 = std::min(n, n0 + chunk);
       if (act) {
-        columns_a8(n0, n1, u.get(), buf.get());
+        columns_a8(n0, n1, u.get(), buf.get(), tmp.get());
       } else {
-        columns(n0, n1, u.get(), buf.get());
+        columns(n0, n1, u.get(), buf.get(), tmp.get());
       }
       finished.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-// codes and high are any one-byte type (int8 codes are read as bytes: an
-// XLA bitcast to uint8 would copy them every call).
-ffi::Error SmallMQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                           ffi::AnyBuffer codes, ffi::AnyBuffer high,
-                           ffi::Buffer<ffi::F32> scales,
-                           ffi::Buffer<ffi::F32> mins,
-                           ffi::ResultBuffer<ffi::F32> y, int64_t bits,
-                           int64_t group, int64_t offset, int64_t has_mins,
-                           int64_t act8) {
-  const auto xd = x.dimensions(), cd = codes.dimensions();
-  const auto hd = high.dimensions(), sd = scales.dimensions();
+// One quantized product y[m, n] = x[m, k] @ w^T from w's buffers (see
+// above); codes and high are any one-byte type (int8 codes are read as
+// bytes: an XLA bitcast to uint8 would copy them every call), scales float
+// or half (read as stored), mins float.
+ffi::Error QuantProduct(ffi::ThreadPool& pool, const float* x, int64_t m,
+                        int64_t k, const ffi::AnyBuffer& codes,
+                        const ffi::AnyBuffer& high,
+                        const ffi::AnyBuffer& scales,
+                        const ffi::AnyBuffer& mins, float* y, int64_t bits,
+                        int64_t group, int64_t offset, int64_t has_mins,
+                        int64_t act8) {
+  const auto cd = codes.dimensions(), hd = high.dimensions();
+  const auto sd = scales.dimensions();
   const int64_t low_bits = bits == 8 ? 8 : 4;
   const bool has_high = bits == 5 || bits == 6;
-  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 ||
+  const auto st = scales.element_type();
+  if (cd.size() != 2 || sd.size() != 2 ||
       ffi::ByteWidth(codes.element_type()) != 1 ||
       (has_high && ffi::ByteWidth(high.element_type()) != 1) ||
+      (st != ffi::DataType::F32 && st != ffi::DataType::F16) ||
+      (has_mins && mins.element_type() != ffi::DataType::F32) ||
       (bits < 4 || bits > 8 || bits == 7) || group <= 0 || group % 16 ||
       (bits < 8 && group != 16 && group % 32) ||
-      (act8 && (xd[1] % kChunk ||
+      (act8 && (k % kChunk ||
                (group != 16 && group != 32 && group % kChunk))) ||
-      xd[1] % group || sd[0] != cd[0] || sd[1] * group != xd[1] ||
-      cd[1] * (8 / low_bits) != xd[1] ||
+      k % group || sd[0] != cd[0] || sd[1] * group != k ||
+      cd[1] * (8 / low_bits) != k ||
       (has_high && (hd.size() != 2 || hd[0] != cd[0] ||
-                    hd[1] * 8 != xd[1] * (bits - 4)))) {
+                    hd[1] * 8 != k * (bits - 4)))) {
     return ffi::Error::InvalidArgument(
         "specjax_smallm_quant expects x [M, K], codes [N, K * bits / 8] "
         "(8 bits) or [N, K / 2], for 5 or 6 bits high [N, K * (bits - 4) "
-        "/ 8], and scales [N, K / group], group a multiple of 16 (of 32 "
-        "for nibbles, or 16; with "
-        "int8 activations, K a multiple of 64 and group 16, 32 or a "
-        "multiple of 64)");
+        "/ 8], and scales [N, K / group] float or half, group a multiple "
+        "of 16 (of 32 for nibbles, or 16; with int8 activations, K a "
+        "multiple of 64 and group 16, 32 or a multiple of 64)");
   }
   auto work = std::make_shared<QWork>();
-  work->x = x.typed_data();
+  work->x = x;
   work->codes = static_cast<const uint8_t*>(codes.untyped_data());
   work->high =
       has_high ? static_cast<const uint8_t*>(high.untyped_data()) : nullptr;
-  work->scales = scales.typed_data();
-  work->mins = has_mins ? mins.typed_data() : nullptr;
-  work->y = y->typed_data();
-  work->m = xd[0];
-  work->k = xd[1];
+  const bool half = st == ffi::DataType::F16;
+  work->scales =
+      half ? nullptr : static_cast<const float*>(scales.untyped_data());
+  work->scales16 =
+      half ? static_cast<const uint16_t*>(scales.untyped_data()) : nullptr;
+  work->mins =
+      has_mins ? static_cast<const float*>(mins.untyped_data()) : nullptr;
+  work->y = y;
+  work->m = m;
+  work->k = k;
   work->n = cd[0];
   work->group = group;
   work->bits = bits;
@@ -631,6 +715,68 @@ ffi::Error SmallMQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+ffi::Error SmallMQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                           ffi::AnyBuffer codes, ffi::AnyBuffer high,
+                           ffi::AnyBuffer scales, ffi::AnyBuffer mins,
+                           ffi::ResultBuffer<ffi::F32> y, int64_t bits,
+                           int64_t group, int64_t offset, int64_t has_mins,
+                           int64_t act8) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) {
+    return ffi::Error::InvalidArgument("specjax_smallm_quant expects x [M, K]");
+  }
+  return QuantProduct(pool, x.typed_data(), xd[0], xd[1], codes, high, scales,
+                      mins, y->typed_data(), bits, group, offset, has_mins,
+                      act8);
+}
+
+// The quantized product inside a layer loop: the remaining operands are
+// every layer's codes, then high bits, scales and mins (L each; a layer
+// without high bits or mins repeats another of its buffers there), and the
+// layer's format is element `index` of each attribute, since a GGUF file
+// may store one name in different block types from layer to layer. Any
+// number of rows, in passes of kPickRows.
+ffi::Error SmallMQuantPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                               ffi::Buffer<ffi::S32> index,
+                               ffi::RemainingArgs ws,
+                               ffi::ResultBuffer<ffi::F32> y,
+                               ffi::Span<const int64_t> bits,
+                               ffi::Span<const int64_t> group,
+                               ffi::Span<const int64_t> offset,
+                               ffi::Span<const int64_t> has_mins,
+                               int64_t act8) {
+  const auto xd = x.dimensions();
+  const int64_t layers = static_cast<int64_t>(ws.size()) / 4;
+  const int64_t layer = index.typed_data()[0];
+  if (xd.size() != 2 || index.element_count() != 1 ||
+      static_cast<int64_t>(ws.size()) != 4 * layers || layer < 0 ||
+      layer >= layers || static_cast<int64_t>(bits.size()) != layers ||
+      static_cast<int64_t>(group.size()) != layers ||
+      static_cast<int64_t>(offset.size()) != layers ||
+      static_cast<int64_t>(has_mins.size()) != layers) {
+    return ffi::Error::InvalidArgument(
+        "specjax_smallm_quant_pick expects x [M, K], a scalar layer index, "
+        "4 L buffers and L formats");
+  }
+  auto codes = ws.get<ffi::AnyBuffer>(layer);
+  auto high = ws.get<ffi::AnyBuffer>(layers + layer);
+  auto scales = ws.get<ffi::AnyBuffer>(2 * layers + layer);
+  auto mins = ws.get<ffi::AnyBuffer>(3 * layers + layer);
+  if (!codes.has_value()) return codes.error();
+  if (!high.has_value()) return high.error();
+  if (!scales.has_value()) return scales.error();
+  if (!mins.has_value()) return mins.error();
+  const int64_t m = xd[0], k = xd[1], n = codes->dimensions()[0];
+  for (int64_t r = 0; r < m; r += kPickRows) {
+    ffi::Error e = QuantProduct(
+        pool, x.typed_data() + r * k, std::min(kPickRows, m - r), k, *codes,
+        *high, *scales, *mins, y->typed_data() + r * n, bits[layer],
+        group[layer], offset[layer], has_mins[layer], act8);
+    if (e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMQuant, SmallMQuantImpl,
@@ -639,8 +785,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMQuant, SmallMQuantImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("group")
@@ -654,3 +800,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallM, SmallMImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMPick, SmallMPickImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMQuantPick, SmallMQuantPickImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<ffi::Span<const int64_t>>("bits")
+                                  .Attr<ffi::Span<const int64_t>>("group")
+                                  .Attr<ffi::Span<const int64_t>>("offset")
+                                  .Attr<ffi::Span<const int64_t>>("has_mins")
+                                  .Attr<int64_t>("act8"));

@@ -202,10 +202,11 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
   may store them [out, in] instead, chosen per machine by
   `specjax.tuning.matmul` (which layout keeps a (γ+1)-row verification pass
   near the cost of one row depends on the CPU). Layers are a list of
-  per-layer dicts, unrolled at trace time: slicing one stacked [L, ...] array
-  per layer (scan or static slices) copied the weights and ran 4-10x slower,
-  so each layer is its own dict `layers_{i}` (Flax's names for a list of
-  submodules).
+  per-layer dicts `layers_{i}` (Flax's names for a list of submodules): on
+  CPU, XLA's dot on a slice of one stacked [L, ...] array copied the
+  weights and ran 4-10x slower. A kernel plan still runs the layers as one
+  loop (`MatmulPlan.layer_loop`): the kernel is handed every layer's
+  matrix and reads the loop's one where it lies.
 
   Args:
     config: the model.

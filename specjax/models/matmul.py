@@ -15,7 +15,9 @@ A plan fixes the choice for a whole model:
   on the last axis;
 - `kernel=True` (with "out_in", float32, CPU): products of at most
   `kernel_max_rows` rows go to `specjax.kernels.smallm_matmul`, which reads
-  each weight row once for all rows; larger ones (prefill) to XLA.
+  each weight row once for all rows; larger ones (prefill) to XLA. A
+  kernel plan also runs the layers as one loop (`layer_loop`), whose
+  products all go to the kernel (`LayerPick`).
 
 Checkpoints and `param_shapes(config)` always use [I, O]; `Model.with_plan`
 transposes once at load. `specjax.tuning.matmul` measures the candidates on
@@ -28,13 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
 from specjax import kernels
 from specjax.models import quantized
 
-__all__ = ["LAYOUTS", "MatmulPlan", "project"]
+__all__ = ["LAYOUTS", "LayerPick", "MatmulPlan", "project"]
 
 LAYOUTS = ("in_out", "out_in")
 
@@ -50,12 +53,16 @@ class MatmulPlan:
     kernel_min_rows: the fewest rows X sent to the kernel; 2 leaves the
       one-row product of a decode step to XLA ("out_in/hybrid": on some
       CPUs XLA's matrix-vector product is the faster one).
+    layer_loop: with `kernel`, run a float32 model's layers as one loop
+      (`Transformer`), every product of it in the kernel, which reads the
+      layer's matrix in place; False unrolls them (each layer compiled).
   """
 
   layout: str = "in_out"
   kernel: bool = False
   kernel_max_rows: int = 32
   kernel_min_rows: int = 1
+  layer_loop: bool = True
 
   def __post_init__(self):
     if self.layout not in LAYOUTS:
@@ -100,7 +107,24 @@ class MatmulPlan:
     return tuple(reversed(shape)) if self.transposed else tuple(shape)
 
 
-def project(x: jax.Array, w: jax.Array | quantized.QuantizedMatrix,
+@flax.struct.dataclass
+class LayerPick:
+  """One layer's weight matrix inside a layer loop (`Transformer`): every
+  layer's matrix, and the loop's counter saying which to use. `project`
+  multiplies by `ws[index]` in the CPU kernel, which reads it in place.
+
+  Attributes:
+    ws: L matrices [O, I] float32, or L `QuantizedMatrix`es (formats may
+      differ between layers), one per layer of the loop.
+    index: int32 scalar, the layer.
+  """
+
+  ws: tuple[jax.Array, ...]
+  index: jax.Array
+
+
+def project(x: jax.Array,
+            w: jax.Array | quantized.QuantizedMatrix | LayerPick,
             plan: MatmulPlan,
             out_dtype: jnp.dtype | None = None) -> jax.Array:
   """x [..., I] times a weight stored per `plan` -> [..., O].
@@ -112,7 +136,8 @@ def project(x: jax.Array, w: jax.Array | quantized.QuantizedMatrix,
       (`specjax.models.quantized.matmul`; with `plan.kernel`, products of
       `kernel_min_rows`..`kernel_max_rows` rows, or of any number over
       `kernel_min_rows` with int8 activations, read its packed rows in
-      the specjax CPU kernel).
+      the specjax CPU kernel); or a `LayerPick`, multiplied in the kernel
+      whatever the number of rows.
     plan: the model's plan (static).
     out_dtype: the result's dtype (accumulation is float32); default x's.
 
@@ -123,6 +148,12 @@ def project(x: jax.Array, w: jax.Array | quantized.QuantizedMatrix,
   rows = 1
   for n in lead:
     rows *= n
+  if isinstance(w, LayerPick):
+    if quantized.is_quantized(w.ws[0]):
+      out = quantized.matmul_pick(x, w.index, w.ws)
+    else:
+      out = kernels.smallm_pick(x.reshape(rows, x.shape[-1]), w.index, w.ws)
+    return out.reshape(*lead, out.shape[-1]).astype(out_dtype or x.dtype)
   if quantized.is_quantized(w):
     # With int8 activations the kernel's integer products beat XLA's
     # dequantise-then-dot at prefill sizes too (BENCHMARKS.md: a 157-row

@@ -62,7 +62,8 @@ from specjax.models.config import matrix_paths
 from specjax.models.config import unflatten
 
 __all__ = ["ACT_CHUNK", "FORMATS", "QuantSpec", "QuantizedMatrix",
-           "dequantize", "is_quantized", "matmul", "quantize_activations",
+           "dequantize", "is_quantized", "matmul", "matmul_pick",
+           "quantize_activations",
            "quantize_array", "quantize_params", "split_activations", "take",
            "with_activations"]
 
@@ -234,6 +235,21 @@ def matmul(x: jax.Array, w: QuantizedMatrix, out_dtype: Any = None,
   out = jax.lax.dot_general(x, wf, (((x.ndim - 1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
   return out.astype(out_dtype or x.dtype)
+
+
+def matmul_pick(x: jax.Array, index: jax.Array,
+                ws: tuple[QuantizedMatrix, ...]) -> jax.Array:
+  """x [..., I] float32 times ws[index] -> [..., O] float32, in the CPU
+  kernel, which reads the chosen layer's packed arrays where they lie
+  (`kernels.smallm_quantized_pick`; a layer loop's product). Every matrix
+  must be one `kernel_supports`, with the same act_bits."""
+  lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
+  out = kernels.smallm_quantized_pick(
+      rows, index, tuple(dict(codes=w.low, scales=w.scales, mins=w.mins,
+                              high=w.high, bits=w.bits, group=w.group,
+                              offset=w.offset) for w in ws),
+      int8_activations=ws[0].act_bits == 8)  # [X, O]
+  return out.reshape(*lead, out.shape[-1])
 
 
 def with_activations(params: Any, bits: int) -> Any:

@@ -33,8 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import cache as cache_lib
+from specjax import kernels
 from specjax.models.config import LinearRopeScaling
 from specjax.models.config import ModelConfig
+from specjax.models.matmul import LayerPick
 from specjax.models.matmul import MatmulPlan
 from specjax.models.matmul import project
 from specjax.models import quantized
@@ -178,11 +180,11 @@ def window_slots(cache_k: jax.Array, start: jax.Array,
 
 
 def _param(module: nn.Module, name: str, shape, dtype, init=_INIT):
-  """`module.param`, or a `QuantizedMatrix` given for it as is (Flax's
-  shape check would compare its packed arrays with the float shape)."""
+  """`module.param`, or a `QuantizedMatrix` or `LayerPick` given for it as
+  is (Flax's shape check would compare its arrays with the float shape)."""
   if module.has_variable("params", name):
     w = module.get_variable("params", name)
-    if quantized.is_quantized(w):
+    if quantized.is_quantized(w) or isinstance(w, LayerPick):
       return w
   return module.param(name, init, shape, dtype)
 
@@ -432,6 +434,75 @@ class Transformer(nn.Module):
       if cache_mask is not None:
         cache_m &= cache_mask
       masks[window] = (cache_m, chunk_m, start)
+    if self._loops(first, stop, x):
+      x, keys, values, chosen = self._layer_loop(
+          x, cache, positions, masks, first, stop, hidden_layers,
+          cache_is_empty)
+    else:
+      x, keys, values, chosen = self._unrolled(
+          x, cache, positions, masks, first, stop, hidden_layers,
+          cache_is_empty)
+    missing = set(hidden_layers) - set(chosen)
+    if missing:
+      raise ValueError(f"hidden_layers {sorted(missing)} are not run by "
+                       f"layers={layers}.")
+    hidden = rms_norm(x, self.final_norm, c.rms_norm_eps, c.norm_plus_one)
+    layer_hidden = tuple(chosen[i] for i in hidden_layers)
+    if not write_cache:
+      return TransformerOutput(
+          hidden=hidden, residual=x,
+          cache=cache.rollback(offsets + num_tokens),
+          layer_hidden=layer_hidden, keys=keys, values=values)
+    keys, values = cache_lib.after(hidden, keys, values)
+    return TransformerOutput(
+        hidden=hidden, residual=x,
+        cache=cache.write(keys, values, offsets, first),
+        layer_hidden=layer_hidden)
+
+  def _loops(self, first: int, stop: int, x: jax.Array) -> bool:
+    """Whether layers first..stop-1 run as one `lax.scan` (`_layer_loop`)
+    rather than unrolled: on a plan that uses the CPU kernel, for float32
+    or kernel-quantized matrices (`quantized.kernel_supports`), and layers
+    that share one window and rope (Llama, Qwen2, Mistral; not Gemma 3's
+    local and global mix).
+
+    An unrolled program holds a copy of every layer, so its compile time
+    grows with L (about 4-6 s per forward of the 1.5B target's 28 layers
+    on a Zen 4 core, against 0.7 s looped: BENCHMARKS.md "Compile"). A
+    loop needs products that read the layer's matrix in place, which the
+    kernel does (`LayerPick`); XLA's dot copies a sliced matrix first.
+    """
+    c = self.config
+    shared = {(c.layer_window(i), c.layer_rope(i))
+              for i in range(first, stop)}
+    if (not (self.plan.kernel and self.plan.layer_loop) or stop - first < 2
+        or x.dtype != jnp.float32 or len(shared) != 1
+        or not kernels.available()):
+      return False
+    params = self.variables.get("params", {})
+    if not all(f"layers_{i}" in params for i in range(first, stop)):
+      return False
+    layers = [params[f"layers_{i}"] for i in range(first, stop)]
+    leaves = [w for p in layers for w in p.values()]
+    packed = [w for w in leaves if quantized.is_quantized(w)]
+    return (all(quantized.is_quantized(w) or w.dtype == jnp.float32
+                for w in leaves)
+            and all(quantized.kernel_supports(w) for w in packed)
+            and len({w.act_bits for w in packed}) <= 1
+            # A name is packed in every layer or in none.
+            and len({(name, quantized.is_quantized(w))
+                     for p in layers for name, w in p.items()})
+            == len(layers[0]))
+
+  def _unrolled(self, x, cache, positions, masks, first, stop,
+                hidden_layers, cache_is_empty):
+    """Layers first..stop-1 one after another, each its own code.
+
+    Returns:
+      x [B, T, E], keys and values [l, B, T, K, D], and {layer: [B, T, E]}
+      for `hidden_layers`.
+    """
+    c = self.config
     ks, vs, chosen = [], [], {}
     for i in range(first, stop):
       window = c.layer_window(i)
@@ -450,23 +521,48 @@ class Transformer(nn.Module):
       vs.append(v)
       if i in hidden_layers:
         chosen[i] = x
-    missing = set(hidden_layers) - set(chosen)
-    if missing:
-      raise ValueError(f"hidden_layers {sorted(missing)} are not run by "
-                       f"layers={layers}.")
-    hidden = rms_norm(x, self.final_norm, c.rms_norm_eps, c.norm_plus_one)
-    keys, values = jnp.stack(ks), jnp.stack(vs)  # [l, B, T, K, D]
-    layer_hidden = tuple(chosen[i] for i in hidden_layers)
-    if not write_cache:
-      return TransformerOutput(
-          hidden=hidden, residual=x,
-          cache=cache.rollback(offsets + num_tokens),
-          layer_hidden=layer_hidden, keys=keys, values=values)
-    keys, values = cache_lib.after(hidden, keys, values)
-    return TransformerOutput(
-        hidden=hidden, residual=x,
-        cache=cache.write(keys, values, offsets, first),
-        layer_hidden=layer_hidden)
+    return x, jnp.stack(ks), jnp.stack(vs), chosen
+
+  def _layer_loop(self, x, cache, positions, masks, first, stop,
+                  hidden_layers, cache_is_empty):
+    """Layers first..stop-1 as one `lax.scan` over the layer index: one
+    copy of the layer's code, whose matrices are `LayerPick`s of every
+    layer's (read in place by the kernel) and whose norms and biases are
+    rows of arrays stacked [l, ...] per call (a few KiB a layer).
+
+    Same arguments and results as `_unrolled`.
+    """
+    c = self.config
+    window = c.layer_window(first)
+    cache_m, chunk_m, start = masks[window]
+    layers = [self.variables["params"][f"layers_{i}"]
+              for i in range(first, stop)]
+    matrices = {name for name, w in layers[0].items() if w.ndim == 2}
+    stacked = {name: jnp.stack([p[name] for p in layers])
+               for name in layers[0] if name not in matrices}
+    block = Block(c, self.param_dtype, self.plan, layer=first, parent=None)
+
+    def body(x, i):
+      params = {name: w[i - first] for name, w in stacked.items()}
+      params.update({name: LayerPick(ws=tuple(p[name] for p in layers),
+                                     index=i - first) for name in matrices})
+      if cache_is_empty:
+        k_cache = v_cache = None
+      else:
+        k_cache, v_cache = cache.k[i], cache.v[i]
+        if start is not None:
+          k_cache = window_slots(k_cache, start, window)
+          v_cache = window_slots(v_cache, start, window)
+      x, k, v = block.apply({"params": params}, x, k_cache, v_cache,
+                            positions, cache_m, chunk_m)
+      return x, (k, v, x if hidden_layers else None)
+
+    with jax.named_scope("layers"):
+      x, (keys, values, outs) = jax.lax.scan(
+          body, x, jnp.arange(first, stop, dtype=jnp.int32))
+    chosen = {i: outs[i - first] for i in hidden_layers
+              if first <= i < stop}
+    return x, keys, values, chosen
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """[..., E] -> [..., V] float32 (soft-capped if the config says so)."""
