@@ -53,9 +53,10 @@ class MatmulPlan:
     kernel_min_rows: the fewest rows X sent to the kernel; 2 leaves the
       one-row product of a decode step to XLA ("out_in/hybrid": on some
       CPUs XLA's matrix-vector product is the faster one).
-    layer_loop: with `kernel`, run a float32 model's layers as one loop
-      (`Transformer`), every product of it in the kernel, which reads the
-      layer's matrix in place; False unrolls them (each layer compiled).
+    layer_loop: with `kernel`, run the layers of a float32 or
+      kernel-quantized model as one loop (`Transformer`), every product
+      of it in the kernel, which reads the layer's matrix in place; False
+      unrolls them (each layer compiled).
   """
 
   layout: str = "in_out"
