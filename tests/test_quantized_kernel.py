@@ -126,6 +126,12 @@ def test_bad_high_bit_planes_are_refused():
     kernels.smallm_quantized(x, w.low, w.scales, w.mins, bits=6,
                              group=w.group, offset=w.offset,
                              high=w.high[:, :-1])
+  # The same check guards each layer of a layer loop's pick.
+  good = dict(codes=w.low, scales=w.scales, mins=w.mins, high=w.high,
+              bits=6, group=w.group, offset=w.offset)
+  with pytest.raises(ValueError, match="smallm_quantized_pick.*6-bit"):
+    kernels.smallm_quantized_pick(x, jnp.int32(0),
+                                  (good, dict(good, high=None)))
 
 
 @pytest.mark.slow

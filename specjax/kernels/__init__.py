@@ -177,7 +177,7 @@ def smallm_pick(x: jax.Array, index: jax.Array,
                 ws: tuple[jax.Array, ...]) -> jax.Array:
   """x [X, I] float32 times ws[index] [O, I] float32 -> [X, O], any X.
 
-  A layer loop's product (`specjax.models.layer_loop`): `ws` holds one
+  A layer loop's product (`Transformer._layer_loop`): `ws` holds one
   matrix per layer, and the kernel reads the one `index` names where it
   lies, in passes of 64 rows; slicing a stacked [L, O, I] array for XLA's
   dot would copy the layer's matrix every step.
@@ -221,6 +221,39 @@ def quantized_format_ok(bits: int, group: int, cols: int,
       group in (16, 32) or group % ACT_CHUNK == 0))
 
 
+def _check_packed(caller: str, x: jax.Array, codes: jax.Array,
+                  scales: jax.Array, high: jax.Array | None, bits: int,
+                  group: int, int8_activations: bool,
+                  too_many_rows: bool = False) -> None:
+  """Raises ValueError unless x [X, I] float32 and the packed arrays make
+  a `bits`-bit [O, I] matrix in groups of `group` the kernel takes."""
+  cols = x.shape[1]
+  per_byte = 1 if bits == 8 else 2
+  high_bits = bits - 4 if bits in (5, 6) else 0
+  if (x.dtype != jnp.float32 or too_many_rows
+      or not quantized_format_ok(bits, group, cols, int8_activations)
+      or codes.shape[1] * per_byte != cols
+      or scales.shape != (codes.shape[0], cols // group)
+      or (high is None) != (not high_bits)
+      or (high is not None
+          and high.shape != (codes.shape[0], cols * high_bits // 8))):
+    raise ValueError(f"{caller}: x {x.dtype}{x.shape}, codes "
+                     f"{codes.shape}, high "
+                     f"{None if high is None else high.shape}, scales "
+                     f"{scales.shape} do not make a {bits}-bit matrix of "
+                     f"groups of {group}"
+                     f"{' for int8 activations' if int8_activations else ''}"
+                     ".")
+
+
+def _kernel_scales(scales: jax.Array) -> jax.Array:
+  """Scales as the kernel reads them: float16 or float32 as stored, any
+  other float type as float32."""
+  if scales.dtype in (jnp.float16, jnp.float32):
+    return scales
+  return scales.astype(jnp.float32)
+
+
 def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
                      mins: jax.Array | None, *, bits: int, group: int,
                      offset: int, high: jax.Array | None = None,
@@ -250,25 +283,10 @@ def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
     ValueError: wrong dtypes or sizes.
   """
   _require()
-  rows, cols = x.shape
-  per_byte = 1 if bits == 8 else 2
-  high_bits = bits - 4 if bits in (5, 6) else 0
-  if (x.dtype != jnp.float32 or rows > MAX_ROWS
-      or not quantized_format_ok(bits, group, cols, int8_activations)
-      or codes.shape[1] * per_byte != cols
-      or scales.shape != (codes.shape[0], cols // group)
-      or (high is None) != (not high_bits)
-      or (high is not None
-          and high.shape != (codes.shape[0], cols * high_bits // 8))):
-    raise ValueError(f"smallm_quantized: x {x.dtype}{x.shape}, codes "
-                     f"{codes.shape}, high "
-                     f"{None if high is None else high.shape}, scales "
-                     f"{scales.shape} do not make a {bits}-bit matrix of "
-                     f"groups of {group}"
-                     f"{' for int8 activations' if int8_activations else ''}"
-                     ".")
-  if scales.dtype not in (jnp.float16, jnp.float32):
-    scales = scales.astype(jnp.float32)
+  rows = x.shape[0]
+  _check_packed("smallm_quantized", x, codes, scales, high, bits, group,
+                int8_activations, rows > MAX_ROWS)
+  scales = _kernel_scales(scales)
   out = jax.ShapeDtypeStruct((rows, codes.shape[0]), jnp.float32)
   return jax.ffi.ffi_call(_QUANT_TARGET, out)(
       x, codes, codes if high is None else high, scales,
@@ -301,22 +319,17 @@ def smallm_quantized_pick(x: jax.Array, index: jax.Array,
     ValueError: a layer's arrays do not make the format it names.
   """
   _require()
-  cols = x.shape[1]
   for q in layers:
-    if not quantized_format_ok(q["bits"], q["group"], cols,
-                               int8_activations):
-      raise ValueError(f"smallm_quantized_pick: a {q['bits']}-bit matrix "
-                       f"in groups of {q['group']} cannot take {cols} "
-                       "inputs here.")
-  if x.dtype != jnp.float32 or index.shape != () or len(
-      {q["codes"].shape[0] for q in layers}) != 1:
-    raise ValueError(f"smallm_quantized_pick needs x [X, I] float32, a "
-                     f"scalar index and layers of one output size, got x "
-                     f"{x.dtype}{x.shape} and index {index.shape}.")
+    _check_packed("smallm_quantized_pick", x, q["codes"], q["scales"],
+                  q["high"], q["bits"], q["group"], int8_activations)
+  if index.shape != () or len({q["codes"].shape[0] for q in layers}) != 1:
+    raise ValueError(f"smallm_quantized_pick needs a scalar index and "
+                     f"layers of one output size, got index {index.shape} "
+                     f"and {sorted({q['codes'].shape[0] for q in layers})}.")
   rows = layers[0]["codes"].shape[0]
   codes = [q["codes"] for q in layers]
   high = [q["codes"] if q["high"] is None else q["high"] for q in layers]
-  scales = [q["scales"] for q in layers]  # float16 or float32, as stored
+  scales = [_kernel_scales(q["scales"]) for q in layers]
   mins = [q["scales"] if q["mins"] is None else q["mins"] for q in layers]
   attrs = {name: np.array([q[name] for q in layers], np.int64)
            for name in ("bits", "group", "offset")}
