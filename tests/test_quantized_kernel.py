@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(),
 def _matrices():
   w = np.random.default_rng(0).normal(0, 1, (40, 512)).astype(np.float32)
   out = {s: quantized.quantize_array(w, quantized.QuantSpec.parse(s), s)
-         for s in ("int8", "int4", "int4:g16:sym")}
+         for s in ("int8", "int4", "int4:g16:sym", "int4:g64:sym")}
   for qtype in (Q.Q8_0, Q.Q4_K, Q.Q5_0, Q.Q6_K):
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
     out[qtype.name] = gguf_blocks.from_blocks(
