@@ -6,7 +6,7 @@ of each width after a prefill (`specjax.tuning.cost.measure`: median of
 `--repeats`, cached per machine) and prints ms and the ratio to one token.
 
 COMMAND: python scripts/bench_verify_width.py \
-  --model=qwen2.5-coder-1.5b-instruct --nodes=1/4/8/16/32/64
+  --model=qwen2.5-coder-1.5b-instruct --nodes=1/4/8/16/32/64 [--quantize=gguf:a8]
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ _NODES = flags.DEFINE_string("nodes", "1/4/8/16/32/64",
                              "Draft tokens (chain length or tree nodes).")
 _BATCH = flags.DEFINE_integer("batch", 1, "Rows B.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per width.")
+_QUANTIZE = flags.DEFINE_string(
+    "quantize", None, "As load_pretrained's: gguf, gguf:a8, int8, int4.")
 
 
 def main(argv):
@@ -35,13 +37,14 @@ def main(argv):
   if _MODEL.value == "tiny":
     model, _ = testing.tiny_pair()
   else:
-    model, _ = registry.load_pretrained(_MODEL.value, progress=False)
+    model, _ = registry.load_pretrained(_MODEL.value, progress=False,
+                                        quantize=_QUANTIZE.value)
   nodes = [int(x) for x in _NODES.value.split("/") if x]
   costs = cost.measure(model, batch=_BATCH.value,
                        chunks=[1] + [n + 1 for n in nodes],
                        repeats=_REPEATS.value, refresh=True)
   one = costs.at(1)
-  print(f"{_MODEL.value}, B={_BATCH.value}, plan "
+  print(f"{_MODEL.value} ({_QUANTIZE.value or 'float'}), B={_BATCH.value}, plan "
         f"{getattr(model.plan, 'name', '')}; {hardware.machine()}; "
         f"jax {jax.__version__}")
   print("nodes | tokens | ms | / one token")
