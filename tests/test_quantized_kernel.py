@@ -14,6 +14,7 @@ import pytest
 from specjax import decode
 from specjax import kernels
 from specjax.checkpoints import gguf_blocks
+from specjax.models import matmul
 from specjax.models import quantized
 from specjax.models import tiny
 from specjax.testing import random_blocks
@@ -150,3 +151,15 @@ def test_kernel_plan_on_a_quantized_model():
   got = decode.speculative_generate(qk, draft.quantize("int8"), prompts,
                                     gamma=3, max_new_tokens=9)
   np.testing.assert_array_equal(got.tokens, want.tokens)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_hybrid_plan_sends_one_row_of_a_packed_matrix_to_the_kernel(rows):
+  """"out_in/hybrid" leaves a float matrix's one-row product to XLA, but a
+  packed matrix's goes to the kernel: XLA would dequantise all of it."""
+  w = MATRICES["Q4_K"]
+  plan = matmul.MatmulPlan.parse("out_in/hybrid")
+  x = jnp.ones((rows, 512), jnp.float32)
+  hlo = jax.jit(lambda x, w: matmul.project(x, w, plan)).lower(
+      x, w).as_text()
+  assert "specjax_smallm_quant" in hlo

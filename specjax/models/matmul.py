@@ -158,9 +158,11 @@ def project(x: jax.Array,
   if quantized.is_quantized(w):
     # With int8 activations the kernel's integer products beat XLA's
     # dequantise-then-dot at prefill sizes too (BENCHMARKS.md: a 157-row
-    # chunk of a Q4_K [8960, 1536] matrix in 26 ms against 44 ms).
+    # chunk of a Q4_K [8960, 1536] matrix in 23 ms against 40 ms). XLA
+    # dequantises the whole matrix for one row as for many, so a hybrid
+    # plan's one-row products of packed matrices go to the kernel as well.
     return quantized.matmul(
-        x, w, out_dtype, kernel=plan.kernel and plan.kernel_min_rows <= rows
+        x, w, out_dtype, kernel=plan.kernel
         and (rows <= plan.kernel_max_rows or w.act_bits == 8))
   if (plan.kernel and plan.kernel_min_rows <= rows <= plan.kernel_max_rows
       and x.dtype == jnp.float32 and w.dtype == jnp.float32):
