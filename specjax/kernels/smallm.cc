@@ -566,14 +566,13 @@ void ntile(const Act8& a, int64_t r0, int64_t k, const uint8_t* low,
                  _MM_HINT_T0);
     __m512i lo = _mm512_and_si512(packed, nibble);
     __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-    if constexpr (HB == 1) {
-      const __m512i src = _mm512_castsi128_si512(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(high + 16 * b)));
-      lo = _mm512_or_si512(lo, high_part<G, HB, 0>(src));
-      hi = _mm512_or_si512(hi, high_part<G, HB, 1>(src));
-    } else if constexpr (HB == 2) {
-      const __m512i src = _mm512_castsi256_si512(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + 32 * b)));
+    if constexpr (HB > 0) {  // the block's 16 * HB high bytes
+      const uint8_t* h = high + 16 * HB * b;
+      const __m512i src =
+          HB == 1 ? _mm512_castsi128_si512(
+                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(h)))
+                  : _mm512_castsi256_si512(_mm256_loadu_si256(
+                        reinterpret_cast<const __m256i*>(h)));
       lo = _mm512_or_si512(lo, high_part<G, HB, 0>(src));
       hi = _mm512_or_si512(hi, high_part<G, HB, 1>(src));
     }

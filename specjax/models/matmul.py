@@ -50,9 +50,10 @@ class MatmulPlan:
     layout: "in_out" (stored [I, O]) or "out_in" (stored [O, I]).
     kernel: route small products to the specjax CPU kernel (needs out_in).
     kernel_max_rows: the most rows X sent to the kernel.
-    kernel_min_rows: the fewest rows X sent to the kernel; 2 leaves the
-      one-row product of a decode step to XLA ("out_in/hybrid": on some
-      CPUs XLA's matrix-vector product is the faster one).
+    kernel_min_rows: the fewest rows X of a float matrix sent to the
+      kernel; 2 leaves the one-row product of a decode step to XLA
+      ("out_in/hybrid": on some CPUs XLA's matrix-vector product is the
+      faster one). Packed matrices go to the kernel at any X.
     layer_loop: with `kernel`, run the layers of a float32 or
       kernel-quantized model as one loop (`Transformer`), every product
       of it in the kernel, which reads the layer's matrix in place; False
