@@ -26,13 +26,14 @@ pytestmark = pytest.mark.skipif(not kernels.available(),
 
 
 def _matrices():
-  w = np.random.default_rng(0).normal(0, 1, (40, 512)).astype(np.float32)
+  # 42 outputs: the int8 kernel's tiles of four weight rows leave two.
+  w = np.random.default_rng(0).normal(0, 1, (42, 512)).astype(np.float32)
   out = {s: quantized.quantize_array(w, quantized.QuantSpec.parse(s), s)
          for s in ("int8", "int4", "int4:g16:sym", "int4:g64:sym")}
   for qtype in (Q.Q8_0, Q.Q4_K, Q.Q5_0, Q.Q6_K):
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
     out[qtype.name] = gguf_blocks.from_blocks(
-        random_blocks(qtype, 40, 512 // block), qtype, "t", (512, 40))
+        random_blocks(qtype, 42, 512 // block), qtype, "t", (512, 42))
   return {k: jax.tree.map(jnp.asarray, v) for k, v in out.items()}
 
 
@@ -75,7 +76,7 @@ def test_layer_loop_pick_reads_each_layers_format(act_bits, rows):
 
 
 @pytest.mark.parametrize("name", sorted(MATRICES))
-@pytest.mark.parametrize("rows", [1, 9, 33, 100])
+@pytest.mark.parametrize("rows", [1, 3, 9, 33, 100])
 def test_int8_activation_kernel_equals_the_xla_product(name, rows):
   """act_bits 8: the kernel's integer dot products equal XLA's product of
   the int8-quantized activations (`quantize_activations`) and the
@@ -86,7 +87,11 @@ def test_int8_activation_kernel_equals_the_xla_product(name, rows):
   got = np.asarray(run(x, w))
   want = np.asarray(jax.jit(quantized.matmul)(x, w))
   _assert_rounding_close(got, want)
-  np.testing.assert_array_equal(np.asarray(run(x[:1], w)), got[:1])
+  # Every row as a decode step computes it, bit for bit, whatever tiles
+  # the X rows took (one or four weight rows a tile).
+  for i in {0, rows - 1}:
+    np.testing.assert_array_equal(np.asarray(run(x[i:i + 1], w)),
+                                  got[i:i + 1])
   # Quantizing the activations moves the product by about its step (the
   # flag is not ignored), no more.
   exact = np.asarray(jax.jit(quantized.matmul)(x, MATRICES[name]))

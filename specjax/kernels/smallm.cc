@@ -20,6 +20,9 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <utility>
+
+#include <unistd.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -59,6 +62,21 @@ inline float hsum(f32x8 v) {
 inline float hsum(f32x16 v) {
   return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+
+// f(std::integral_constant<int, i>{}) for i = 0, ..., N - 1, unrolled in
+// the source. A tile's accumulator array indexed only by such constants is
+// split into registers early; indexed in a loop that GCC 12 unrolls late,
+// the array kept a copy in memory, stored on every block (the int8 tile
+// ran at 7 cycles per row and block instead of 4).
+template <typename F, int... I>
+[[gnu::always_inline]] inline void unroll_seq(
+    F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, typename F>
+[[gnu::always_inline]] inline void unroll(F&& f) {
+  unroll_seq(f, std::make_integer_sequence<int, N>{});
 }
 
 // Rows [0, R) of x against NB consecutive weight rows: NB * R vector
@@ -235,7 +253,9 @@ ffi::Error SmallMPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // unpacked into its codes, one byte each, in a buffer that stays in L1
 // (row_codes). With float activations the codes are dequantised there and
 // the float tiles above apply them to every x row; with int8 activations
-// (act8) qtile multiplies the codes by each row's int8 x directly.
+// (act8) qtile multiplies the codes by each row's int8 x directly, and
+// gtile, for the nibble formats in groups of 32 and 16, unpacks the packed
+// bytes in registers instead.
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
 typedef uint64_t u64x2 __attribute__((vector_size(16)));
@@ -286,7 +306,7 @@ inline i32x16 dot_quads(u8x64 u, i8x64 q) {
 #endif
 }
 
-// Nibble formats with int8 activations (ntile below) read a block of
+// Nibble formats with int8 activations (gtile below) read a block of
 // kNibBlock elements as 64 packed bytes: byte b holds element
 // nib_element(G, 0, b) in its low nibble and nib_element(G, 1, b) in its
 // high one.
@@ -299,61 +319,136 @@ constexpr int nib_element(int group, int part, int b) {
   return b / (group / 2) * group + part * (group / 2) + b % (group / 2);
 }
 
-// x [M, K] as int8: q [M, K], d [M, K / kChunk], and gsum [M, K / G], each
-// group's sum of q * d (the offset and min terms of the product). With
-// `nib` (a format ntile takes), also q in the order of each block's packed
-// bytes, qp [M, K] (per block the low part's 64, then the high part's),
-// and each block's d per dot-product lane, dl [M, K / kNibBlock, 16]: for
-// G <= kChunk, lanes 0-7 fall in the block's first chunk, 8-15 in its
-// second.
+// gtile's lanes. It sums each group's dot-product lanes (four in groups
+// of 32, two in groups of 16), so that one conversion and one scaling
+// serve a group, and fills the vector with several weight rows' sums: lane
+// l of the sums belongs to group lane_group(G, l) of the block and weight
+// row lane_row(G, l) of the tile (G = 32: group l / 4, row l % 4; G = 16:
+// in each 128-bit lane L, row 0's groups 2L and 2L + 1, then row 1's).
+// With one weight row a tile, its sums take the other rows' lanes too.
+constexpr int lane_group(int64_t group, int l) {
+  return group == 32 ? l / 4 : 2 * (l / 4) + l % 2;
+}
+constexpr int lane_row(int64_t group, int l) {
+  return group == 32 ? l % 4 : l % 4 / 2;
+}
+
+// One chunk of kChunk inputs as int8: codes q = round(x / d) (half to
+// even, clamped to +-127) for d = max|x| / 127, as
+// specjax.models.quantized.quantize_activations computes them; returns d
+// and each 16 inputs' sum of codes in sums[kChunk / 16].
+inline float quantize_chunk(const float* x, int8_t* q, int32_t* sums) {
+#if defined(__AVX512F__)
+  __m512 v[kChunk / 16];
+  __m512 amax = _mm512_setzero_ps();
+  for (int i = 0; i < kChunk / 16; ++i) {
+    v[i] = _mm512_loadu_ps(x + 16 * i);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+  }
+  const float d = _mm512_reduce_max_ps(amax) / 127.f;
+  const __m512 dv = _mm512_set1_ps(d > 0.f ? d : 1.f);
+  for (int i = 0; i < kChunk / 16; ++i) {
+    __m512 c = _mm512_roundscale_ps(
+        _mm512_div_ps(v[i], dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    c = _mm512_min_ps(_mm512_max_ps(c, _mm512_set1_ps(-127.f)),
+                      _mm512_set1_ps(127.f));
+    const __m512i ci = d > 0.f ? _mm512_cvtps_epi32(c) : _mm512_setzero_si512();
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i),
+                     _mm512_cvtsepi32_epi8(ci));
+    sums[i] = _mm512_reduce_add_epi32(ci);
+  }
+  return d;
+#else
+  float amax = 0.f;
+  for (int64_t i = 0; i < kChunk; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float d = amax / 127.f;
+  for (int64_t i = 0; i < kChunk; i += 16) {
+    int32_t sum = 0;
+    for (int64_t t = i; t < i + 16; ++t) {
+      const float c = d > 0.f ? std::nearbyint(x[t] / d) : 0.f;
+      q[t] = static_cast<int8_t>(std::clamp(c, -127.f, 127.f));
+      sum += q[t];
+    }
+    sums[i / 16] = sum;
+  }
+  return d;
+#endif
+}
+
+// x [M, K] as int8: q [M, K], d [M, K / kChunk], and each group's sum of
+// q * d (the offset and min terms of the product) block-major, gsum
+// [ceil(K / G / 16), M, 16], zero past K / G (finish_rows). For gtile
+// (`nib`), also block-major, so that a tile's rows of one block lie
+// together at offsets fixed at compile time: the codes in the order of
+// each block's packed bytes, qp [K / kNibBlock, M, kNibBlock] (the low
+// part's 64, then the high part's), and per lane of gtile's sums
+// (lane_group), d, dl [K / kNibBlock, M, 16] (for G <= kChunk, lanes 0-7
+// fall in the block's first chunk, 8-15 in its second), and the group
+// sums, gl [K / kNibBlock, M, 16].
+inline int64_t gsum_blocks(int64_t groups) { return (groups + 15) / 16; }
+
 struct Act8 {
   std::unique_ptr<int8_t[]> q, qp;
-  std::unique_ptr<float[]> d, gsum, dl;
+  std::unique_ptr<float[]> d, gsum, dl, gl;
+  int64_t m;
 
   Act8(const float* x, int64_t m, int64_t k, int64_t group, bool nib)
       : q(new int8_t[m * k]),
         d(new float[m * k / kChunk]),
-        gsum(new float[m * k / group]()) {
+        gsum(new float[m * gsum_blocks(k / group) * 16]()),
+        m(m) {
     for (int64_t r = 0; r < m; ++r) {
       for (int64_t c = 0; c < k / kChunk; ++c) {
-        const float* xc = x + r * k + c * kChunk;
-        float amax = 0.f;
-        for (int64_t i = 0; i < kChunk; ++i) {
-          amax = std::max(amax, std::fabs(xc[i]));
-        }
-        const float dc = amax / 127.f;
+        int32_t sums[kChunk / 16];
+        const float dc = quantize_chunk(x + r * k + c * kChunk,
+                                        q.get() + r * k + c * kChunk, sums);
         d[r * (k / kChunk) + c] = dc;
-        int8_t* qc = q.get() + r * k + c * kChunk;
-        for (int64_t i = 0; i < kChunk; i += 16) {
-          int32_t sum = 0;
-          for (int64_t t = i; t < i + 16; ++t) {
-            const float v = dc > 0.f ? std::nearbyint(xc[t] / dc) : 0.f;
-            qc[t] = static_cast<int8_t>(std::clamp(v, -127.f, 127.f));
-            sum += qc[t];
-          }
-          gsum[r * (k / group) + (c * kChunk + i) / group] += dc * sum;
+        for (int i = 0; i < kChunk / 16; ++i) {
+          const int64_t g = (c * kChunk + 16 * i) / group;
+          gsum[(g / 16 * m + r) * 16 + g % 16] += dc * sums[i];
         }
       }
     }
-    if (nib) permute(m, k, static_cast<int>(group));
+    if (nib) permute(k, static_cast<int>(group));
   }
 
-  void permute(int64_t m, int64_t k, int group) {
+  void permute(int64_t k, int group) {
     const int64_t blocks = k / kNibBlock;
     qp.reset(new int8_t[m * k]);
     dl.reset(new float[m * blocks * 16]);
-    for (int64_t r = 0; r < m; ++r) {
-      for (int64_t b = 0; b < blocks; ++b) {
+    gl.reset(new float[m * blocks * 16]);
+    std::array<uint8_t, kNibBlock> order;  // source element of each byte
+    for (int part = 0; part < 2; ++part) {
+      for (int i = 0; i < 64; ++i) {
+        order[64 * part + i] =
+            static_cast<uint8_t>(nib_element(group, part, i));
+      }
+    }
+#if defined(__AVX512VBMI__)
+    const __m512i lo_idx = _mm512_loadu_si512(order.data());
+    const __m512i hi_idx = _mm512_loadu_si512(order.data() + 64);
+#endif
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t r = 0; r < m; ++r) {
         const int8_t* src = q.get() + r * k + b * kNibBlock;
-        int8_t* dst = qp.get() + r * k + b * kNibBlock;
-        for (int part = 0; part < 2; ++part) {
-          for (int i = 0; i < 64; ++i) {
-            dst[64 * part + i] = src[nib_element(group, part, i)];
-          }
-        }
-        float* lanes = dl.get() + (r * blocks + b) * 16;
+        int8_t* dst = qp.get() + (b * m + r) * kNibBlock;
+#if defined(__AVX512VBMI__)
+        const __m512i s0 = _mm512_loadu_si512(src);
+        const __m512i s1 = _mm512_loadu_si512(src + 64);
+        _mm512_storeu_si512(dst, _mm512_permutex2var_epi8(s0, lo_idx, s1));
+        _mm512_storeu_si512(dst + 64,
+                            _mm512_permutex2var_epi8(s0, hi_idx, s1));
+#else
+        for (int i = 0; i < kNibBlock; ++i) dst[i] = src[order[i]];
+#endif
+        float* dlanes = dl.get() + (b * m + r) * 16;
         for (int l = 0; l < 16; ++l) {
-          lanes[l] = d[r * (k / kChunk) + 2 * b + l / 8];
+          dlanes[l] = d[r * (k / kChunk) + 2 * b + l / 8];
+        }
+        float* glanes = gl.get() + (b * m + r) * 16;
+        for (int l = 0; l < 16; ++l) {
+          const int64_t g = b * (kNibBlock / group) + lane_group(group, l);
+          glanes[l] = gsum[(g / 16 * m + r) * 16 + g % 16];
         }
       }
     }
@@ -361,26 +456,23 @@ struct Act8 {
 };
 
 // y[r * ldy] for rows [r0, r0 + R) from their lane sums acc[r], less the
-// offset and min terms: coef[g] (scale * offset + min) times the group
-// sums of q * d.
+// offset and min terms: coef[g] (scale * offset + min, zero from K / G to
+// a multiple of 16) times the group sums of q * d.
 template <int R>
-inline void finish_rows(const f32x16* acc, const Act8& a, int64_t r0,
-                        int64_t groups, const float* coef, float* y,
-                        int64_t ldy) {
-  for (int r = 0; r < R; ++r) {
-    const float* gs = a.gsum.get() + (r0 + r) * groups;
-    const int64_t gv = groups / 16 * 16;
-    f32x16 corr{};
-    for (int64_t g = 0; g < gv; g += 16) {
-      f32x16 cg, sg;
-      std::memcpy(&cg, coef + g, sizeof(cg));
-      std::memcpy(&sg, gs + g, sizeof(sg));
-      corr += cg * sg;
-    }
-    float tail = 0.f;
-    for (int64_t g = gv; g < groups; ++g) tail += coef[g] * gs[g];
-    y[r * ldy] = hsum(acc[r]) - (hsum(corr) + tail);
+[[gnu::always_inline]] inline void finish_rows(
+    f32x16* acc, const Act8& a, int64_t r0, int64_t groups, const float* coef,
+    float* y, int64_t ldy) {
+  const float* gs = a.gsum.get() + r0 * 16;
+  for (int64_t g = 0; g < groups; g += 16, gs += a.m * 16) {
+    f32x16 c;
+    std::memcpy(&c, coef + g, sizeof(c));
+    unroll<R>([&](auto r) {
+      f32x16 sums;
+      std::memcpy(&sums, gs + 16 * r, sizeof(sums));
+      acc[r] -= c * sums;
+    });
   }
+  unroll<R>([&](auto r) { y[r * ldy] = hsum(acc[r]); });
 }
 
 // Lane l of a chunk's dot_quads covers inputs [4l, 4l + 4): the scale of
@@ -418,18 +510,20 @@ void qtile(const Act8& a, int64_t r0, int64_t k, int64_t group,
            const uint8_t* u, const float* s, const float* coef, float* y,
            int64_t ldy) {
   const int64_t chunks = k / kChunk, groups = k / group;
+  const int8_t* q = a.q.get() + r0 * k;
+  const float* d = a.d.get() + r0 * chunks;
   f32x16 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = f32x16{};
+  unroll<R>([&](auto r) { acc[r] = f32x16{}; });
   for (int64_t c = 0; c < chunks; ++c) {
     u8x64 uc;
     std::memcpy(&uc, u + c * kChunk, sizeof(uc));
     const f32x16 sc = lane_scales<LPG>(s, c, group);
-    for (int r = 0; r < R; ++r) {
+    unroll<R>([&](auto r) {
       i8x64 qc;
-      std::memcpy(&qc, a.q.get() + (r0 + r) * k + c * kChunk, sizeof(qc));
+      std::memcpy(&qc, q + r * k + c * kChunk, sizeof(qc));
       const f32x16 dot = __builtin_convertvector(dot_quads(uc, qc), f32x16);
-      acc[r] += dot * (sc * a.d[(r0 + r) * chunks + c]);
-    }
+      acc[r] += dot * (sc * d[r * chunks + c]);
+    });
   }
   finish_rows<R>(acc, a, r0, groups, coef, y, ldy);
 }
@@ -504,22 +598,26 @@ void or_high_row(const uint8_t* h, uint8_t* u, int64_t k) {
   }
 }
 
-using NTileFn = void (*)(const Act8&, int64_t, int64_t, const uint8_t*,
-                         const uint8_t*, const float*, const float*, float*,
-                         int64_t);
+using GTileFn = void (*)(const Act8&, int64_t, int64_t, const uint8_t*,
+                         const uint8_t*, const float*, int64_t, const float*,
+                         int64_t, float*, int64_t);
+// gtile by weight rows a tile: one[rows] (up to kMaxRows) and multi[rows]
+// (up to kMultiMaxRows), `width` weight rows a tile; null where gtile does
+// not take the format.
+struct GTiles {
+  const GTileFn* one = nullptr;
+  const GTileFn* multi = nullptr;
+  int64_t width = 1;
+};
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-// Nibble formats (4, 5 and 6 bits, G = 16, 32 or 64) with int8
-// activations, unpacked in registers: a block's 64 packed bytes give its
-// low-nibble part and its high-nibble part with one AND and one shift,
-// the high bits are merged in with a byte permute and a multishift, and
-// each part's vpdpbusd multiplies the activations in the same order (Act8's
-// qp), into one int32 sum per lane: 8 elements of one group in one chunk.
-// Per x row and 128 elements: two dot products, a conversion and two float
-// operations, where qtile spends twice that after the codes' round trip
-// through memory. A decode step's product halved in time (Q4_K, 1 row,
-// from memory: 0.57 -> 0.31 ms on machine I). Elsewhere (no VNNI and VBMI,
-// 8-bit codes, other groups) qtile serves.
+// Nibble formats in groups of 32 or 16 (Q4_K, Q5_0, Q6_K, int4 g32) with
+// int8 activations, unpacked in registers (gtile below): a block's 64
+// packed bytes give its low-nibble part and its high-nibble part with one
+// AND and one shift, the high bits are merged in with a byte permute and
+// a multishift, and each part's vpdpbusd multiplies the activations in the
+// same order (Act8's qp). Elsewhere (no VNNI and VBMI, 8-bit codes, other
+// groups) qtile serves, after unpacking each weight row into L1.
 
 // The HB high bits of part P of a block in group size G, in bits 4 and up
 // of each lane, from the block's 16 * HB high bytes in the low lanes of
@@ -543,76 +641,183 @@ inline __m512i high_part(__m512i src) {
       _mm512_set1_epi8(static_cast<char>(((1 << HB) - 1) << 4)));
 }
 
-// Rows [0, R) of the int8 activations against one weight row's packed low
-// nibbles (K / 2 bytes), high bits (K * HB / 8) and scales s [K / G]:
-// y[r] = sum over blocks of sum over lanes of s * dl * dot, less corr[r].
-template <int R, int G, int HB>
-void ntile(const Act8& a, int64_t r0, int64_t k, const uint8_t* low,
-           const uint8_t* high, const float* s, const float* coef, float* y,
-           int64_t ldy) {
-  constexpr int kGroups = kNibBlock / G;  // groups a block
-  const int64_t blocks = k / kNibBlock;
-  const __m512i lane_group = [] {
-    alignas(64) int32_t idx[16];
-    for (int l = 0; l < 16; ++l) idx[l] = l / (G / 8);
-    return _mm512_load_si512(idx);
-  }();
-  const __m512i nibble = _mm512_set1_epi8(0x0f);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const __m512i packed = _mm512_loadu_si512(low + 64 * b);
-    _mm_prefetch(reinterpret_cast<const char*>(low + 64 * b + 1024),
-                 _MM_HINT_T0);
-    __m512i lo = _mm512_and_si512(packed, nibble);
-    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-    if constexpr (HB > 0) {  // the block's 16 * HB high bytes
-      const uint8_t* h = high + 16 * HB * b;
-      const __m512i src =
-          HB == 1 ? _mm512_castsi128_si512(
-                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(h)))
-                  : _mm512_castsi256_si512(_mm256_loadu_si256(
-                        reinterpret_cast<const __m256i*>(h)));
-      lo = _mm512_or_si512(lo, high_part<G, HB, 0>(src));
-      hi = _mm512_or_si512(hi, high_part<G, HB, 1>(src));
-    }
-    const __m512 sc = _mm512_permutexvar_ps(
-        lane_group, _mm512_maskz_loadu_ps((1u << kGroups) - 1,
-                                          s + kGroups * b));
-    for (int r = 0; r < R; ++r) {
-      const int8_t* q = a.qp.get() + (r0 + r) * k + kNibBlock * b;
-      const __m512i dot = _mm512_dpbusd_epi32(
-          _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
-                              _mm512_loadu_si512(q)),
-          hi, _mm512_loadu_si512(q + 64));
-      const __m512 d =
-          _mm512_loadu_ps(a.dl.get() + ((r0 + r) * blocks + b) * 16);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                               _mm512_mul_ps(sc, d), acc[r]);
-    }
+// The group sums (lane_group, lane_row) of a tile's NB weight rows' int32
+// dot-product lanes v[0, NB): NB = 4 (G = 32), 2 (G = 16) or 1 (the row's
+// sums repeated in the others' lanes). Integer sums: exact, whatever the
+// order.
+template <int G, int NB>
+[[gnu::always_inline]] inline __m512i group_sums(const __m512i* v) {
+  const __m512i a = v[0], b = v[NB > 1 ? 1 : 0];
+  if constexpr (G == 16) {  // adjacent lanes, rows a and b
+    const __m512 fa = _mm512_castsi512_ps(a), fb = _mm512_castsi512_ps(b);
+    return _mm512_add_epi32(
+        _mm512_castps_si512(_mm512_shuffle_ps(fa, fb, 0x88)),
+        _mm512_castps_si512(_mm512_shuffle_ps(fa, fb, 0xdd)));
+  } else if constexpr (NB == 1) {  // each group's 4 lanes: pairs, halves
+    const __m512i t =
+        _mm512_add_epi32(a, _mm512_shuffle_epi32(a, _MM_PERM_CDAB));
+    return _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));
+  } else {
+    const __m512i c = v[2], d = v[3];
+    const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b),
+                                        _mm512_unpackhi_epi32(a, b));
+    const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d),
+                                        _mm512_unpackhi_epi32(c, d));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd),
+                            _mm512_unpackhi_epi64(ab, cd));
   }
-  f32x16 sums[R];
-  for (int r = 0; r < R; ++r) sums[r] = (f32x16)acc[r];
-  finish_rows<R>(sums, a, r0, k / G, coef, y, ldy);
 }
 
-template <int G, int HB>
-constexpr NTileFn kNRow[kMaxRows + 1] = {
-    nullptr,           ntile<1, G, HB>,  ntile<2, G, HB>,  ntile<3, G, HB>,
-    ntile<4, G, HB>,   ntile<5, G, HB>,  ntile<6, G, HB>,  ntile<7, G, HB>,
-    ntile<8, G, HB>,   ntile<9, G, HB>,  ntile<10, G, HB>, ntile<11, G, HB>,
-    ntile<12, G, HB>};
+// A tile's per-group float factors (scales or coef) for one block in the
+// lanes of group_sums: row t's 128 / G factors at f + t * stride.
+template <int G, int NB>
+[[gnu::always_inline]] inline __m512 group_factors(const float* f,
+                                                   int64_t stride) {
+  constexpr int kGpb = kNibBlock / G;  // groups a block: 4 or 8
+  alignas(64) static constexpr auto idx = [] {
+    std::array<int32_t, 16> t{};
+    for (int l = 0; l < 16; ++l) {
+      t[l] = (NB > 1 ? lane_row(G, l) : 0) * kGpb + lane_group(G, l);
+    }
+    return t;
+  }();
+  const __m512i index = _mm512_load_si512(idx.data());
+  if constexpr (NB == 1) {
+    return _mm512_permutexvar_ps(
+        index, _mm512_maskz_loadu_ps((1u << kGpb) - 1, f));
+  } else if constexpr (G == 32) {  // rows 0-3, 4 factors each
+    const __m256 r01 = _mm256_insertf128_ps(
+        _mm256_castps128_ps256(_mm_loadu_ps(f)), _mm_loadu_ps(f + stride), 1);
+    const __m256 r23 = _mm256_insertf128_ps(
+        _mm256_castps128_ps256(_mm_loadu_ps(f + 2 * stride)),
+        _mm_loadu_ps(f + 3 * stride), 1);
+    return _mm512_permutexvar_ps(
+        index, _mm512_insertf32x8(_mm512_castps256_ps512(r01), r23, 1));
+  } else {  // G = 16: rows 0-1, 8 factors each
+    return _mm512_permutexvar_ps(
+        index, _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(f)),
+                                  _mm256_loadu_ps(f + stride), 1));
+  }
+}
 
-inline const NTileFn* nib_tiles(int64_t bits, int64_t group, int64_t k) {
-  if (k % kNibBlock) return nullptr;
-  if (bits == 4 && group == 32) return kNRow<32, 0>;
-  if (bits == 4 && group == 64) return kNRow<64, 0>;
-  if (bits == 5 && group == 32) return kNRow<32, 1>;
-  if (bits == 6 && group == 16) return kNRow<16, 2>;
-  return nullptr;
+// Rows [0, R) of the int8 activations against NB consecutive weight rows
+// (4 for G = 32, 2 for G = 16, or 1): their packed low nibbles (K / 2
+// bytes a row, from low), high bits (K * HB / 8, from high), scales (K /
+// G, rows sstride apart) and coef (scale * offset + min, rows cstride
+// apart) -> y[r * ldy + t]. Per block and x row, two vpdpbusd a weight row
+// give 16 int32 lanes, group_sums adds each group's lanes into one vector
+// for the tile, and per group one conversion, one product with scale * d
+// and one fused subtraction of coef times the group's sum of q * d
+// accumulate in float; the groups are summed at the end. The float
+// operations serve NB rows at once (a [8960, 1536] Q4_K product at 9
+// rows: 5.2 -> 3.8 cycles per row and block on machine I, in cache). With
+// one weight row each lane repeats its group's value, and every row's
+// float operations are the same ones on the same values whatever NB, R
+// and M are: a verification pass reproduces a decode step bit for bit.
+template <int R, int NB, int G, int HB>
+void gtile(const Act8& a, int64_t r0, int64_t k, const uint8_t* low,
+           const uint8_t* high, const float* s, int64_t sstride,
+           const float* coef, int64_t cstride, float* y, int64_t ldy) {
+  constexpr int kGpb = kNibBlock / G;
+  const int64_t blocks = k / kNibBlock;
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const int8_t* q0 = a.qp.get() + r0 * kNibBlock;
+  const float* dl0 = a.dl.get() + r0 * 16;
+  const float* gl0 = a.gl.get() + r0 * 16;
+  const int64_t m = a.m;
+  f32x16 acc[R];
+  unroll<R>([&](auto r) { acc[r] = f32x16{}; });
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i lo[NB], hi[NB];
+    unroll<NB>([&](auto t) {
+      const uint8_t* row = low + t * (k / 2) + 64 * b;
+      const __m512i packed = _mm512_loadu_si512(row);
+      // The next tile's block: one linear stream ahead of this tile's.
+      _mm_prefetch(reinterpret_cast<const char*>(row + NB * (k / 2)),
+                   _MM_HINT_T0);
+      lo[t] = _mm512_and_si512(packed, nibble);
+      hi[t] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      if constexpr (HB > 0) {  // the block's 16 * HB high bytes
+        const uint8_t* h = high + t * (k * HB / 8) + 16 * HB * b;
+        const __m512i src =
+            HB == 1
+                ? _mm512_castsi128_si512(
+                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(h)))
+                : _mm512_castsi256_si512(_mm256_loadu_si256(
+                      reinterpret_cast<const __m256i*>(h)));
+        lo[t] = _mm512_or_si512(lo[t], high_part<G, HB, 0>(src));
+        hi[t] = _mm512_or_si512(hi[t], high_part<G, HB, 1>(src));
+      }
+    });
+    const __m512 sc = group_factors<G, NB>(s + kGpb * b, sstride);
+    const __m512 cf = group_factors<G, NB>(coef + kGpb * b, cstride);
+    const int8_t* q = q0 + b * m * kNibBlock;
+    const float* dl = dl0 + b * m * 16;
+    const float* gl = gl0 + b * m * 16;
+    unroll<R>([&](auto r) {
+      const __m512i x0 = _mm512_loadu_si512(q + kNibBlock * r);
+      const __m512i x1 = _mm512_loadu_si512(q + kNibBlock * r + 64);
+      __m512i dot[NB];
+      unroll<NB>([&](auto t) {
+        dot[t] = _mm512_dpbusd_epi32(
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[t], x0), hi[t],
+            x1);
+      });
+      const __m512 sum = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(group_sums<G, NB>(dot)),
+          _mm512_mul_ps(sc, _mm512_loadu_ps(dl + 16 * r)), (__m512)acc[r]);
+      acc[r] = (f32x16)_mm512_fnmadd_ps(cf, _mm512_loadu_ps(gl + 16 * r), sum);
+    });
+  }
+  // Per row, its groups in a fixed tree: 128-bit lanes (0 + 1) + (2 + 3),
+  // then for G = 16 a row's two lanes. Weight row t's total lands in lane
+  // t (G = 32) or 2t (G = 16).
+  unroll<R>([&](auto r) {
+    __m512 h = (__m512)acc[r];
+    h = _mm512_add_ps(h, _mm512_shuffle_f32x4(h, h, 0xb1));
+    h = _mm512_add_ps(h, _mm512_shuffle_f32x4(h, h, 0x4e));
+    if constexpr (G == 16) {
+      h = _mm512_maskz_compress_ps(
+          0x5, _mm512_add_ps(h, _mm512_shuffle_ps(h, h, 0xb1)));
+    }
+    _mm512_mask_storeu_ps(y + r * ldy, (1u << NB) - 1, h);
+  });
+}
+
+// x rows a gtile of several weight rows takes: its accumulators, weight
+// vectors and factors fit the 32 registers.
+constexpr int kMultiMaxRows = 9;
+// From this many x rows on, gtile takes several weight rows a tile: fewer
+// rows are bound by reading the weights, which one row a tile reads in one
+// stream, faster.
+constexpr int64_t kMultiRows = 3;
+
+// gtile's entry points for R = 1 .. sizeof(I) x rows (index R; 0 null).
+template <int NB, int G, int HB, int... I>
+constexpr std::array<GTileFn, sizeof...(I) + 1> gtile_rows(
+    std::integer_sequence<int, I...>) {
+  return {nullptr, gtile<I + 1, NB, G, HB>...};
+}
+template <int NB, int G, int HB, int Rows>
+constexpr auto kGTiles =
+    gtile_rows<NB, G, HB>(std::make_integer_sequence<int, Rows>{});
+
+// The format's tiles: NB weight rows (4 or 2) where it has them.
+template <int NB, int G, int HB>
+constexpr GTiles gtiles_of() {
+  return {kGTiles<1, G, HB, kMaxRows>.data(),
+          kGTiles<NB, G, HB, kMultiMaxRows>.data(), NB};
+}
+
+inline GTiles gtiles(int64_t bits, int64_t group, int64_t k) {
+  if (k % kNibBlock) return {};
+  if (bits == 4 && group == 32) return gtiles_of<4, 32, 0>();
+  if (bits == 5 && group == 32) return gtiles_of<4, 32, 1>();
+  if (bits == 6 && group == 16) return gtiles_of<2, 16, 2>();
+  return {};
 }
 #else
-inline const NTileFn* nib_tiles(int64_t, int64_t, int64_t) { return nullptr; }
+inline GTiles gtiles(int64_t, int64_t, int64_t) { return {}; }
 #endif
 
 // 16 bytes -> 16 int32 (GCC turns __builtin_convertvector on a loaded
@@ -656,7 +861,7 @@ struct QWork {
   const float* mins;  // nullptr: no mins
   float* y;
   std::unique_ptr<Act8> act;  // nullptr: float activations
-  const NTileFn* nib = nullptr;  // ntile's rows, where it takes the format
+  GTiles gt;  // gtile's tiles, where it takes the format
   int64_t m, k, n, group, bits, offset, chunk, num_chunks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> finished{0};
@@ -763,43 +968,58 @@ struct QWork {
     }
   }
 
-  // Output columns [n0, n1) from int8 activations, a weight row at a time:
-  // nibble formats that nib_tiles takes go to ntile, which unpacks them in
-  // registers; others are unpacked once into u (K bytes, in L1) for qtile.
+  // Output columns [n0, n1) from int8 activations: formats gtile takes go
+  // to it, gt.width weight rows a tile from kMultiRows x rows on (in groups
+  // of at most kMultiMaxRows x rows), else one (groups of at most
+  // kMaxRows); others are unpacked a weight row at a time into u (K bytes,
+  // in L1) for qtile.
   void columns_a8(int64_t n0, int64_t n1, uint8_t* u, float* coef,
                   float* tmp) const {
-    const int64_t groups = k / group;
+    const int64_t groups = k / group, cstride = gsum_blocks(groups) * 16;
     const int lpg = group >= kChunk ? 16 : static_cast<int>(group / 4);
     const QTileFn* tiles = lpg == 4 ? kQRow<4> : lpg == 8 ? kQRow<8>
                                                           : kQRow<16>;
     const float off = static_cast<float>(offset + bias());
-    const int64_t row_groups = (m + kMaxRows - 1) / kMaxRows;
-    for (int64_t j = n0; j < n1; ++j) {
+    const int64_t width = gt.one && m >= kMultiRows ? gt.width : 1;
+    const int64_t max_rows = width > 1 ? kMultiMaxRows : kMaxRows;
+    const int64_t row_groups = (m + max_rows - 1) / max_rows;
+    const int64_t hb_row = high ? k * (bits - 4) / 8 : 0;
+    for (int64_t j = n0; j < n1;) {
+      const int64_t nb = j + width <= n1 ? width : 1;
+      // Rows j.. of scales lie groups apart: as stored, or converted.
       const float* s = row_scales(j, tmp);
-      for (int64_t g = 0; g < groups; ++g) {
-        coef[g] = s[g] * off + (mins ? mins[j * groups + g] : 0.f);
+      for (int64_t t = 1; t < nb; ++t) row_scales(j + t, tmp + t * groups);
+      for (int64_t t = 0; t < nb; ++t) {
+        float* c = coef + t * cstride;
+        for (int64_t g = 0; g < groups; ++g) {
+          c[g] = s[t * groups + g] * off +
+                 (mins ? mins[(j + t) * groups + g] : 0.f);
+        }
+        std::fill(c + groups, c + cstride, 0.f);
       }
       const uint8_t* low = codes + j * k / 2;
-      const uint8_t* hb = high ? high + j * k * (bits - 4) / 8 : nullptr;
-      if (!nib) row_codes(j, u);
+      const uint8_t* hb = high ? high + j * hb_row : nullptr;
+      if (!gt.one) row_codes(j, u);
       int64_t r0 = 0;
       for (int64_t rg = 0; rg < row_groups; ++rg) {
         const int64_t rows = (m - r0) / (row_groups - rg);
         float* out = y + r0 * n + j;
-        if (nib) {
-          nib[rows](*act, r0, k, low, hb, s, coef, out, n);
+        if (gt.one) {
+          (nb > 1 ? gt.multi : gt.one)[rows](*act, r0, k, low, hb, s, groups,
+                                             coef, cstride, out, n);
         } else {
           tiles[rows](*act, r0, k, group, u, s, coef, out, n);
         }
         r0 += rows;
       }
+      j += nb;
     }
   }
 
   void drain() {
     std::unique_ptr<float[]> buf(new float[kMaxBlock * k]);
     std::unique_ptr<uint8_t[]> u(new uint8_t[k]);
-    std::unique_ptr<float[]> tmp(new float[k / group]);
+    std::unique_ptr<float[]> tmp(new float[4 * (k / group)]);
     for (int64_t c; (c = next.fetch_add(1)) < num_chunks;) {
       const int64_t n0 = c * chunk, n1 = std::min(n, n0 + chunk);
       if (act) {
@@ -869,9 +1089,9 @@ ffi::Error QuantProduct(ffi::ThreadPool& pool, const float* x, int64_t m,
   work->offset = offset;
   if (work->m == 0 || work->n == 0) return ffi::Error::Success();
   if (act8) {
-    work->nib = nib_tiles(bits, group, k);
+    work->gt = gtiles(bits, group, k);
     work->act.reset(new Act8(work->x, work->m, work->k, group,
-                             work->nib != nullptr));
+                             work->gt.one != nullptr));
   }
   // About 64 KiB of packed weights per chunk, a multiple of the tile rows.
   const int64_t row_bytes = std::max<int64_t>(1, work->k * bits / 8);
