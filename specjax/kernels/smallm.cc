@@ -22,8 +22,6 @@
 #include <memory>
 #include <utility>
 
-#include <unistd.h>
-
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__) || defined(__F16C__)
@@ -601,6 +599,14 @@ void or_high_row(const uint8_t* h, uint8_t* u, int64_t k) {
 using GTileFn = void (*)(const Act8&, int64_t, int64_t, const uint8_t*,
                          const uint8_t*, const float*, int64_t, const float*,
                          int64_t, float*, int64_t);
+// x rows a gtile of several weight rows takes: its accumulators, weight
+// vectors and factors fit the 32 registers.
+constexpr int kMultiMaxRows = 9;
+// From this many x rows on, gtile takes several weight rows a tile: fewer
+// rows are bound by reading the weights, which one row a tile reads in one
+// stream, faster.
+constexpr int64_t kMultiRows = 3;
+
 // gtile by weight rows a tile: one[rows] (up to kMaxRows) and multi[rows]
 // (up to kMultiMaxRows), `width` weight rows a tile; null where gtile does
 // not take the format.
@@ -783,14 +789,6 @@ void gtile(const Act8& a, int64_t r0, int64_t k, const uint8_t* low,
     _mm512_mask_storeu_ps(y + r * ldy, (1u << NB) - 1, h);
   });
 }
-
-// x rows a gtile of several weight rows takes: its accumulators, weight
-// vectors and factors fit the 32 registers.
-constexpr int kMultiMaxRows = 9;
-// From this many x rows on, gtile takes several weight rows a tile: fewer
-// rows are bound by reading the weights, which one row a tile reads in one
-// stream, faster.
-constexpr int64_t kMultiRows = 3;
 
 // gtile's entry points for R = 1 .. sizeof(I) x rows (index R; 0 null).
 template <int NB, int G, int HB, int... I>
