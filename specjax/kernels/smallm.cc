@@ -252,8 +252,8 @@ ffi::Error SmallMPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // (row_codes). With float activations the codes are dequantised there and
 // the float tiles above apply them to every x row; with int8 activations
 // (act8) qtile multiplies the codes by each row's int8 x directly, and
-// gtile, for the nibble formats in groups of 32 and 16, unpacks the packed
-// bytes in registers instead.
+// gtile, for the nibble formats in groups of 16, 32 and 64, unpacks the
+// packed bytes in registers instead.
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
 typedef uint64_t u64x2 __attribute__((vector_size(16)));
@@ -317,15 +317,16 @@ constexpr int nib_element(int group, int part, int b) {
   return b / (group / 2) * group + part * (group / 2) + b % (group / 2);
 }
 
-// gtile's lanes. It sums each group's dot-product lanes (four in groups
-// of 32, two in groups of 16), so that one conversion and one scaling
-// serve a group, and fills the vector with several weight rows' sums: lane
-// l of the sums belongs to group lane_group(G, l) of the block and weight
-// row lane_row(G, l) of the tile (G = 32: group l / 4, row l % 4; G = 16:
-// in each 128-bit lane L, row 0's groups 2L and 2L + 1, then row 1's).
-// With one weight row a tile, its sums take the other rows' lanes too.
+// gtile's lanes. It sums each group's dot-product lanes (eight in groups
+// of 64, four in groups of 32, two in groups of 16), so that one
+// conversion and one scaling serve a group, and fills the vector with
+// several weight rows' sums: lane l of the sums belongs to group
+// lane_group(G, l) of the block and weight row lane_row(G, l) of the tile
+// (G = 32: group l / 4, row l % 4; G = 16: in each 128-bit lane L, row 0's
+// groups 2L and 2L + 1, then row 1's; G = 64: group l / 8, one row). With
+// one weight row a tile, its sums take the other rows' lanes too.
 constexpr int lane_group(int64_t group, int l) {
-  return group == 32 ? l / 4 : 2 * (l / 4) + l % 2;
+  return group == 64 ? l / 8 : group == 32 ? l / 4 : 2 * (l / 4) + l % 2;
 }
 constexpr int lane_row(int64_t group, int l) {
   return group == 32 ? l % 4 : l % 4 / 2;
@@ -607,9 +608,9 @@ constexpr int kMultiMaxRows = 9;
 // stream, faster.
 constexpr int64_t kMultiRows = 3;
 
-// gtile by weight rows a tile: one[rows] (up to kMaxRows) and multi[rows]
-// (up to kMultiMaxRows), `width` weight rows a tile; null where gtile does
-// not take the format.
+// gtile by weight rows a tile: one[rows] (up to kMaxRows) and, where the
+// format has them, multi[rows] (up to kMultiMaxRows), `width` weight rows
+// a tile; one is null where gtile does not take the format.
 struct GTiles {
   const GTileFn* one = nullptr;
   const GTileFn* multi = nullptr;
@@ -617,7 +618,7 @@ struct GTiles {
 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-// Nibble formats in groups of 32 or 16 (Q4_K, Q5_0, Q6_K, int4 g32) with
+// Nibble formats in groups of 16, 32 or 64 (Q4_K, Q5_0, Q6_K, int4) with
 // int8 activations, unpacked in registers (gtile below): a block's 64
 // packed bytes give its low-nibble part and its high-nibble part with one
 // AND and one shift, the high bits are merged in with a byte permute and
@@ -649,8 +650,8 @@ inline __m512i high_part(__m512i src) {
 
 // The group sums (lane_group, lane_row) of a tile's NB weight rows' int32
 // dot-product lanes v[0, NB): NB = 4 (G = 32), 2 (G = 16) or 1 (the row's
-// sums repeated in the others' lanes). Integer sums: exact, whatever the
-// order.
+// sums repeated in the others' lanes; G = 64 always). Integer sums: exact,
+// whatever the order.
 template <int G, int NB>
 [[gnu::always_inline]] inline __m512i group_sums(const __m512i* v) {
   const __m512i a = v[0], b = v[NB > 1 ? 1 : 0];
@@ -659,10 +660,15 @@ template <int G, int NB>
     return _mm512_add_epi32(
         _mm512_castps_si512(_mm512_shuffle_ps(fa, fb, 0x88)),
         _mm512_castps_si512(_mm512_shuffle_ps(fa, fb, 0xdd)));
-  } else if constexpr (NB == 1) {  // each group's 4 lanes: pairs, halves
-    const __m512i t =
+  } else if constexpr (NB == 1) {  // a group's lanes: pairs, halves (and
+    const __m512i t =                 // for G = 64 128-bit lane pairs)
         _mm512_add_epi32(a, _mm512_shuffle_epi32(a, _MM_PERM_CDAB));
-    return _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));
+    const __m512i u =
+        _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));
+    if constexpr (G == 64) {
+      return _mm512_add_epi32(u, _mm512_shuffle_i32x4(u, u, 0xb1));
+    }
+    return u;
   } else {
     const __m512i c = v[2], d = v[3];
     const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b),
@@ -775,12 +781,14 @@ void gtile(const Act8& a, int64_t r0, int64_t k, const uint8_t* low,
       acc[r] = (f32x16)_mm512_fnmadd_ps(cf, _mm512_loadu_ps(gl + 16 * r), sum);
     });
   }
-  // Per row, its groups in a fixed tree: 128-bit lanes (0 + 1) + (2 + 3),
-  // then for G = 16 a row's two lanes. Weight row t's total lands in lane
-  // t (G = 32) or 2t (G = 16).
+  // Per row, its groups in a fixed tree: 128-bit lanes (0 + 1) + (2 + 3)
+  // (G = 64: 0 + 2, one group each), then for G = 16 a row's two lanes.
+  // Weight row t's total lands in lane t (G = 32) or 2t (G = 16).
   unroll<R>([&](auto r) {
     __m512 h = (__m512)acc[r];
-    h = _mm512_add_ps(h, _mm512_shuffle_f32x4(h, h, 0xb1));
+    if constexpr (G != 64) {
+      h = _mm512_add_ps(h, _mm512_shuffle_f32x4(h, h, 0xb1));
+    }
     h = _mm512_add_ps(h, _mm512_shuffle_f32x4(h, h, 0x4e));
     if constexpr (G == 16) {
       h = _mm512_maskz_compress_ps(
@@ -803,6 +811,7 @@ constexpr auto kGTiles =
 // The format's tiles: NB weight rows (4 or 2) where it has them.
 template <int NB, int G, int HB>
 constexpr GTiles gtiles_of() {
+  if constexpr (NB == 1) return {kGTiles<1, G, HB, kMaxRows>.data()};
   return {kGTiles<1, G, HB, kMaxRows>.data(),
           kGTiles<NB, G, HB, kMultiMaxRows>.data(), NB};
 }
@@ -810,6 +819,7 @@ constexpr GTiles gtiles_of() {
 inline GTiles gtiles(int64_t bits, int64_t group, int64_t k) {
   if (k % kNibBlock) return {};
   if (bits == 4 && group == 32) return gtiles_of<4, 32, 0>();
+  if (bits == 4 && group == 64) return gtiles_of<1, 64, 0>();
   if (bits == 5 && group == 32) return gtiles_of<4, 32, 1>();
   if (bits == 6 && group == 16) return gtiles_of<2, 16, 2>();
   return {};
