@@ -6,7 +6,8 @@ of each width after a prefill (`specjax.tuning.cost.measure`: median of
 `--repeats`, cached per machine) and prints ms and the ratio to one token.
 
 COMMAND: python scripts/bench_verify_width.py \
-  --model=qwen2.5-coder-1.5b-instruct --nodes=1/4/8/16/32/64 [--quantize=gguf:a8]
+  --model=qwen2.5-coder-1.5b-instruct --nodes=1/4/8/16/32/64 \
+  [--quantize=gguf:a8]
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def main(argv):
                        chunks=[1] + [n + 1 for n in nodes],
                        repeats=_REPEATS.value, refresh=True)
   one = costs.at(1)
-  print(f"{_MODEL.value} ({_QUANTIZE.value or 'float'}), B={_BATCH.value}, plan "
-        f"{getattr(model.plan, 'name', '')}; {hardware.machine()}; "
+  print(f"{_MODEL.value} ({_QUANTIZE.value or 'float'}), B={_BATCH.value}, "
+        f"plan {getattr(model.plan, 'name', '')}; {hardware.machine()}; "
         f"jax {jax.__version__}")
   print("nodes | tokens | ms | / one token")
   print(f"0 | 1 | {one:.1f} | 1.00")

@@ -88,7 +88,7 @@ def test_int8_activation_kernel_equals_the_xla_product(name, rows):
   want = np.asarray(jax.jit(quantized.matmul)(x, w))
   _assert_rounding_close(got, want)
   # Every row as a decode step computes it, bit for bit, whatever tiles
-  # the X rows took (one or four weight rows a tile).
+  # the X rows took (one, two or four weight rows a tile).
   for i in {0, rows - 1}:
     np.testing.assert_array_equal(np.asarray(run(x[i:i + 1], w)),
                                   got[i:i + 1])
