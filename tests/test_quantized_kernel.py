@@ -125,19 +125,43 @@ def test_nibble_groups_of_48_stay_on_xla():
 def test_bad_high_bit_planes_are_refused():
   w = MATRICES["Q6_K"]
   x = jnp.ones((3, 512), jnp.float32)
+  kw = dict(bits=6, group=w.group, offset=w.offset,
+            super_scales=w.super_scales)
   with pytest.raises(ValueError, match="6-bit matrix"):
-    kernels.smallm_quantized(x, w.low, w.scales, w.mins, bits=6,
-                             group=w.group, offset=w.offset)  # no high
+    kernels.smallm_quantized(x, w.low, w.scales, w.mins, **kw)  # no high
   with pytest.raises(ValueError, match="6-bit matrix"):
-    kernels.smallm_quantized(x, w.low, w.scales, w.mins, bits=6,
-                             group=w.group, offset=w.offset,
-                             high=w.high[:, :-1])
+    kernels.smallm_quantized(x, w.low, w.scales, w.mins, high=w.high[:, :-1],
+                             **kw)
   # The same check guards each layer of a layer loop's pick.
-  good = dict(codes=w.low, scales=w.scales, mins=w.mins, high=w.high,
-              bits=6, group=w.group, offset=w.offset)
+  good = dict(codes=w.low, scales=w.scales, mins=w.mins, high=w.high, **kw)
   with pytest.raises(ValueError, match="smallm_quantized_pick.*6-bit"):
     kernels.smallm_quantized_pick(x, jnp.int32(0),
                                   (good, dict(good, high=None)))
+
+
+def test_two_level_scales_need_their_super_block_factors():
+  """Q4_K's integer sub-scales and sub-mins are only scales with their
+  float16 factors, one per super-block of 256 inputs."""
+  w = MATRICES["Q4_K"]
+  x = jnp.ones((3, 512), jnp.float32)
+  kw = dict(codes=w.low, scales=w.scales, mins=w.mins, bits=4, group=32,
+            offset=0, super_scales=w.super_scales, super_mins=w.super_mins)
+  want = kernels.smallm_quantized(x, **kw)
+  np.testing.assert_array_equal(
+      np.asarray(kernels.smallm_quantized_pick(x, jnp.int32(0), (kw,))),
+      np.asarray(want))
+  bad = {"no super_scales": dict(kw, super_scales=None),
+         "no super_mins": dict(kw, super_mins=None),
+         "float32 super_scales": dict(
+             kw, super_scales=w.super_scales.astype(jnp.float32)),
+         "3 super-blocks for 16 groups": dict(
+             kw, super_scales=w.super_scales[:, :1].repeat(3, axis=1)
+             [:, :3]),
+         "int8 mins": dict(kw, mins=w.mins.astype(jnp.int8))}
+  for why, args in bad.items():
+    with pytest.raises(ValueError, match=r"4-bit matrix of groups of 32"):
+      kernels.smallm_quantized(x, **args)
+      pytest.fail(why)
 
 
 @pytest.mark.slow

@@ -13,8 +13,11 @@ order, what `gguf.quants.dequantize` computes: the values agree bit for bit
 (`tests/test_quantized.py`).
 
 Bytes per 256 weights, file -> repacked: Q8_0 272 -> 272; Q5_0 176 -> 176;
-Q4_K 144 -> 192 (the sub-block scale and min become float32 products);
-Q6_K 210 -> 256 (16 float32 scales).
+Q4_K 144 -> 148 (the 6-bit sub-block scales and mins one byte each);
+Q6_K 210 -> 210. The K-quants keep their two-level scales: a group's scale
+is its super-block's float16 d times its integer sub-scale (and its min
+dmin times its sub-min), a float32 product that is exact (11 by at most 8
+significant bits), so it equals the reference's wherever it is formed.
 """
 
 from __future__ import annotations
@@ -73,8 +76,6 @@ def _q4_k(blocks: np.ndarray) -> dict[str, Any]:
   and 2r + 1 in its high ones. w = (d sc) q - (dmin m).
   """
   rows, nb, _ = blocks.shape
-  d = _f16(blocks, 0).astype(np.float32)
-  dmin = _f16(blocks, 2).astype(np.float32)
   s = blocks[..., 4:16]  # [O, nb, 12]
   sc = np.concatenate([s[..., 0:4] & 63,
                        (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
@@ -83,11 +84,9 @@ def _q4_k(blocks: np.ndarray) -> dict[str, Any]:
   qs = blocks[..., 16:144].reshape(rows, nb, 4, 32)
   codes = np.stack([qs & 15, qs >> 4], axis=3)  # [O, nb, 4, 2, 32]
   codes = codes.reshape(rows, nb * 256)
-  scales = (d[..., None] * sc.astype(np.float32)).reshape(rows, nb * 8)
-  mins = (dmin[..., None] * m.astype(np.float32)).reshape(rows, nb * 8)
-  return dict(low=pack_nibbles(codes, 32), scales=scales, mins=mins,
-              fmt="q4_k",
-              bits=4, group=32)
+  return dict(low=pack_nibbles(codes, 32), scales=sc.reshape(rows, nb * 8),
+              mins=m.reshape(rows, nb * 8), super_scales=_f16(blocks, 0),
+              super_mins=_f16(blocks, 2), fmt="q4_k", bits=4, group=32)
 
 
 def _q6_k(blocks: np.ndarray) -> dict[str, Any]:
@@ -107,10 +106,9 @@ def _q6_k(blocks: np.ndarray) -> dict[str, Any]:
   codes = low | (high.reshape(rows, nb, 2, 128) << 4)
   codes = codes.reshape(rows, nb * 256)
   sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8)
-  d = _f16(blocks, 208).astype(np.float32)
-  scales = (d[..., None] * sc.astype(np.float32)).reshape(rows, nb * 16)
   return dict(low=pack_nibbles(codes, 16), high=pack_high(codes, 2),
-              scales=scales, fmt="q6_k", bits=6, group=16, offset=32)
+              scales=sc.reshape(rows, nb * 16), super_scales=_f16(blocks, 208),
+              fmt="q6_k", bits=6, group=16, offset=32)
 
 
 _DECODERS = {Q.Q8_0: _q8_0, Q.Q5_0: _q5_0, Q.Q4_K: _q4_k, Q.Q6_K: _q6_k}

@@ -30,6 +30,7 @@ import pathlib
 import shutil
 import subprocess
 import tempfile
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -221,12 +222,26 @@ def quantized_format_ok(bits: int, group: int, cols: int,
       group in (16, 32) or group % ACT_CHUNK == 0))
 
 
-def _check_packed(caller: str, x: jax.Array, codes: jax.Array,
-                  scales: jax.Array, high: jax.Array | None, bits: int,
-                  group: int, int8_activations: bool,
+def _two_level_ok(sub: jax.Array | None, sup: jax.Array | None,
+                  dtypes: tuple[Any, ...]) -> bool:
+  """Whether float scales (or mins) `sub` stand alone (sup None), or
+  integer ones of `dtypes` take float16 factors sup [O, N // S]."""
+  if sub is None or sup is None:
+    return sup is None and (sub is None or jnp.issubdtype(sub.dtype,
+                                                          jnp.floating))
+  return (sub.dtype in dtypes and sup.dtype == jnp.float16
+          and sup.ndim == 2 and sup.shape[0] == sub.shape[0]
+          and 0 < sup.shape[1] and sub.shape[1] % sup.shape[1] == 0)
+
+
+def _check_packed(caller: str, x: jax.Array, q: dict[str, Any],
+                  int8_activations: bool,
                   too_many_rows: bool = False) -> None:
-  """Raises ValueError unless x [X, I] float32 and the packed arrays make
-  a `bits`-bit [O, I] matrix in groups of `group` the kernel takes."""
+  """Raises ValueError unless x [X, I] float32 and the packed arrays of
+  q (`smallm_quantized`'s keywords) make a `bits`-bit [O, I] matrix in
+  groups of `group` the kernel takes."""
+  codes, scales, high = q["codes"], q["scales"], q.get("high")
+  bits, group = q["bits"], q["group"]
   cols = x.shape[1]
   per_byte = 1 if bits == 8 else 2
   high_bits = bits - 4 if bits in (5, 6) else 0
@@ -234,46 +249,71 @@ def _check_packed(caller: str, x: jax.Array, codes: jax.Array,
       or not quantized_format_ok(bits, group, cols, int8_activations)
       or codes.shape[1] * per_byte != cols
       or scales.shape != (codes.shape[0], cols // group)
+      or not _two_level_ok(scales, q.get("super_scales"),
+                           (jnp.int8, jnp.uint8))
+      or not _two_level_ok(q.get("mins"), q.get("super_mins"),
+                           (jnp.uint8,))
       or (high is None) != (not high_bits)
       or (high is not None
           and high.shape != (codes.shape[0], cols * high_bits // 8))):
+    sup = q.get("super_scales")
     raise ValueError(f"{caller}: x {x.dtype}{x.shape}, codes "
                      f"{codes.shape}, high "
                      f"{None if high is None else high.shape}, scales "
-                     f"{scales.shape} do not make a {bits}-bit matrix of "
+                     f"{scales.dtype}{scales.shape}"
+                     f"{'' if sup is None else f' by {sup.dtype}{sup.shape}'}"
+                     f" do not make a {bits}-bit matrix of "
                      f"groups of {group}"
                      f"{' for int8 activations' if int8_activations else ''}"
                      ".")
 
 
 def _kernel_scales(scales: jax.Array) -> jax.Array:
-  """Scales as the kernel reads them: float16 or float32 as stored, any
-  other float type as float32."""
-  if scales.dtype in (jnp.float16, jnp.float32):
+  """Scales as the kernel reads them: float16, float32 or (two-level)
+  integer as stored, any other float type as float32."""
+  if scales.dtype in (jnp.float16, jnp.float32, jnp.int8, jnp.uint8):
     return scales
   return scales.astype(jnp.float32)
+
+
+def _operands(q: dict[str, Any]) -> tuple[jax.Array, ...]:
+  """A packed matrix's buffers after its codes, as the kernel takes them:
+  high, scales, mins, super_scales, super_mins (an absent one passes
+  another buffer in its place, which the kernel does not read)."""
+  scales = _kernel_scales(q["scales"])
+  either = lambda a, b: b if a is None else a
+  return (either(q.get("high"), q["codes"]), scales,
+          either(q.get("mins"), scales), either(q.get("super_scales"), scales),
+          either(q.get("super_mins"), scales))
 
 
 def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
                      mins: jax.Array | None, *, bits: int, group: int,
                      offset: int, high: jax.Array | None = None,
+                     super_scales: jax.Array | None = None,
+                     super_mins: jax.Array | None = None,
                      int8_activations: bool = False) -> jax.Array:
   """x [X, I] float32 times a packed matrix [O, I] -> [X, O] float32.
 
   The matrix is w[o, i] = (c[o, i] - offset) * scales[o, i // G]
   - mins[o, i // G] (`specjax.models.quantized`), with c = low | high << 4
-  for 5- and 6-bit codes; the kernel reads each packed weight row once,
-  dequantises it into L1 and applies it to all X rows.
+  for 5- and 6-bit codes, and for two-level scales (the K-quants)
+  scales[o, n] = super_scales[o, n // S] * sub-scale; the kernel reads each
+  packed weight row once and applies it to all X rows.
 
   Args:
     x: [X, I] float32, X <= MAX_ROWS.
     codes: [O, I] int8 (bits 8) or [O, I // 2] uint8 nibbles (bits 4-6).
-    scales: [O, I // G] float16 or float32 (read as stored).
-    mins: [O, I // G] float32, or None.
+    scales: [O, I // G] float16 or float32 (read as stored), or int8 /
+      uint8 sub-scales with super_scales.
+    mins: [O, I // G] float32, uint8 sub-mins with super_mins, or None.
     bits: 4, 5, 6 or 8.
     group: G (`quantized_format_ok` says which).
     offset: subtracted from the codes.
     high: [O, I * (bits - 4) // 8] uint8 high bits for 5 and 6 bits.
+    super_scales: [O, I // G // S] float16 factors of integer scales (S
+      groups each), or None.
+    super_mins: the same for integer mins, or None.
     int8_activations: quantize x's rows to int8 per chunk of `ACT_CHUNK`
       inputs (`specjax.models.quantized.quantize_activations`) and sum
       integer products (VNNI where the CPU has it).
@@ -284,13 +324,15 @@ def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
   """
   _require()
   rows = x.shape[0]
-  _check_packed("smallm_quantized", x, codes, scales, high, bits, group,
-                int8_activations, rows > MAX_ROWS)
+  q = dict(codes=codes, scales=scales, mins=mins, high=high,
+           super_scales=super_scales, super_mins=super_mins, bits=bits,
+           group=group, offset=offset)
+  _check_packed("smallm_quantized", x, q, int8_activations,
+                rows > MAX_ROWS)
   scales = _kernel_scales(scales)
   out = jax.ShapeDtypeStruct((rows, codes.shape[0]), jnp.float32)
   return jax.ffi.ffi_call(_QUANT_TARGET, out)(
-      x, codes, codes if high is None else high, scales,
-      scales if mins is None else mins,
+      x, codes, *_operands(q),
       bits=np.int64(bits), group=np.int64(group), offset=np.int64(offset),
       has_mins=np.int64(mins is not None),
       act8=np.int64(int8_activations))
@@ -311,7 +353,8 @@ def smallm_quantized_pick(x: jax.Array, index: jax.Array,
     x: [X, I] float32.
     index: int32 scalar, the layer (traced: the loop's counter).
     layers: per layer, the keywords of `smallm_quantized` that describe its
-      matrix: codes, scales, mins, high, bits, group, offset.
+      matrix: codes, scales, mins, high, super_scales, super_mins, bits,
+      group, offset.
     int8_activations: as in `smallm_quantized`, for every layer.
 
   Raises:
@@ -320,21 +363,19 @@ def smallm_quantized_pick(x: jax.Array, index: jax.Array,
   """
   _require()
   for q in layers:
-    _check_packed("smallm_quantized_pick", x, q["codes"], q["scales"],
-                  q["high"], q["bits"], q["group"], int8_activations)
+    _check_packed("smallm_quantized_pick", x, q, int8_activations)
   if index.shape != () or len({q["codes"].shape[0] for q in layers}) != 1:
     raise ValueError(f"smallm_quantized_pick needs a scalar index and "
                      f"layers of one output size, got index {index.shape} "
                      f"and {sorted({q['codes'].shape[0] for q in layers})}.")
   rows = layers[0]["codes"].shape[0]
   codes = [q["codes"] for q in layers]
-  high = [q["codes"] if q["high"] is None else q["high"] for q in layers]
-  scales = [_kernel_scales(q["scales"]) for q in layers]
-  mins = [q["scales"] if q["mins"] is None else q["mins"] for q in layers]
+  # Operand by operand (high, scales, ...), each layer's in turn.
+  operands = [a for per in zip(*map(_operands, layers)) for a in per]
   attrs = {name: np.array([q[name] for q in layers], np.int64)
            for name in ("bits", "group", "offset")}
   out = jax.ShapeDtypeStruct((x.shape[0], rows), jnp.float32)
   return jax.ffi.ffi_call(_QUANT_PICK_TARGET, out)(
-      x, index.astype(jnp.int32), *codes, *high, *scales, *mins,
+      x, index.astype(jnp.int32), *codes, *operands,
       has_mins=np.array([q["mins"] is not None for q in layers], np.int64),
       act8=np.int64(int8_activations), **attrs)

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -255,6 +256,7 @@ ffi::Error SmallMPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // gtile, for the nibble formats in groups of 16, 32 and 64, unpacks the
 // packed bytes in registers instead.
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
 typedef uint64_t u64x2 __attribute__((vector_size(16)));
 constexpr uint64_t kLowNibbles = 0x0f0f0f0f0f0f0f0full;
@@ -828,6 +830,186 @@ inline GTiles gtiles(int64_t bits, int64_t group, int64_t k) {
 inline GTiles gtiles(int64_t, int64_t, int64_t) { return {}; }
 #endif
 
+// Float activations x [M, K] in the order of each block's packed bytes (as
+// Act8's qp, for ftile): xp [K / kNibBlock, M, kNibBlock], the low part's
+// 64 elements, then the high part's.
+struct XPerm {
+  std::unique_ptr<float[]> xp;
+
+  XPerm(const float* x, int64_t m, int64_t k, int group)
+      : xp(new float[m * k]) {
+    for (int64_t b = 0; b < k / kNibBlock; ++b) {
+      for (int64_t r = 0; r < m; ++r) {
+        float* dst = xp.get() + (b * m + r) * kNibBlock;
+        const float* src = x + r * k + b * kNibBlock;
+        // Runs of G / 2 consecutive elements (nib_element).
+        for (int part = 0; part < 2; ++part) {
+          for (int i = 0; i < 64; i += group / 2) {
+            std::memcpy(dst + 64 * part + i, src + nib_element(group, part, i),
+                        group / 2 * sizeof(float));
+          }
+        }
+      }
+    }
+  }
+};
+
+// ftile's weight rows: t of a tile's NB rows at low + t * k / 2, high +
+// t * k * HB / 8, scales and mins at + t * groups (mins null: none).
+struct FRows {
+  const uint8_t* low;
+  const uint8_t* high;
+  const float* scales;
+  const float* mins;
+  int64_t groups;
+};
+using FTileFn = void (*)(const XPerm&, int64_t, int64_t, int64_t,
+                         const FRows&, int8_t, float*, int64_t);
+// ftile's tiles: one[rows] (up to kMaxRows x rows, one weight row) and,
+// from kFMultiRows x rows on, multi[rows] (up to kFMultiMaxRows, two weight
+// rows sharing each x load).
+struct FTiles {
+  const FTileFn* one = nullptr;
+  const FTileFn* multi = nullptr;
+};
+constexpr int64_t kFMultiRows = 3;
+constexpr int kFMultiMaxRows = 6;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+// Rows [r0, r0 + R) of float x (XPerm) against NB nibble-format weight
+// rows (G = 16, 32 or 64; HB high bits), dequantised in registers 16
+// weights at a time exactly as specjax.models.quantized does it, w = (c -
+// offset) * s - m in float32 (two roundings, no fused product), then
+// multiplied into two float accumulators per x row and weight row (low
+// and high part). Each output's operations and their order are the same
+// whatever R, NB and M are: a verification pass reproduces a decode step
+// bit for bit. Out y[r * ldy + t].
+template <int R, int NB, int G, int HB>
+void ftile(const XPerm& xp, int64_t m, int64_t r0, int64_t k,
+           const FRows& w, int8_t offset, float* y, int64_t ldy) {
+  constexpr int kGpb = kNibBlock / G;  // groups a block
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const __m512i nibble32 = _mm512_set1_epi32(0x0f);
+  const __m512i off8 = _mm512_set1_epi8(offset);
+  const __m512i off32 = _mm512_set1_epi32(offset);
+  const float* x0 = xp.xp.get() + r0 * kNibBlock;
+  const bool has_mins = w.mins != nullptr;
+  f32x16 acc[2][NB][R];
+  unroll<NB>([&](auto t) {
+    unroll<R>([&](auto r) { acc[0][t][r] = acc[1][t][r] = f32x16{}; });
+  });
+  for (int64_t b = 0; b < k / kNibBlock; ++b) {
+    // With high bits: both parts' c - offset as bytes (it fits int8).
+    __m512i part[NB][2];
+    if constexpr (HB > 0) {
+      unroll<NB>([&](auto t) {
+        const __m512i v = _mm512_loadu_si512(w.low + t * (k / 2) + 64 * b);
+        const uint8_t* h = w.high + t * (k * HB / 8) + 16 * HB * b;
+        const __m512i src =
+            HB == 1 ? _mm512_castsi128_si512(_mm_loadu_si128(
+                          reinterpret_cast<const __m128i*>(h)))
+                    : _mm512_castsi256_si512(_mm256_loadu_si256(
+                          reinterpret_cast<const __m256i*>(h)));
+        part[t][0] = _mm512_sub_epi8(
+            _mm512_or_si512(_mm512_and_si512(v, nibble),
+                            high_part<G, HB, 0>(src)),
+            off8);
+        part[t][1] = _mm512_sub_epi8(
+            _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble),
+                high_part<G, HB, 1>(src)),
+            off8);
+      });
+    }
+    const float* xb = x0 + b * m * kNibBlock;
+    unroll<4>([&](auto j) {
+      // Bytes 16j.. of the block hold group j's (G = 32), j / 2's (G =
+      // 64), or 2j's and 2j + 1's (G = 16, eight lanes each) elements in
+      // both parts: one scale (and min) vector serves both.
+      constexpr int g0 = G == 32 ? j : G == 64 ? j / 2 : 2 * j;
+      auto factor = [&](const float* f) {
+        if constexpr (G == 16) {
+          return _mm512_mask_broadcastss_ps(_mm512_set1_ps(f[g0]), 0xff00,
+                                            _mm_load_ss(f + g0 + 1));
+        } else {
+          return _mm512_set1_ps(f[g0]);
+        }
+      };
+      __m512 wv[NB][2];
+      unroll<NB>([&](auto t) {
+        __m512i c[2];  // c - offset, int32
+        if constexpr (HB > 0) {
+          c[0] = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(part[t][0], j));
+          c[1] = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(part[t][1], j));
+        } else {
+          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(w.low + t * (k / 2) + 64 * b +
+                                               16 * j)));
+          c[0] = _mm512_and_si512(v, nibble32);
+          c[1] = _mm512_srli_epi32(v, 4);
+          if (offset) {
+            c[0] = _mm512_sub_epi32(c[0], off32);
+            c[1] = _mm512_sub_epi32(c[1], off32);
+          }
+        }
+        const int64_t row = t * w.groups + kGpb * b;
+        const __m512 sv = factor(w.scales + row);
+        const __m512 mv = has_mins ? factor(w.mins + row) : _mm512_setzero_ps();
+        unroll<2>([&](auto p) {
+          // The rounding form: GCC would otherwise fuse the product into
+          // the min's subtraction in some tiles and not others.
+          wv[t][p] = _mm512_mul_round_ps(
+              _mm512_cvtepi32_ps(c[p]), sv,
+              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          if (has_mins) wv[t][p] = _mm512_sub_ps(wv[t][p], mv);
+        });
+      });
+      unroll<2>([&](auto p) {
+        unroll<R>([&](auto r) {
+          const __m512 xv =
+              _mm512_loadu_ps(xb + kNibBlock * r + 64 * p + 16 * j);
+          unroll<NB>([&](auto t) {
+            acc[p][t][r] = (f32x16)_mm512_fmadd_ps(wv[t][p], xv,
+                                                   (__m512)acc[p][t][r]);
+          });
+        });
+      });
+    });
+  }
+  unroll<NB>([&](auto t) {
+    unroll<R>([&](auto r) {
+      y[r * ldy + t] = hsum(acc[0][t][r] + acc[1][t][r]);
+    });
+  });
+}
+
+template <int NB, int G, int HB, int... I>
+constexpr std::array<FTileFn, sizeof...(I) + 1> ftile_rows(
+    std::integer_sequence<int, I...>) {
+  return {nullptr, ftile<I + 1, NB, G, HB>...};
+}
+template <int NB, int G, int HB, int Rows>
+constexpr auto kFTiles =
+    ftile_rows<NB, G, HB>(std::make_integer_sequence<int, Rows>{});
+template <int G, int HB>
+constexpr FTiles ftiles_of() {
+  return {kFTiles<1, G, HB, kMaxRows>.data(),
+          kFTiles<2, G, HB, kFMultiMaxRows>.data()};
+}
+
+// ftile's tiles for a nibble format, or none.
+inline FTiles ftiles(int64_t bits, int64_t group) {
+  if (bits == 4 && group == 16) return ftiles_of<16, 0>();
+  if (bits == 4 && group == 32) return ftiles_of<32, 0>();
+  if (bits == 4 && group == 64) return ftiles_of<64, 0>();
+  if (bits == 5 && group == 32) return ftiles_of<32, 1>();
+  if (bits == 6 && group == 16) return ftiles_of<16, 2>();
+  return {};
+}
+#else
+inline FTiles ftiles(int64_t, int64_t) { return {}; }
+#endif
+
 // 16 bytes -> 16 int32 (GCC turns __builtin_convertvector on a loaded
 // vector into byte-by-byte inserts).
 inline i32x16 widen(const uint8_t* p) {
@@ -840,6 +1022,22 @@ inline i32x16 widen(const uint8_t* p) {
   return __builtin_convertvector(v, i32x16);
 #endif
 }
+
+// 16 int8 -> 16 int32.
+inline i32x16 widen_signed(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (i32x16)_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  i8x16 v;
+  std::memcpy(&v, p, 16);
+  return __builtin_convertvector(v, i32x16);
+#endif
+}
+
+// Lanes 8-15 of a 16-lane vector.
+constexpr i32x16 kSecondHalf = {0, 0, 0, 0, 0, 0, 0, 0,
+                                -1, -1, -1, -1, -1, -1, -1, -1};
 
 // An IEEE half (GGUF's Q8_0 and Q5_0 block scales) as float, exactly.
 inline float half_to_float(uint16_t h) {
@@ -860,15 +1058,68 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
+// A matrix's per-group scales or mins [N, K / G], read as stored: float,
+// half, or two-level (the K-quants: integer sub-factors [N, K / G] times a
+// half factor per run of `per` groups [N, K / G / per], an exact float
+// product). All null: none (a matrix without mins).
+struct GroupFactors {
+  const float* f32 = nullptr;
+  const uint16_t* f16 = nullptr;
+  const uint8_t* sub = nullptr;
+  bool sub_signed = false;  // int8 sub-factors (Q6_K's scales), else uint8
+  const uint16_t* sup = nullptr;
+  int64_t per = 1;
+
+  bool present() const { return f32 || f16 || sub; }
+
+  // Weight row j's factors [groups]: as stored, or converted into tmp.
+  const float* row(int64_t j, int64_t groups, float* tmp) const {
+    if (f32) return f32 + j * groups;
+    if (f16) {
+      for (int64_t g = 0; g < groups; ++g) {
+        tmp[g] = half_to_float(f16[j * groups + g]);
+      }
+      return tmp;
+    }
+    if (!sub) return nullptr;
+    const int64_t supers = groups / per;
+    const uint8_t* q = sub + j * groups;
+    const uint16_t* d = sup + j * supers;
+    int64_t b = 0;
+    // 16 groups a vector: one super-block of 16 (Q6_K) or two of 8 (Q4_K).
+    if (per == 16 || per == 8) {
+      const int64_t step = 16 / per;
+      for (; b + step <= supers; b += step) {
+        const float d0 = half_to_float(d[b]);
+        const float d1 = step == 2 ? half_to_float(d[b + 1]) : d0;
+        const f32x16 dv = kSecondHalf ? f32x16{} + d1 : f32x16{} + d0;
+        const i32x16 v = sub_signed ? widen_signed(q + b * per)
+                                    : widen(q + b * per);
+        const f32x16 w = __builtin_convertvector(v, f32x16) * dv;
+        std::memcpy(tmp + b * per, &w, sizeof(w));
+      }
+    }
+    for (; b < supers; ++b) {
+      const float db = half_to_float(d[b]);
+      for (int64_t i = b * per; i < (b + 1) * per; ++i) {
+        tmp[i] = db * static_cast<float>(sub_signed
+                                             ? static_cast<int8_t>(q[i])
+                                             : static_cast<int>(q[i]));
+      }
+    }
+    return tmp;
+  }
+};
+
 struct QWork {
   const float* x;
   const uint8_t* codes;
   const uint8_t* high;  // nullptr: no high bits
-  const float* scales;  // nullptr: scales16 holds them
-  const uint16_t* scales16;  // half scales, read as stored
-  const float* mins;  // nullptr: no mins
+  GroupFactors scales, mins;
   float* y;
   std::unique_ptr<Act8> act;  // nullptr: float activations
+  FTiles ft;  // float activations, nibble formats: ftile's tiles
+  std::unique_ptr<XPerm> xperm;  // x for ftile
   GTiles gt;  // gtile's tiles, where it takes the format
   int64_t m, k, n, group, bits, offset, chunk, num_chunks;
   std::atomic<int64_t> next{0};
@@ -931,24 +1182,15 @@ struct QWork {
     }
   }
 
-  // The scales of weight row j [K / G], converted into tmp if half.
-  const float* row_scales(int64_t j, float* tmp) const {
-    const int64_t groups = k / group;
-    if (scales) return scales + j * groups;
-    for (int64_t g = 0; g < groups; ++g) {
-      tmp[g] = half_to_float(scales16[j * groups + g]);
-    }
-    return tmp;
-  }
-
-  // Weight row j dequantised -> out[0, K), through its codes u[0, K).
+  // Weight row j dequantised -> out[0, K), through its codes u[0, K);
+  // tmp holds 2 K / G floats.
   void dequantise(int64_t j, uint8_t* __restrict u, float* __restrict out,
                   float* tmp) const {
     row_codes(j, u);
     const int64_t k = this->k, group = this->group, groups = k / group;
     const int32_t off = static_cast<int32_t>(offset) + bias();
-    const float* s = row_scales(j, tmp);
-    const float* mn = mins ? mins + j * groups : nullptr;
+    const float* s = scales.row(j, groups, tmp);
+    const float* mn = mins.row(j, groups, tmp + groups);
     for (int64_t g = 0; g < groups; ++g) {
       const float sc = s[g], mv = mn ? mn[g] : 0.f;
       for (int64_t e = g * group; e < (g + 1) * group; e += 16) {
@@ -960,6 +1202,33 @@ struct QWork {
   void columns(int64_t n0, int64_t n1, uint8_t* u, float* rows_buf,
                float* tmp) const {
     const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
+    if (ft.one) {  // nibble formats: dequantised in registers (ftile)
+      const int64_t ng = k / group, hb_row = high ? k * (bits - 4) / 8 : 0;
+      const int64_t width = m >= kFMultiRows ? 2 : 1;
+      const int64_t max_rows = width > 1 ? kFMultiMaxRows : kMaxRows;
+      const int64_t row_groups = (m + max_rows - 1) / max_rows;
+      for (int64_t j = n0; j < n1;) {
+        const int64_t nb = j + width <= n1 ? width : 1;
+        // Rows j.. of scales and mins lie ng apart: as stored, or
+        // converted (scales into tmp, mins into tmp + 2 ng).
+        FRows w{codes + j * (k / 2), high ? high + j * hb_row : nullptr,
+                scales.row(j, ng, tmp), mins.row(j, ng, tmp + 2 * ng), ng};
+        for (int64_t t = 1; t < nb; ++t) {
+          scales.row(j + t, ng, tmp + t * ng);
+          mins.row(j + t, ng, tmp + (2 + t) * ng);
+        }
+        int64_t r0 = 0;
+        for (int64_t g = 0; g < row_groups; ++g) {
+          const int64_t rows = (m - r0) / (row_groups - g);
+          (nb > 1 ? ft.multi : ft.one)[rows](*xperm, m, r0, k, w,
+                                             static_cast<int8_t>(offset),
+                                             y + r0 * n + j, n);
+          r0 += rows;
+        }
+        j += nb;
+      }
+      return;
+    }
     const int nb = block_for(static_cast<int>((m + groups - 1) / groups));
     for (int64_t j = n0; j < n1;) {
       const int width = j + nb <= n1 ? nb : 1;
@@ -995,13 +1264,15 @@ struct QWork {
     for (int64_t j = n0; j < n1;) {
       const int64_t nb = j + width <= n1 ? width : 1;
       // Rows j.. of scales lie groups apart: as stored, or converted.
-      const float* s = row_scales(j, tmp);
-      for (int64_t t = 1; t < nb; ++t) row_scales(j + t, tmp + t * groups);
+      const float* s = scales.row(j, groups, tmp);
+      for (int64_t t = 1; t < nb; ++t) {
+        scales.row(j + t, groups, tmp + t * groups);
+      }
       for (int64_t t = 0; t < nb; ++t) {
         float* c = coef + t * cstride;
+        const float* mn = mins.row(j + t, groups, tmp + 4 * groups);
         for (int64_t g = 0; g < groups; ++g) {
-          c[g] = s[t * groups + g] * off +
-                 (mins ? mins[(j + t) * groups + g] : 0.f);
+          c[g] = s[t * groups + g] * off + (mn ? mn[g] : 0.f);
         }
         std::fill(c + groups, c + cstride, 0.f);
       }
@@ -1027,7 +1298,7 @@ struct QWork {
   void drain() {
     std::unique_ptr<float[]> buf(new float[kMaxBlock * k]);
     std::unique_ptr<uint8_t[]> u(new uint8_t[k]);
-    std::unique_ptr<float[]> tmp(new float[4 * (k / group)]);
+    std::unique_ptr<float[]> tmp(new float[5 * (k / group)]);
     for (int64_t c; (c = next.fetch_add(1)) < num_chunks;) {
       const int64_t n0 = c * chunk, n1 = std::min(n, n0 + chunk);
       if (act) {
@@ -1040,27 +1311,65 @@ struct QWork {
   }
 };
 
+// Scales or mins [n, groups] of element type `type` (F32, F16, or with
+// `integer` S8 / U8 times half factors sup [n, groups / per]) -> f, or
+// false where the buffers do not make them.
+bool read_factors(const ffi::AnyBuffer& sub, const ffi::AnyBuffer& sup,
+                  int64_t n, int64_t groups, bool integer_ok,
+                  GroupFactors* f) {
+  const auto t = sub.element_type();
+  const auto sd = sub.dimensions();
+  if (sd.size() != 2 || sd[0] != n || sd[1] != groups) return false;
+  if (t == ffi::DataType::F32) {
+    f->f32 = static_cast<const float*>(sub.untyped_data());
+    return true;
+  }
+  if (t == ffi::DataType::F16) {
+    f->f16 = static_cast<const uint16_t*>(sub.untyped_data());
+    return true;
+  }
+  const auto pd = sup.dimensions();
+  if (!integer_ok || (t != ffi::DataType::S8 && t != ffi::DataType::U8) ||
+      sup.element_type() != ffi::DataType::F16 || pd.size() != 2 ||
+      pd[0] != n || pd[1] <= 0 || groups % pd[1]) {
+    return false;
+  }
+  f->sub = static_cast<const uint8_t*>(sub.untyped_data());
+  f->sub_signed = t == ffi::DataType::S8;
+  f->sup = static_cast<const uint16_t*>(sup.untyped_data());
+  f->per = groups / pd[1];
+  return true;
+}
+
 // One quantized product y[m, n] = x[m, k] @ w^T from w's buffers (see
 // above); codes and high are any one-byte type (int8 codes are read as
-// bytes: an XLA bitcast to uint8 would copy them every call), scales float
-// or half (read as stored), mins float.
+// bytes: an XLA bitcast to uint8 would copy them every call), scales float,
+// half or int8 / uint8 times half super_scales, mins float or uint8 times
+// half super_mins (read_factors; all read as stored).
 ffi::Error QuantProduct(ffi::ThreadPool& pool, const float* x, int64_t m,
                         int64_t k, const ffi::AnyBuffer& codes,
                         const ffi::AnyBuffer& high,
                         const ffi::AnyBuffer& scales,
-                        const ffi::AnyBuffer& mins, float* y, int64_t bits,
-                        int64_t group, int64_t offset, int64_t has_mins,
-                        int64_t act8) {
+                        const ffi::AnyBuffer& mins,
+                        const ffi::AnyBuffer& super_scales,
+                        const ffi::AnyBuffer& super_mins, float* y,
+                        int64_t bits, int64_t group, int64_t offset,
+                        int64_t has_mins, int64_t act8) {
   const auto cd = codes.dimensions(), hd = high.dimensions();
   const auto sd = scales.dimensions();
   const int64_t low_bits = bits == 8 ? 8 : 4;
   const bool has_high = bits == 5 || bits == 6;
-  const auto st = scales.element_type();
+  auto work = std::make_shared<QWork>();
   if (cd.size() != 2 || sd.size() != 2 ||
       ffi::ByteWidth(codes.element_type()) != 1 ||
       (has_high && ffi::ByteWidth(high.element_type()) != 1) ||
-      (st != ffi::DataType::F32 && st != ffi::DataType::F16) ||
-      (has_mins && mins.element_type() != ffi::DataType::F32) ||
+      group <= 0 || k % group ||
+      !read_factors(scales, super_scales, cd[0], k / group, true,
+                    &work->scales) ||
+      (has_mins && (!read_factors(mins, super_mins, cd[0], k / group,
+                                  mins.element_type() == ffi::DataType::U8,
+                                  &work->mins) ||
+                    work->mins.f16)) ||
       (bits < 4 || bits > 8 || bits == 7) || group <= 0 || group % 16 ||
       (bits < 8 && group != 16 && group % 32) ||
       (act8 && (k % kChunk ||
@@ -1072,22 +1381,16 @@ ffi::Error QuantProduct(ffi::ThreadPool& pool, const float* x, int64_t m,
     return ffi::Error::InvalidArgument(
         "specjax_smallm_quant expects x [M, K], codes [N, K * bits / 8] "
         "(8 bits) or [N, K / 2], for 5 or 6 bits high [N, K * (bits - 4) "
-        "/ 8], and scales [N, K / group] float or half, group a multiple "
-        "of 16 (of 32 for nibbles, or 16; with int8 activations, K a "
-        "multiple of 64 and group 16, 32 or a multiple of 64)");
+        "/ 8], scales [N, K / group] float or half (or int8 / uint8 with "
+        "half super_scales [N, K / group / S]), mins float (or uint8 with "
+        "half super_mins), group a multiple of 16 (of 32 for nibbles, or "
+        "16; with int8 activations, K a multiple of 64 and group 16, 32 or "
+        "a multiple of 64)");
   }
-  auto work = std::make_shared<QWork>();
   work->x = x;
   work->codes = static_cast<const uint8_t*>(codes.untyped_data());
   work->high =
       has_high ? static_cast<const uint8_t*>(high.untyped_data()) : nullptr;
-  const bool half = st == ffi::DataType::F16;
-  work->scales =
-      half ? nullptr : static_cast<const float*>(scales.untyped_data());
-  work->scales16 =
-      half ? static_cast<const uint16_t*>(scales.untyped_data()) : nullptr;
-  work->mins =
-      has_mins ? static_cast<const float*>(mins.untyped_data()) : nullptr;
   work->y = y;
   work->m = m;
   work->k = k;
@@ -1100,6 +1403,8 @@ ffi::Error QuantProduct(ffi::ThreadPool& pool, const float* x, int64_t m,
     work->gt = gtiles(bits, group, k);
     work->act.reset(new Act8(work->x, work->m, work->k, group,
                              work->gt.one != nullptr));
+  } else if (k % kNibBlock == 0 && (work->ft = ftiles(bits, group)).one) {
+    work->xperm.reset(new XPerm(x, m, k, static_cast<int>(group)));
   }
   // About 64 KiB of packed weights per chunk, a multiple of the tile rows.
   const int64_t row_bytes = std::max<int64_t>(1, work->k * bits / 8);
@@ -1120,6 +1425,8 @@ ffi::Error QuantProduct(ffi::ThreadPool& pool, const float* x, int64_t m,
 ffi::Error SmallMQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                            ffi::AnyBuffer codes, ffi::AnyBuffer high,
                            ffi::AnyBuffer scales, ffi::AnyBuffer mins,
+                           ffi::AnyBuffer super_scales,
+                           ffi::AnyBuffer super_mins,
                            ffi::ResultBuffer<ffi::F32> y, int64_t bits,
                            int64_t group, int64_t offset, int64_t has_mins,
                            int64_t act8) {
@@ -1128,13 +1435,14 @@ ffi::Error SmallMQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("specjax_smallm_quant expects x [M, K]");
   }
   return QuantProduct(pool, x.typed_data(), xd[0], xd[1], codes, high, scales,
-                      mins, y->typed_data(), bits, group, offset, has_mins,
-                      act8);
+                      mins, super_scales, super_mins, y->typed_data(), bits,
+                      group, offset, has_mins, act8);
 }
 
 // The quantized product inside a layer loop: the remaining operands are
-// every layer's codes, then high bits, scales and mins (L each; a layer
-// without high bits or mins repeats another of its buffers there), and the
+// every layer's codes, then high bits, scales, mins, super_scales and
+// super_mins (kPickOperands of L each; a layer without one of them repeats
+// another of its buffers there), and the
 // layer's format is element `index` of each attribute, since a GGUF file
 // may store one name in different block types from layer to layer. Any
 // number of rows, in passes of kPickRows.
@@ -1148,31 +1456,31 @@ ffi::Error SmallMQuantPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                ffi::Span<const int64_t> has_mins,
                                int64_t act8) {
   const auto xd = x.dimensions();
-  const int64_t layers = static_cast<int64_t>(ws.size()) / 4;
+  constexpr int64_t kPickOperands = 6;
+  const int64_t layers = static_cast<int64_t>(ws.size()) / kPickOperands;
   const int64_t layer = index.typed_data()[0];
   if (xd.size() != 2 || index.element_count() != 1 ||
-      static_cast<int64_t>(ws.size()) != 4 * layers || layer < 0 ||
+      static_cast<int64_t>(ws.size()) != kPickOperands * layers ||
+      layer < 0 ||
       layer >= layers || static_cast<int64_t>(bits.size()) != layers ||
       static_cast<int64_t>(group.size()) != layers ||
       static_cast<int64_t>(offset.size()) != layers ||
       static_cast<int64_t>(has_mins.size()) != layers) {
     return ffi::Error::InvalidArgument(
         "specjax_smallm_quant_pick expects x [M, K], a scalar layer index, "
-        "4 L buffers and L formats");
+        "6 L buffers and L formats");
   }
-  auto codes = ws.get<ffi::AnyBuffer>(layer);
-  auto high = ws.get<ffi::AnyBuffer>(layers + layer);
-  auto scales = ws.get<ffi::AnyBuffer>(2 * layers + layer);
-  auto mins = ws.get<ffi::AnyBuffer>(3 * layers + layer);
-  if (!codes.has_value()) return codes.error();
-  if (!high.has_value()) return high.error();
-  if (!scales.has_value()) return scales.error();
-  if (!mins.has_value()) return mins.error();
-  const int64_t m = xd[0], k = xd[1], n = codes->dimensions()[0];
+  std::vector<ffi::AnyBuffer> b;
+  for (int64_t i = 0; i < kPickOperands; ++i) {
+    auto buffer = ws.get<ffi::AnyBuffer>(i * layers + layer);
+    if (!buffer.has_value()) return buffer.error();
+    b.push_back(*buffer);
+  }
+  const int64_t m = xd[0], k = xd[1], n = b[0].dimensions()[0];
   for (int64_t r = 0; r < m; r += kPickRows) {
     ffi::Error e = QuantProduct(
-        pool, x.typed_data() + r * k, std::min(kPickRows, m - r), k, *codes,
-        *high, *scales, *mins, y->typed_data() + r * n, bits[layer],
+        pool, x.typed_data() + r * k, std::min(kPickRows, m - r), k, b[0],
+        b[1], b[2], b[3], b[4], b[5], y->typed_data() + r * n, bits[layer],
         group[layer], offset[layer], has_mins[layer], act8);
     if (e.failure()) return e;
   }
@@ -1185,6 +1493,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMQuant, SmallMQuantImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

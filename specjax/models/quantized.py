@@ -21,8 +21,10 @@ and for 5- and 6-bit formats the remaining 1 or 2 bits in `high`
 are stored as int8 in `low` (offset 0). Formats (`FORMATS`):
 
 - "q8_0", "q5_0", "q4_k", "q6_k": GGUF blocks as `gguf_blocks` repacks
-  them (scales of Q8_0 and Q5_0 stay float16; the K-quants' per-sub-block
-  scale and min are the float32 products the reference computes);
+  them (scales of Q8_0 and Q5_0 stay float16; the K-quants keep their two
+  levels: integer sub-block scales and mins, and per super-block of 256
+  inputs a float16 d and dmin; s = d * scale and m = dmin * min in
+  float32, exact products, as the reference computes them);
 - "int8": per output channel (G = I), symmetric;
 - "int4": grouped, symmetric (offset 8, no mins) or asymmetric (mins).
 
@@ -82,8 +84,14 @@ class QuantizedMatrix:
     low: [O, I // 2] uint8 low nibbles (bits < 8, split per group as the
       module docstring says), or [O, I] int8 codes.
     high: [O, I * hb // 8] uint8 high bits (hb = bits - 4), or None.
-    scales: [O, N] float16 or float32.
-    mins: [O, N] float32 subtracted after scaling, or None.
+    scales: [O, N] float16 or float32; or int8 / uint8 sub-scales, which
+      `super_scales` multiplies.
+    mins: [O, N] float32 subtracted after scaling, uint8 sub-mins which
+      `super_mins` multiplies, or None.
+    super_scales: [O, N // S] float16, the scale of each run of S groups
+      (a K-quant super-block: S = 256 / G), or None: s[o, n] =
+      super_scales[o, n // S] * scales[o, n] in float32.
+    super_mins: [O, N // S] float16 for integer mins, or None.
     fmt: one of `FORMATS` (static).
     bits: bits per code, 4, 5, 6 or 8 (static).
     group: G (static).
@@ -100,6 +108,8 @@ class QuantizedMatrix:
   high: jax.Array | None = None
   scales: jax.Array
   mins: jax.Array | None = None
+  super_scales: jax.Array | None = None
+  super_mins: jax.Array | None = None
   fmt: str = flax.struct.field(pytree_node=False)
   bits: int = flax.struct.field(pytree_node=False)
   group: int = flax.struct.field(pytree_node=False)
@@ -156,9 +166,22 @@ def _unpack_high(high: jax.Array, hb: int) -> jax.Array:
   return parts.reshape(*high.shape[:-1], high.shape[-1] * per)
 
 
-def _dequantize_rows(w: QuantizedMatrix, low, high, scales,
-                     mins) -> jax.Array:
+def _two_level(sub: jax.Array | None, sup: jax.Array | None
+              ) -> jax.Array | None:
+  """[R, N] scales (or mins) as float32: sub itself, or with super-block
+  factors sup [R, N // S], sup[r, n // S] * sub[r, n] (exact in float32)."""
+  if sub is None or sup is None:
+    return sub
+  per = sub.shape[-1] // sup.shape[-1]
+  return (jnp.repeat(sup.astype(jnp.float32), per, axis=-1)
+          * sub.astype(jnp.float32))
+
+
+def _dequantize_rows(w: QuantizedMatrix, low, high, scales, mins,
+                     super_scales=None, super_mins=None) -> jax.Array:
   """The dequantised rows [R, I] float32 of (row-selected) packed arrays."""
+  scales = _two_level(scales, super_scales)
+  mins = _two_level(mins, super_mins)
   codes = _unpack_low(low, w.bits, w.group)
   if high is not None:
     codes = codes | (_unpack_high(high, w.bits - 4) << 4)
@@ -175,7 +198,8 @@ def _dequantize_rows(w: QuantizedMatrix, low, high, scales,
 
 def dequantize(w: QuantizedMatrix) -> jax.Array:
   """[O, I] float32 (not `w.dtype`: the exact reference values)."""
-  return _dequantize_rows(w, w.low, w.high, w.scales, w.mins)
+  return _dequantize_rows(w, w.low, w.high, w.scales, w.mins,
+                          w.super_scales, w.super_mins)
 
 
 def kernel_supports(w: QuantizedMatrix) -> bool:
@@ -225,6 +249,7 @@ def matmul(x: jax.Array, w: QuantizedMatrix, out_dtype: Any = None,
     pieces = [kernels.smallm_quantized(
         rows[i:i + kernels.MAX_ROWS], w.low, w.scales, w.mins, bits=w.bits,
         group=w.group, offset=w.offset, high=w.high,
+        super_scales=w.super_scales, super_mins=w.super_mins,
         int8_activations=w.act_bits == 8)
               for i in range(0, rows.shape[0], kernels.MAX_ROWS)]
     out = jnp.concatenate(pieces)  # [X, O]
@@ -246,8 +271,9 @@ def matmul_pick(x: jax.Array, index: jax.Array,
   lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
   out = kernels.smallm_quantized_pick(
       rows, index, tuple(dict(codes=w.low, scales=w.scales, mins=w.mins,
-                              high=w.high, bits=w.bits, group=w.group,
-                              offset=w.offset) for w in ws),
+                              high=w.high, super_scales=w.super_scales,
+                              super_mins=w.super_mins, bits=w.bits,
+                              group=w.group, offset=w.offset) for w in ws),
       int8_activations=ws[0].act_bits == 8)  # [X, O]
   return out.reshape(*lead, out.shape[-1])
 
@@ -289,7 +315,8 @@ def take(w: jax.Array | QuantizedMatrix, ids: jax.Array) -> jax.Array:
     return jnp.take(w, ids, axis=0)
   pick = lambda a: None if a is None else jnp.take(a, ids, axis=0)
   rows = _dequantize_rows(w, pick(w.low), pick(w.high), pick(w.scales),
-                          pick(w.mins))
+                          pick(w.mins), pick(w.super_scales),
+                          pick(w.super_mins))
   return rows.astype(w.dtype)
 
 
