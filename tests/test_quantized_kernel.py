@@ -99,6 +99,19 @@ def test_int8_activation_kernel_equals_the_xla_product(name, rows):
   assert 1e-4 < moved < 3e-2, moved
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "int4:g64:sym"])
+def test_an_odd_output_count_leaves_a_one_row_tile(name):
+  """41 outputs: float tiles of two weight rows leave one, which must sum
+  in the same order (13 rows: weights dequantised once, then loaded)."""
+  w = jax.tree.map(lambda a: a[:41], MATRICES[name])
+  x = jax.random.normal(jax.random.key(7), (13, 512), jnp.float32)
+  run = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=True))
+  got = np.asarray(run(x, w))
+  _assert_rounding_close(got, np.asarray(jax.jit(quantized.matmul)(x, w)))
+  for r in (0, 12):
+    np.testing.assert_array_equal(np.asarray(run(x[r:r + 1], w))[0], got[r])
+
+
 def test_int8_activations_need_chunks_of_64_inputs():
   w = MATRICES["Q8_0"]
   x = jnp.ones((2, 480), jnp.float32)

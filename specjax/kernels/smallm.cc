@@ -247,14 +247,16 @@ ffi::Error SmallMPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // element i in its low nibble and i + G/2 in its high one), for 5 and 6
 // bits a plane of hb = bits - 4 high bits per element, [N, K * hb / 8]
 // (byte b holds elements b * 8/hb + p at bit p * hb), and one scale (and
-// min) per group of G inputs: w = (code - offset) * scale - min, with code
-// = low | high << 4. Each weight row is read as packed bytes once and
-// unpacked into its codes, one byte each, in a buffer that stays in L1
-// (row_codes). With float activations the codes are dequantised there and
-// the float tiles above apply them to every x row; with int8 activations
-// (act8) qtile multiplies the codes by each row's int8 x directly, and
-// gtile, for the nibble formats in groups of 16, 32 and 64, unpacks the
-// packed bytes in registers instead.
+// min) per group of G inputs (GroupFactors: float, half, or the K-quants'
+// two levels): w = (code - offset) * scale - min, with code = low | high
+// << 4. Each weight row is read as packed bytes once. The nibble formats
+// in groups of 16, 32 and 64 (with AVX-512 VNNI and VBMI) are unpacked in
+// registers: ftile dequantises them exactly for float activations, gtile
+// multiplies them by int8 activations (act8). Otherwise a row is unpacked
+// into its codes, one byte each, in a buffer that stays in L1 (row_codes):
+// with float activations the codes are dequantised there and the float
+// tiles above apply them to every x row; with int8 activations qtile
+// multiplies the codes by each row's int8 x directly.
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
@@ -830,14 +832,18 @@ inline GTiles gtiles(int64_t bits, int64_t group, int64_t k) {
 inline GTiles gtiles(int64_t, int64_t, int64_t) { return {}; }
 #endif
 
-// Float activations x [M, K] in the order of each block's packed bytes (as
-// Act8's qp, for ftile): xp [K / kNibBlock, M, kNibBlock], the low part's
-// 64 elements, then the high part's.
+// Float activations x [M, K] for ftile. In groups of 32 or more, each 16
+// bytes of a block's packed part hold 16 consecutive elements, read from x
+// in place. In groups of 16 they hold two runs of 8, so x is copied in the
+// order of each block's packed bytes (as Act8's qp): xp [K / kNibBlock, M,
+// kNibBlock], the low part's 64 elements, then the high part's.
 struct XPerm {
-  std::unique_ptr<float[]> xp;
+  const float* x;
+  std::unique_ptr<float[]> xp;  // null for groups of 32 or more
 
-  XPerm(const float* x, int64_t m, int64_t k, int group)
-      : xp(new float[m * k]) {
+  XPerm(const float* x, int64_t m, int64_t k, int group) : x(x) {
+    if (group >= 32) return;
+    xp.reset(new float[m * k]);
     for (int64_t b = 0; b < k / kNibBlock; ++b) {
       for (int64_t r = 0; r < m; ++r) {
         float* dst = xp.get() + (b * m + r) * kNibBlock;
@@ -862,29 +868,39 @@ struct FRows {
   const float* scales;
   const float* mins;
   int64_t groups;
+  float* deq;  // [NB, K] the rows' weights, in XPerm's order (kStore/kLoad)
 };
+// How ftile gets its weights: dequantised in registers (kRegs), the same
+// and stored to FRows::deq with no x rows (kStore), or loaded from there
+// (kLoad): the same values, for M too large for one pass of tiles.
+enum FMode { kRegs, kStore, kLoad };
 using FTileFn = void (*)(const XPerm&, int64_t, int64_t, int64_t,
                          const FRows&, int8_t, float*, int64_t);
 // ftile's tiles: one[rows] (up to kMaxRows x rows, one weight row) and,
 // from kFMultiRows x rows on, multi[rows] (up to kFMultiMaxRows, two weight
-// rows sharing each x load).
+// rows sharing each x load); the *_load ones (up to kMaxRows and
+// kFLoadMaxRows) read weights that [0] (kStore) dequantised, when M takes
+// several passes of tiles.
 struct FTiles {
   const FTileFn* one = nullptr;
   const FTileFn* multi = nullptr;
+  const FTileFn* one_load = nullptr;
+  const FTileFn* multi_load = nullptr;
 };
 constexpr int64_t kFMultiRows = 3;
-constexpr int kFMultiMaxRows = 6;
+constexpr int kFMultiMaxRows = 9;  // dequantising in registers
+constexpr int kFLoadMaxRows = 12;  // loading dequantised weights
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 // Rows [r0, r0 + R) of float x (XPerm) against NB nibble-format weight
 // rows (G = 16, 32 or 64; HB high bits), dequantised in registers 16
 // weights at a time exactly as specjax.models.quantized does it, w = (c -
 // offset) * s - m in float32 (two roundings, no fused product), then
-// multiplied into two float accumulators per x row and weight row (low
-// and high part). Each output's operations and their order are the same
+// multiplied into one float accumulator per x row and weight row. Each
+// output's operations and their order are the same
 // whatever R, NB and M are: a verification pass reproduces a decode step
 // bit for bit. Out y[r * ldy + t].
-template <int R, int NB, int G, int HB>
+template <int R, int NB, int G, int HB, FMode Mode = kRegs>
 void ftile(const XPerm& xp, int64_t m, int64_t r0, int64_t k,
            const FRows& w, int8_t offset, float* y, int64_t ldy) {
   constexpr int kGpb = kNibBlock / G;  // groups a block
@@ -892,16 +908,16 @@ void ftile(const XPerm& xp, int64_t m, int64_t r0, int64_t k,
   const __m512i nibble32 = _mm512_set1_epi32(0x0f);
   const __m512i off8 = _mm512_set1_epi8(offset);
   const __m512i off32 = _mm512_set1_epi32(offset);
-  const float* x0 = xp.xp.get() + r0 * kNibBlock;
+  const float* x0 = G >= 32 ? xp.x + r0 * k : xp.xp.get() + r0 * kNibBlock;
   const bool has_mins = w.mins != nullptr;
-  f32x16 acc[2][NB][R];
+  f32x16 acc[NB][R];
   unroll<NB>([&](auto t) {
-    unroll<R>([&](auto r) { acc[0][t][r] = acc[1][t][r] = f32x16{}; });
+    unroll<R>([&](auto r) { acc[t][r] = f32x16{}; });
   });
   for (int64_t b = 0; b < k / kNibBlock; ++b) {
     // With high bits: both parts' c - offset as bytes (it fits int8).
     __m512i part[NB][2];
-    if constexpr (HB > 0) {
+    if constexpr (HB > 0 && Mode != kLoad) {
       unroll<NB>([&](auto t) {
         const __m512i v = _mm512_loadu_si512(w.low + t * (k / 2) + 64 * b);
         const uint8_t* h = w.high + t * (k * HB / 8) + 16 * HB * b;
@@ -921,7 +937,7 @@ void ftile(const XPerm& xp, int64_t m, int64_t r0, int64_t k,
             off8);
       });
     }
-    const float* xb = x0 + b * m * kNibBlock;
+    const float* xb = G >= 32 ? x0 + b * kNibBlock : x0 + b * m * kNibBlock;
     unroll<4>([&](auto j) {
       // Bytes 16j.. of the block hold group j's (G = 32), j / 2's (G =
       // 64), or 2j's and 2j + 1's (G = 16, eight lanes each) elements in
@@ -937,6 +953,12 @@ void ftile(const XPerm& xp, int64_t m, int64_t r0, int64_t k,
       };
       __m512 wv[NB][2];
       unroll<NB>([&](auto t) {
+        float* deq = w.deq + t * k + kNibBlock * b + 16 * j;
+        if constexpr (Mode == kLoad) {
+          wv[t][0] = _mm512_loadu_ps(deq);
+          wv[t][1] = _mm512_loadu_ps(deq + 64);
+          return;
+        }
         __m512i c[2];  // c - offset, int32
         if constexpr (HB > 0) {
           c[0] = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(part[t][0], j));
@@ -962,15 +984,17 @@ void ftile(const XPerm& xp, int64_t m, int64_t r0, int64_t k,
               _mm512_cvtepi32_ps(c[p]), sv,
               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
           if (has_mins) wv[t][p] = _mm512_sub_ps(wv[t][p], mv);
+          if constexpr (Mode == kStore) _mm512_storeu_ps(deq + 64 * p, wv[t][p]);
         });
       });
       unroll<2>([&](auto p) {
         unroll<R>([&](auto r) {
-          const __m512 xv =
-              _mm512_loadu_ps(xb + kNibBlock * r + 64 * p + 16 * j);
+          const __m512 xv = _mm512_loadu_ps(
+              G >= 32 ? xb + k * r + nib_element(G, p, 16 * j)
+                      : xb + kNibBlock * r + 64 * p + 16 * j);
           unroll<NB>([&](auto t) {
-            acc[p][t][r] = (f32x16)_mm512_fmadd_ps(wv[t][p], xv,
-                                                   (__m512)acc[p][t][r]);
+            acc[t][r] = (f32x16)_mm512_fmadd_ps(wv[t][p], xv,
+                                                (__m512)acc[t][r]);
           });
         });
       });
@@ -978,23 +1002,25 @@ void ftile(const XPerm& xp, int64_t m, int64_t r0, int64_t k,
   }
   unroll<NB>([&](auto t) {
     unroll<R>([&](auto r) {
-      y[r * ldy + t] = hsum(acc[0][t][r] + acc[1][t][r]);
+      y[r * ldy + t] = hsum(acc[t][r]);
     });
   });
 }
 
-template <int NB, int G, int HB, int... I>
+template <int NB, int G, int HB, FMode Mode, int... I>
 constexpr std::array<FTileFn, sizeof...(I) + 1> ftile_rows(
     std::integer_sequence<int, I...>) {
-  return {nullptr, ftile<I + 1, NB, G, HB>...};
+  return {ftile<0, NB, G, HB, kStore>, ftile<I + 1, NB, G, HB, Mode>...};
 }
-template <int NB, int G, int HB, int Rows>
+template <int NB, int G, int HB, FMode Mode, int Rows>
 constexpr auto kFTiles =
-    ftile_rows<NB, G, HB>(std::make_integer_sequence<int, Rows>{});
+    ftile_rows<NB, G, HB, Mode>(std::make_integer_sequence<int, Rows>{});
 template <int G, int HB>
 constexpr FTiles ftiles_of() {
-  return {kFTiles<1, G, HB, kMaxRows>.data(),
-          kFTiles<2, G, HB, kFMultiMaxRows>.data()};
+  return {kFTiles<1, G, HB, kRegs, kMaxRows>.data(),
+          kFTiles<2, G, HB, kRegs, kFMultiMaxRows>.data(),
+          kFTiles<1, G, HB, kLoad, kMaxRows>.data(),
+          kFTiles<2, G, HB, kLoad, kFLoadMaxRows>.data()};
 }
 
 // ftile's tiles for a nibble format, or none.
@@ -1205,24 +1231,33 @@ struct QWork {
     if (ft.one) {  // nibble formats: dequantised in registers (ftile)
       const int64_t ng = k / group, hb_row = high ? k * (bits - 4) / 8 : 0;
       const int64_t width = m >= kFMultiRows ? 2 : 1;
-      const int64_t max_rows = width > 1 ? kFMultiMaxRows : kMaxRows;
+      const bool one_pass = m <= (width > 1 ? kFMultiMaxRows : kMaxRows);
+      const int64_t max_rows = width == 1 ? kMaxRows
+                               : one_pass ? kFMultiMaxRows
+                                          : kFLoadMaxRows;
       const int64_t row_groups = (m + max_rows - 1) / max_rows;
       for (int64_t j = n0; j < n1;) {
         const int64_t nb = j + width <= n1 ? width : 1;
         // Rows j.. of scales and mins lie ng apart: as stored, or
         // converted (scales into tmp, mins into tmp + 2 ng).
         FRows w{codes + j * (k / 2), high ? high + j * hb_row : nullptr,
-                scales.row(j, ng, tmp), mins.row(j, ng, tmp + 2 * ng), ng};
+                scales.row(j, ng, tmp), mins.row(j, ng, tmp + 2 * ng), ng,
+                rows_buf};
         for (int64_t t = 1; t < nb; ++t) {
           scales.row(j + t, ng, tmp + t * ng);
           mins.row(j + t, ng, tmp + (2 + t) * ng);
         }
+        // One pass: dequantised in registers; several: once, into L1.
+        const FTileFn* tiles = nb > 1 ? ft.multi : ft.one;
+        if (!one_pass) {
+          tiles[0](*xperm, m, 0, k, w, static_cast<int8_t>(offset), y, n);
+          tiles = nb > 1 ? ft.multi_load : ft.one_load;
+        }
         int64_t r0 = 0;
         for (int64_t g = 0; g < row_groups; ++g) {
           const int64_t rows = (m - r0) / (row_groups - g);
-          (nb > 1 ? ft.multi : ft.one)[rows](*xperm, m, r0, k, w,
-                                             static_cast<int8_t>(offset),
-                                             y + r0 * n + j, n);
+          tiles[rows](*xperm, m, r0, k, w, static_cast<int8_t>(offset),
+                      y + r0 * n + j, n);
           r0 += rows;
         }
         j += nb;
