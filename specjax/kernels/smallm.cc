@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -1036,26 +1037,15 @@ inline FTiles ftiles(int64_t bits, int64_t group) {
 inline FTiles ftiles(int64_t, int64_t) { return {}; }
 #endif
 
-// 16 bytes -> 16 int32 (GCC turns __builtin_convertvector on a loaded
-// vector into byte-by-byte inserts).
+// 16 bytes, read as uint8 (or with Signed as int8) -> 16 int32 (GCC turns
+// __builtin_convertvector on a loaded vector into byte-by-byte inserts).
+template <bool Signed = false>
 inline i32x16 widen(const uint8_t* p) {
 #if defined(__AVX512F__)
-  return (i32x16)_mm512_cvtepu8_epi32(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (i32x16)(Signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
 #else
-  u8x16 v;
-  std::memcpy(&v, p, 16);
-  return __builtin_convertvector(v, i32x16);
-#endif
-}
-
-// 16 int8 -> 16 int32.
-inline i32x16 widen_signed(const uint8_t* p) {
-#if defined(__AVX512F__)
-  return (i32x16)_mm512_cvtepi8_epi32(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  i8x16 v;
+  std::conditional_t<Signed, i8x16, u8x16> v;
   std::memcpy(&v, p, 16);
   return __builtin_convertvector(v, i32x16);
 #endif
@@ -1096,8 +1086,6 @@ struct GroupFactors {
   const uint16_t* sup = nullptr;
   int64_t per = 1;
 
-  bool present() const { return f32 || f16 || sub; }
-
   // Weight row j's factors [groups]: as stored, or converted into tmp.
   const float* row(int64_t j, int64_t groups, float* tmp) const {
     if (f32) return f32 + j * groups;
@@ -1119,7 +1107,7 @@ struct GroupFactors {
         const float d0 = half_to_float(d[b]);
         const float d1 = step == 2 ? half_to_float(d[b + 1]) : d0;
         const f32x16 dv = kSecondHalf ? f32x16{} + d1 : f32x16{} + d0;
-        const i32x16 v = sub_signed ? widen_signed(q + b * per)
+        const i32x16 v = sub_signed ? widen<true>(q + b * per)
                                     : widen(q + b * per);
         const f32x16 w = __builtin_convertvector(v, f32x16) * dv;
         std::memcpy(tmp + b * per, &w, sizeof(w));
@@ -1391,28 +1379,25 @@ ffi::Error QuantProduct(ffi::ThreadPool& pool, const float* x, int64_t m,
                         int64_t bits, int64_t group, int64_t offset,
                         int64_t has_mins, int64_t act8) {
   const auto cd = codes.dimensions(), hd = high.dimensions();
-  const auto sd = scales.dimensions();
   const int64_t low_bits = bits == 8 ? 8 : 4;
   const bool has_high = bits == 5 || bits == 6;
   auto work = std::make_shared<QWork>();
-  if (cd.size() != 2 || sd.size() != 2 ||
-      ffi::ByteWidth(codes.element_type()) != 1 ||
+  if (cd.size() != 2 || ffi::ByteWidth(codes.element_type()) != 1 ||
       (has_high && ffi::ByteWidth(high.element_type()) != 1) ||
-      group <= 0 || k % group ||
+      (bits < 4 || bits > 8 || bits == 7) || group <= 0 || group % 16 ||
+      (bits < 8 && group != 16 && group % 32) ||
+      (act8 && (k % kChunk ||
+               (group != 16 && group != 32 && group % kChunk))) ||
+      k % group || cd[1] * (8 / low_bits) != k ||
+      (has_high && (hd.size() != 2 || hd[0] != cd[0] ||
+                    hd[1] * 8 != k * (bits - 4))) ||
+      // scales and mins [N, K / group] (read_factors checks their shapes)
       !read_factors(scales, super_scales, cd[0], k / group, true,
                     &work->scales) ||
       (has_mins && (!read_factors(mins, super_mins, cd[0], k / group,
                                   mins.element_type() == ffi::DataType::U8,
                                   &work->mins) ||
-                    work->mins.f16)) ||
-      (bits < 4 || bits > 8 || bits == 7) || group <= 0 || group % 16 ||
-      (bits < 8 && group != 16 && group % 32) ||
-      (act8 && (k % kChunk ||
-               (group != 16 && group != 32 && group % kChunk))) ||
-      k % group || sd[0] != cd[0] || sd[1] * group != k ||
-      cd[1] * (8 / low_bits) != k ||
-      (has_high && (hd.size() != 2 || hd[0] != cd[0] ||
-                    hd[1] * 8 != k * (bits - 4)))) {
+                    work->mins.f16))) {
     return ffi::Error::InvalidArgument(
         "specjax_smallm_quant expects x [M, K], codes [N, K * bits / 8] "
         "(8 bits) or [N, K / 2], for 5 or 6 bits high [N, K * (bits - 4) "
