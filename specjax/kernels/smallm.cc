@@ -877,9 +877,9 @@ struct FRows {
 enum FMode { kRegs, kStore, kLoad };
 using FTileFn = void (*)(const XPerm&, int64_t, int64_t, int64_t,
                          const FRows&, int8_t, float*, int64_t);
-// ftile's tiles: one[rows] (up to kMaxRows x rows, one weight row) and,
-// from kFMultiRows x rows on, multi[rows] (up to kFMultiMaxRows, two weight
-// rows sharing each x load); the *_load ones (up to kMaxRows and
+// ftile's tiles: multi[rows] (up to kFMultiMaxRows x rows), two weight
+// rows sharing each x load (even at one x row: two independent chains of
+// sums), and one[rows] for a last odd weight row; the *_load ones (up to
 // kFLoadMaxRows) read weights that [0] (kStore) dequantised, when M takes
 // several passes of tiles.
 struct FTiles {
@@ -888,11 +888,21 @@ struct FTiles {
   const FTileFn* one_load = nullptr;
   const FTileFn* multi_load = nullptr;
 };
-constexpr int64_t kFMultiRows = 3;
 constexpr int kFMultiMaxRows = 9;  // dequantising in registers
 constexpr int kFLoadMaxRows = 12;  // loading dequantised weights
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+// How far ahead of each weight row's reads ftile prefetches, in bytes
+// (about 5 rows of a [*, 1536] Q4_K matrix): the hardware prefetcher
+// alone leaves a one-row decode step 20% slower from memory than in cache.
+constexpr int64_t kFPrefetch = 4096;
+
+// prefetcht0 p, as inline assembly: GCC 12 at -O3 drops ftile's
+// _mm_prefetch calls.
+inline void prefetch(const uint8_t* p) {
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+}
+
 // Rows [r0, r0 + R) of float x (XPerm) against NB nibble-format weight
 // rows (G = 16, 32 or 64; HB high bits), dequantised in registers 16
 // weights at a time exactly as specjax.models.quantized does it, w = (c -
@@ -911,11 +921,26 @@ void ftile(const XPerm& xp, int64_t m, int64_t r0, int64_t k,
   const __m512i off32 = _mm512_set1_epi32(offset);
   const float* x0 = G >= 32 ? xp.x + r0 * k : xp.xp.get() + r0 * kNibBlock;
   const bool has_mins = w.mins != nullptr;
+  // 4-bit codes in groups of 32 or more: each group's 16 weights are
+  // looked up by code (vpermps reads an index's low 4 bits), from a table
+  // of (i - offset) * s - m, i = 0..15, computed as above.
+  constexpr bool kTable = HB == 0 && G >= 32;
+  const __m512 codes_f = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      off32));
   f32x16 acc[NB][R];
   unroll<NB>([&](auto t) {
     unroll<R>([&](auto r) { acc[t][r] = f32x16{}; });
   });
   for (int64_t b = 0; b < k / kNibBlock; ++b) {
+    if constexpr (Mode != kLoad) {
+      unroll<NB>([&](auto t) {
+        prefetch(w.low + t * (k / 2) + 64 * b + kFPrefetch);
+        if constexpr (HB > 0) {
+          prefetch(w.high + t * (k * HB / 8) + 16 * HB * b + kFPrefetch);
+        }
+      });
+    }
     // With high bits: both parts' c - offset as bytes (it fits int8).
     __m512i part[NB][2];
     if constexpr (HB > 0 && Mode != kLoad) {
@@ -960,6 +985,29 @@ void ftile(const XPerm& xp, int64_t m, int64_t r0, int64_t k,
           wv[t][1] = _mm512_loadu_ps(deq + 64);
           return;
         }
+        const int64_t row = t * w.groups + kGpb * b;
+        const __m512 sv = factor(w.scales + row);
+        const __m512 mv = has_mins ? factor(w.mins + row) : _mm512_setzero_ps();
+        auto deq16 = [&](__m512 c) {
+          // The rounding form: GCC would otherwise fuse the product into
+          // the min's subtraction in some tiles and not others.
+          const __m512 p = _mm512_mul_round_ps(
+              c, sv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          return has_mins ? _mm512_sub_ps(p, mv) : p;
+        };
+        if constexpr (kTable) {
+          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(w.low + t * (k / 2) + 64 * b +
+                                               16 * j)));
+          const __m512 table = deq16(codes_f);
+          wv[t][0] = _mm512_permutexvar_ps(v, table);
+          wv[t][1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+          if constexpr (Mode == kStore) {
+            _mm512_storeu_ps(deq, wv[t][0]);
+            _mm512_storeu_ps(deq + 64, wv[t][1]);
+          }
+          return;
+        }
         __m512i c[2];  // c - offset, int32
         if constexpr (HB > 0) {
           c[0] = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(part[t][0], j));
@@ -975,16 +1023,8 @@ void ftile(const XPerm& xp, int64_t m, int64_t r0, int64_t k,
             c[1] = _mm512_sub_epi32(c[1], off32);
           }
         }
-        const int64_t row = t * w.groups + kGpb * b;
-        const __m512 sv = factor(w.scales + row);
-        const __m512 mv = has_mins ? factor(w.mins + row) : _mm512_setzero_ps();
         unroll<2>([&](auto p) {
-          // The rounding form: GCC would otherwise fuse the product into
-          // the min's subtraction in some tiles and not others.
-          wv[t][p] = _mm512_mul_round_ps(
-              _mm512_cvtepi32_ps(c[p]), sv,
-              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          if (has_mins) wv[t][p] = _mm512_sub_ps(wv[t][p], mv);
+          wv[t][p] = deq16(_mm512_cvtepi32_ps(c[p]));
           if constexpr (Mode == kStore) _mm512_storeu_ps(deq + 64 * p, wv[t][p]);
         });
       });
@@ -1018,9 +1058,9 @@ constexpr auto kFTiles =
     ftile_rows<NB, G, HB, Mode>(std::make_integer_sequence<int, Rows>{});
 template <int G, int HB>
 constexpr FTiles ftiles_of() {
-  return {kFTiles<1, G, HB, kRegs, kMaxRows>.data(),
+  return {kFTiles<1, G, HB, kRegs, kFMultiMaxRows>.data(),
           kFTiles<2, G, HB, kRegs, kFMultiMaxRows>.data(),
-          kFTiles<1, G, HB, kLoad, kMaxRows>.data(),
+          kFTiles<1, G, HB, kLoad, kFLoadMaxRows>.data(),
           kFTiles<2, G, HB, kLoad, kFLoadMaxRows>.data()};
 }
 
@@ -1218,14 +1258,11 @@ struct QWork {
     const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
     if (ft.one) {  // nibble formats: dequantised in registers (ftile)
       const int64_t ng = k / group, hb_row = high ? k * (bits - 4) / 8 : 0;
-      const int64_t width = m >= kFMultiRows ? 2 : 1;
-      const bool one_pass = m <= (width > 1 ? kFMultiMaxRows : kMaxRows);
-      const int64_t max_rows = width == 1 ? kMaxRows
-                               : one_pass ? kFMultiMaxRows
-                                          : kFLoadMaxRows;
+      const bool one_pass = m <= kFMultiMaxRows;
+      const int64_t max_rows = one_pass ? kFMultiMaxRows : kFLoadMaxRows;
       const int64_t row_groups = (m + max_rows - 1) / max_rows;
       for (int64_t j = n0; j < n1;) {
-        const int64_t nb = j + width <= n1 ? width : 1;
+        const int64_t nb = j + 2 <= n1 ? 2 : 1;
         // Rows j.. of scales and mins lie ng apart: as stored, or
         // converted (scales into tmp, mins into tmp + 2 ng).
         FRows w{codes + j * (k / 2), high ? high + j * hb_row : nullptr,
