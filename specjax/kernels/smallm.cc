@@ -893,8 +893,9 @@ constexpr int kFLoadMaxRows = 12;  // loading dequantised weights
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 // How far ahead of each weight row's reads ftile prefetches, in bytes
-// (about 5 rows of a [*, 1536] Q4_K matrix): the hardware prefetcher
-// alone leaves a one-row decode step 20% slower from memory than in cache.
+// (about 5 rows of a [*, 1536] Q4_K matrix). With the hardware prefetcher
+// alone, a one-row product of two weight rows a tile ran 1.7x slower from
+// memory than in cache on Zen 4; with this, 1.1x.
 constexpr int64_t kFPrefetch = 4096;
 
 // prefetcht0 p, as inline assembly: GCC 12 at -O3 drops ftile's
