@@ -329,7 +329,6 @@ def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
            group=group, offset=offset)
   _check_packed("smallm_quantized", x, q, int8_activations,
                 rows > MAX_ROWS)
-  scales = _kernel_scales(scales)
   out = jax.ShapeDtypeStruct((rows, codes.shape[0]), jnp.float32)
   return jax.ffi.ffi_call(_QUANT_TARGET, out)(
       x, codes, *_operands(q),

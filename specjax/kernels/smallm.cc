@@ -833,6 +833,20 @@ inline GTiles gtiles(int64_t bits, int64_t group, int64_t k) {
 inline GTiles gtiles(int64_t, int64_t, int64_t) { return {}; }
 #endif
 
+// 16 bytes, read as uint8 (or with Signed as int8) -> 16 int32 (GCC turns
+// __builtin_convertvector on a loaded vector into byte-by-byte inserts).
+template <bool Signed = false>
+inline i32x16 widen(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (i32x16)(Signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+#else
+  std::conditional_t<Signed, i8x16, u8x16> v;
+  std::memcpy(&v, p, 16);
+  return __builtin_convertvector(v, i32x16);
+#endif
+}
+
 // Float activations x [M, K] for ftile. In groups of 32 or more, each 16
 // bytes of a block's packed part hold 16 consecutive elements, read from x
 // in place. In groups of 16 they hold two runs of 8, so x is copied in the
@@ -996,36 +1010,29 @@ void ftile(const XPerm& xp, int64_t m, int64_t r0, int64_t k,
               c, sv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
           return has_mins ? _mm512_sub_ps(p, mv) : p;
         };
-        if constexpr (kTable) {
-          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-              reinterpret_cast<const __m128i*>(w.low + t * (k / 2) + 64 * b +
-                                               16 * j)));
-          const __m512 table = deq16(codes_f);
-          wv[t][0] = _mm512_permutexvar_ps(v, table);
-          wv[t][1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
-          if constexpr (Mode == kStore) {
-            _mm512_storeu_ps(deq, wv[t][0]);
-            _mm512_storeu_ps(deq + 64, wv[t][1]);
-          }
-          return;
-        }
         __m512i c[2];  // c - offset, int32
         if constexpr (HB > 0) {
           c[0] = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(part[t][0], j));
           c[1] = _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(part[t][1], j));
         } else {
-          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-              reinterpret_cast<const __m128i*>(w.low + t * (k / 2) + 64 * b +
-                                               16 * j)));
-          c[0] = _mm512_and_si512(v, nibble32);
-          c[1] = _mm512_srli_epi32(v, 4);
-          if (offset) {
-            c[0] = _mm512_sub_epi32(c[0], off32);
-            c[1] = _mm512_sub_epi32(c[1], off32);
+          // Both parts' codes: the low part's in bits 0-3, the high's in 4-7.
+          const __m512i v =
+              (__m512i)widen(w.low + t * (k / 2) + 64 * b + 16 * j);
+          if constexpr (kTable) {
+            const __m512 table = deq16(codes_f);
+            wv[t][0] = _mm512_permutexvar_ps(v, table);
+            wv[t][1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+          } else {
+            c[0] = _mm512_and_si512(v, nibble32);
+            c[1] = _mm512_srli_epi32(v, 4);
+            if (offset) {
+              c[0] = _mm512_sub_epi32(c[0], off32);
+              c[1] = _mm512_sub_epi32(c[1], off32);
+            }
           }
         }
         unroll<2>([&](auto p) {
-          wv[t][p] = deq16(_mm512_cvtepi32_ps(c[p]));
+          if constexpr (!kTable) wv[t][p] = deq16(_mm512_cvtepi32_ps(c[p]));
           if constexpr (Mode == kStore) _mm512_storeu_ps(deq + 64 * p, wv[t][p]);
         });
       });
@@ -1077,20 +1084,6 @@ inline FTiles ftiles(int64_t bits, int64_t group) {
 #else
 inline FTiles ftiles(int64_t, int64_t) { return {}; }
 #endif
-
-// 16 bytes, read as uint8 (or with Signed as int8) -> 16 int32 (GCC turns
-// __builtin_convertvector on a loaded vector into byte-by-byte inserts).
-template <bool Signed = false>
-inline i32x16 widen(const uint8_t* p) {
-#if defined(__AVX512F__)
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return (i32x16)(Signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
-#else
-  std::conditional_t<Signed, i8x16, u8x16> v;
-  std::memcpy(&v, p, 16);
-  return __builtin_convertvector(v, i32x16);
-#endif
-}
 
 // Lanes 8-15 of a 16-lane vector.
 constexpr i32x16 kSecondHalf = {0, 0, 0, 0, 0, 0, 0, 0,
@@ -1500,10 +1493,10 @@ ffi::Error SmallMQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // The quantized product inside a layer loop: the remaining operands are
 // every layer's codes, then high bits, scales, mins, super_scales and
 // super_mins (kPickOperands of L each; a layer without one of them repeats
-// another of its buffers there), and the
-// layer's format is element `index` of each attribute, since a GGUF file
-// may store one name in different block types from layer to layer. Any
-// number of rows, in passes of kPickRows.
+// another of its buffers there), and the layer's format is element
+// `index` of each attribute, since a GGUF file may store one name in
+// different block types from layer to layer. Any number of rows, in
+// passes of kPickRows.
 ffi::Error SmallMQuantPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                ffi::Buffer<ffi::S32> index,
                                ffi::RemainingArgs ws,

@@ -227,6 +227,14 @@ def quantize_activations(x: jax.Array) -> jax.Array:
   return (codes * d).reshape(x.shape)
 
 
+def _kernel_arrays(w: QuantizedMatrix) -> dict[str, Any]:
+  """w as `kernels.smallm_quantized` takes it: every argument but x and
+  int8_activations."""
+  return dict(codes=w.low, scales=w.scales, mins=w.mins, high=w.high,
+              super_scales=w.super_scales, super_mins=w.super_mins,
+              bits=w.bits, group=w.group, offset=w.offset)
+
+
 def matmul(x: jax.Array, w: QuantizedMatrix, out_dtype: Any = None,
            kernel: bool = False) -> jax.Array:
   """x [..., I] times the [O, I] matrix, contracted on I -> [..., O].
@@ -246,11 +254,9 @@ def matmul(x: jax.Array, w: QuantizedMatrix, out_dtype: Any = None,
       and kernels.available()):
     lead, rows = x.shape[:-1], x.reshape(-1, w.cols)
     # Pieces of at most kernels.MAX_ROWS rows, each reading w once.
-    pieces = [kernels.smallm_quantized(
-        rows[i:i + kernels.MAX_ROWS], w.low, w.scales, w.mins, bits=w.bits,
-        group=w.group, offset=w.offset, high=w.high,
-        super_scales=w.super_scales, super_mins=w.super_mins,
-        int8_activations=w.act_bits == 8)
+    pieces = [kernels.smallm_quantized(rows[i:i + kernels.MAX_ROWS],
+                                       **_kernel_arrays(w),
+                                       int8_activations=w.act_bits == 8)
               for i in range(0, rows.shape[0], kernels.MAX_ROWS)]
     out = jnp.concatenate(pieces)  # [X, O]
     return out.reshape(*lead, w.rows).astype(out_dtype or x.dtype)
@@ -270,10 +276,7 @@ def matmul_pick(x: jax.Array, index: jax.Array,
   must be one `kernel_supports`, with the same act_bits."""
   lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
   out = kernels.smallm_quantized_pick(
-      rows, index, tuple(dict(codes=w.low, scales=w.scales, mins=w.mins,
-                              high=w.high, super_scales=w.super_scales,
-                              super_mins=w.super_mins, bits=w.bits,
-                              group=w.group, offset=w.offset) for w in ws),
+      rows, index, tuple(_kernel_arrays(w) for w in ws),
       int8_activations=ws[0].act_bits == 8)  # [X, O]
   return out.reshape(*lead, out.shape[-1])
 
