@@ -5,6 +5,12 @@ same product as the XLA path (`quantized.matmul` without `kernel`) from
 the same packed arrays, to float32 accumulation-order rounding.
 """
 
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -110,6 +116,28 @@ def test_an_odd_output_count_leaves_a_one_row_tile(name):
   _assert_rounding_close(got, np.asarray(jax.jit(quantized.matmul)(x, w)))
   for r in (0, 12):
     np.testing.assert_array_equal(np.asarray(run(x[r:r + 1], w))[0], got[r])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() != "x86_64" or not shutil.which("g++"),
+                    reason="GCC on x86-64")
+def test_rows_agree_when_gcc_tunes_for_amd_cores_without_avx512(tmp_path):
+  """Built as on a Zen 3 host (AVX2, GCC tuning for AMD cores, which
+  keeps a product and its sum apart in some accumulation chains and not
+  others), every output must still sum in one order whatever the number
+  of x rows: the row-equality checks above, run on that build."""
+  cxx = tmp_path / "cxx"
+  cxx.write_text('#!/bin/sh\nexec g++ "$@" -mno-avx512f -mtune=znver3\n')
+  cxx.chmod(0o755)
+  env = dict(os.environ, CXX=str(cxx), SPECJAX_CACHE=str(tmp_path / "cache"))
+  tests = [f"{__file__}::{name}" for name in (
+      "test_kernel_equals_the_xla_product",
+      "test_an_odd_output_count_leaves_a_one_row_tile")]
+  run = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+      env=env, capture_output=True, text=True, check=False)
+  assert run.returncode == 0, run.stdout[-3000:]
+  assert "passed" in run.stdout and "skipped" not in run.stdout
 
 
 def test_int8_activations_need_chunks_of_64_inputs():

@@ -48,7 +48,10 @@ _TARGET = "specjax_smallm_f32"
 _QUANT_TARGET = "specjax_smallm_quant"
 _PICK_TARGET = "specjax_smallm_pick"
 _QUANT_PICK_TARGET = "specjax_smallm_quant_pick"
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+# -ffp-contract=off: a product and a sum fuse only where smallm.cc says so
+# (madd), the same in every tile whatever the compiler's tuning.
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17",
+          "-shared", "-fPIC", "-w")
 # Rows the kernel accepts in one call; larger products (prefill) go to XLA.
 MAX_ROWS = 64
 # Inputs per scale of int8 activations (smallm.cc's kChunk).

@@ -26,7 +26,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__F16C__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -52,6 +52,50 @@ inline vec load(const float* p) {
 typedef float f32x4 __attribute__((vector_size(16)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x16 __attribute__((vector_size(64)));
+
+// a * b + c, rounded once where the machine has fused multiply-adds (for
+// scalars and float vectors of 8 or 16 lanes), else twice. The kernels are
+// built with -ffp-contract=off, so a product and a sum fuse only here: left
+// to the compiler, GCC's tuning for AMD cores (-march=znver3, for one) kept
+// them apart in some accumulation chains and not others ("avoid FMA
+// chains"), so tiles of different shapes rounded differently, and a
+// verification pass no longer reproduced a decode step bit for bit.
+template <typename V>
+[[gnu::always_inline]] inline V madd(V a, V b, V c) {
+  constexpr int n = sizeof(V) / sizeof(float);
+#if defined(__AVX512F__)
+  if constexpr (n == 16) {
+    return (V)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+  }
+#endif
+#if defined(__FMA__)
+  if constexpr (n == 8) {
+    return (V)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+  } else if constexpr (n == 16) {  // as two halves
+    auto lo = [](V v) {
+      return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    };
+    auto hi = [](V v) {
+      return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    };
+    const f32x8 rl = madd(lo(a), lo(b), lo(c));
+    const f32x8 rh = madd(hi(a), hi(b), hi(c));
+    return __builtin_shufflevector(rl, rh, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                   11, 12, 13, 14, 15);
+  }
+#endif
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+  if constexpr (n == 1) {
+    return __builtin_fmaf(a, b, c);
+  } else {
+    V r;
+    for (int i = 0; i < n; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+    return r;
+  }
+#else
+  return a * b + c;  // no fused multiply-add to contract to
+#endif
+}
 
 // Sums by halves: a tree of log2(lanes) dependent adds, not a chain.
 inline float hsum(f32x4 v) { return (v[0] + v[2]) + (v[1] + v[3]); }
@@ -98,13 +142,13 @@ void tile(const float* x, int64_t k, const float* w, float* y, int64_t ldy) {
     for (int j = 0; j < NB; ++j) u[j] = load(w + j * k + i);
     for (int r = 0; r < R; ++r) {
       vec xr = load(x + r * k + i);
-      for (int j = 0; j < NB; ++j) acc[j][r] += u[j] * xr;
+      for (int j = 0; j < NB; ++j) acc[j][r] = madd(u[j], xr, acc[j][r]);
     }
   }
   for (int j = 0; j < NB; ++j) {
     for (int r = 0; r < R; ++r) {
       float s = hsum(acc[j][r]);
-      for (int64_t i = kv; i < k; ++i) s += w[j * k + i] * x[r * k + i];
+      for (int64_t i = kv; i < k; ++i) s = madd(w[j * k + i], x[r * k + i], s);
       y[r * ldy + j] = s;
     }
   }
@@ -575,6 +619,8 @@ void qtile(const Act8& a, int64_t r0, int64_t k, int64_t group,
       i8x64 qc;
       std::memcpy(&qc, q + r * k + c * kChunk, sizeof(qc));
       const f32x16 dot = __builtin_convertvector(dot_quads(uc, qc), f32x16);
+      // Not fused: a chain of fused multiply-adds waits on their longer
+      // latency (an AVX2 build tuned for Zen 3 ran 9 rows 1.1x slower).
       acc[r] += dot * (sc * d[r * chunks + c]);
     });
   }
