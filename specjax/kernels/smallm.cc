@@ -53,13 +53,13 @@ typedef float f32x4 __attribute__((vector_size(16)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x16 __attribute__((vector_size(64)));
 
-// a * b + c, rounded once where the machine has fused multiply-adds (for
-// scalars and float vectors of 8 or 16 lanes), else twice. The kernels are
-// built with -ffp-contract=off, so a product and a sum fuse only here: left
-// to the compiler, GCC's tuning for AMD cores (-march=znver3, for one) kept
-// them apart in some accumulation chains and not others ("avoid FMA
-// chains"), so tiles of different shapes rounded differently, and a
-// verification pass no longer reproduced a decode step bit for bit.
+// a * b + c for scalars and `vec`, rounded once where the machine has
+// fused multiply-adds, else twice. The kernels are built with
+// -ffp-contract=off, so a product and a sum fuse only here: left to the
+// compiler, GCC's tuning for AMD cores (-march=znver3, for one) kept them
+// apart in some accumulation chains and not others ("avoid FMA chains"),
+// so tiles of different shapes rounded differently, and a verification
+// pass no longer reproduced a decode step bit for bit.
 template <typename V>
 [[gnu::always_inline]] inline V madd(V a, V b, V c) {
   constexpr int n = sizeof(V) / sizeof(float);
@@ -71,17 +71,6 @@ template <typename V>
 #if defined(__FMA__)
   if constexpr (n == 8) {
     return (V)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-  } else if constexpr (n == 16) {  // as two halves
-    auto lo = [](V v) {
-      return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-    };
-    auto hi = [](V v) {
-      return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    };
-    const f32x8 rl = madd(lo(a), lo(b), lo(c));
-    const f32x8 rh = madd(hi(a), hi(b), hi(c));
-    return __builtin_shufflevector(rl, rh, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                   11, 12, 13, 14, 15);
   }
 #endif
 #if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
