@@ -39,8 +39,10 @@ drafter), `policies=auto/heuristic` (adaptive γ runs beside the
 fixed ones, `specjax.policies`) with `max_gamma=8`, `nodes=16` (token trees
 of at most 16 nodes at depth <= γ; 0 drafts chains), `nodes_sweep=0/8/16`
 (one row per tree size, 0 a chain), `quantize=gguf|int8|int4` (":a8"
-adds int8 activations) and `draft_quantize=...` (weight quantization of
-each model; with `--config.draft=same`, the target's own weights quantized
+adds int8 activations; default `auto`: the GGUF file's own blocks where
+they are the faster model here, else float weights; `quantize=` keeps
+float weights) and `draft_quantize=...` (weight quantization of each
+model; with `--config.draft=same`, the target's own weights quantized
 draft for it).
 
 Generation controls (`specjax.decode.generate`; the baseline and every
@@ -133,7 +135,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       arg, pair="qwen", gamma=0, gammas="", batch=1, batches="", prompts="",
       n=8, tokens=64, temperature=0.0, dtype="auto", matmul="auto",
       drafter="", drafters="", policies="", max_gamma=8, nodes=0,
-      nodes_sweep="", exit=0, medusa="", eagle="", mesh="", quantize="",
+      nodes_sweep="", exit=0, medusa="", eagle="", mesh="", quantize="auto",
       draft_quantize="", stop="", repetition="", presence="", frequency="",
       min_p="", bias="", regex="", schema="", acceptance="exact",
       acceptances="", pass_at_1=False)
@@ -162,8 +164,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # version and shapes), or force `in_out/xla`, `out_in/xla` or
   # `out_in/kernel` (the specjax CPU kernel).
   config.matmul = arg["matmul"]
-  # Weight quantization of the target (`specjax.models.quantized`): `` keeps
-  # its float weights, `gguf` keeps a GGUF file's own blocks (Q4_K, Q5_0,
+  # Weight quantization of the target (`specjax.models.quantized`): `auto`
+  # (default) keeps a GGUF file's own blocks where they are the faster model
+  # on this machine (`registry.auto_quantize`, measured once and cached),
+  # else float weights; `` keeps its float weights, `gguf` keeps a GGUF
+  # file's own blocks (Q4_K, Q5_0,
   # Q6_K, Q8_0; exact: the dequantised weights are the float loader's),
   # `int8` (per output channel) or `int4` (`int4:g64`, `int4:g32:sym`)
   # weight-only quantizes any checkpoint; a ":a8" suffix (`gguf:a8`) also

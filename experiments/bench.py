@@ -513,6 +513,7 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
                  "draft": model_info(config.draft, pair.draft)},
       "matmul": {"target": matmul_info(config, pair.target),
                  "draft": matmul_info(config, pair.draft)},
+      "quantize": pair.quantize,
       "prompts": {
           "set": prompt_set.name, "source": prompt_set.source,
           "count": len(encoded), "chat_template": config.chat_template,

@@ -52,12 +52,15 @@ class Pair:
     tokenizer: shared tokenizer (`specjax.tokenizer.Tokenizer`, or
       `prompts.ByteTokenizer` for tiny models).
     load_s: seconds spent loading.
+    quantize: with `config.quantize="auto"`, what it resolved to for the
+      target and why (`registry.auto_quantize`, as JSON); else None.
   """
 
   target: Any
   draft: Any
   tokenizer: Any
   load_s: float = 0.0
+  quantize: dict[str, Any] | None = None
 
 
 def load_pair(config: Any) -> Pair:
@@ -75,12 +78,14 @@ def load_pair(config: Any) -> Pair:
   dtype = hardware.resolve_dtype(config.dtype)
   rows = tune_rows(config)
   mesh = make_mesh(config)
+  quantize = config.get("quantize") or None
+  choice = None
   if config.target == "tiny":
     tokenizer = prompts_lib.ByteTokenizer()
     target, draft = testing.tiny_pair(config.seed, tokenizer.vocab_size,
                                       dtype=dtype)
-    if config.get("quantize"):
-      target = target.quantize(config.quantize)
+    if quantize and quantize != "auto":  # random weights: no GGUF blocks
+      target = target.quantize(quantize)
     if config.get("draft_quantize") and config.draft != "same":
       draft = draft.quantize(config.draft_quantize)
     target, _ = tuning.apply(target, config.matmul, rows=rows,
@@ -92,9 +97,15 @@ def load_pair(config: Any) -> Pair:
                              cache_dir=config.cache_dir or None,
                              progress=config.progress, matmul=config.matmul,
                              tune_rows=rows, mesh=mesh)
+    if quantize == "auto":
+      choice = registry.auto_quantize(
+          config.target, dtype, cache_dir=config.cache_dir or None,
+          progress=config.progress, matmul=config.matmul, tune_rows=rows,
+          mesh=mesh)
+      logging.info("quantize=auto: %s", choice.why)
+      quantize, choice = choice.quantize, choice.to_json()
     logging.info("Loading target %s (%s)", config.target, dtype)
-    target, tokenizer = load(config.target,
-                             quantize=config.get("quantize") or None)
+    target, tokenizer = load(config.target, quantize=quantize)
     draft = None
     if config.draft != "same":
       logging.info("Loading draft %s (%s)", config.draft, dtype)
@@ -111,7 +122,7 @@ def load_pair(config: Any) -> Pair:
         f"{draft.vocab_size} ids but config.target {config.target!r} has "
         f"{target.vocab_size}; speculative decoding needs a shared "
         "tokenizer.")
-  return Pair(target, draft, tokenizer, time.perf_counter() - start)
+  return Pair(target, draft, tokenizer, time.perf_counter() - start, choice)
 
 
 def _same(config: Any, target: Any, load: Any) -> Any:

@@ -194,6 +194,9 @@ def _matmul_lines(results: dict[str, Any]) -> list[str]:
     lines.append(f"matmul plan ({m}): {info['plan']} [{info['source']}]"
                  + (f"; layer stack at M={'/'.join(map(str, rows))} rows: "
                     f"{timed}" if timed else ""))
+  if results.get("quantize"):
+    lines.append(f"weights (target, quantize=auto): "
+                 f"{results['quantize']['why']}")
   return ([""] + lines) if lines else []
 
 

@@ -407,6 +407,8 @@ def validate_config(config: Any) -> None:
         f"{config.matmul!r}.")
   for name in ("quantize", "draft_quantize"):
     value = config.get(name, "")
+    if name == "quantize" and value == "auto":
+      continue  # registry.auto_quantize
     try:
       quantized.parse(quantized.split_activations(value or None)[0])
     except ValueError as e:

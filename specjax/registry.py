@@ -148,7 +148,9 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
       so the host never holds the whole model twice. The plan's layout is
       kept, without the CPU kernel (GSPMD cannot split a custom call).
     split: with `mesh`, split the model (False replicates it: a draft).
-    quantize: None keeps float weights; "gguf" keeps a GGUF file's own
+    quantize: "auto" keeps a GGUF file's own blocks where they are the
+      faster model on this machine, else float weights (`auto_quantize`);
+      None keeps float weights; "gguf" keeps a GGUF file's own
       blocks (registry names and `.gguf` files: the model dequantises to
       the float loader's weights bit for bit, `load_gguf`); "int8" /
       "int4" ("int4:g64", "int4:g32:sym") weight-only quantize any
@@ -168,6 +170,10 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
       downloaded or its file failed verification.
     FileNotFoundError / ConnectionError / ValueError: from the loaders.
   """
+  if quantize == "auto":
+    quantize = auto_quantize(name_or_path, dtype, cache_dir=cache_dir,
+                             progress=progress, matmul=matmul,
+                             tune_rows=tune_rows, mesh=mesh).quantize
   quantize, act_bits = quantized.split_activations(quantize)
   spec = quantized.parse(quantize)
   if spec is not None and mesh is not None:
@@ -193,6 +199,53 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
   return model, tokenizer
 
 
+def auto_quantize(name_or_path: str | os.PathLike, dtype: Any = None, *,
+                  cache_dir: str | os.PathLike | None = None,
+                  progress: bool = True,
+                  matmul: str | MatmulPlan | None = "auto",
+                  tune_rows: Sequence[int] = (1, 5),
+                  mesh: jax.sharding.Mesh | None = None
+                  ) -> tuning.quantize.QuantizeChoice:
+  """What `load_pretrained(name_or_path, quantize="auto")` loads.
+
+  A GGUF source (registry name or `.gguf` file) keeps its own blocks where
+  a decode step and a verification pass of them cost less than of its
+  float weights on this machine (`specjax.tuning.quantize`: measured once,
+  cached); anything else, or a model placed on a mesh, gets float weights.
+  Both are the same model, bit for bit. Arguments as `load_pretrained`.
+  """
+  rows = tuple(int(m) for m in tune_rows)
+  fixed = tuning.quantize.QuantizeChoice.fixed
+  if mesh is not None:
+    return fixed("quantized matrices are not placed on a mesh", rows)
+  path = _gguf_path(name_or_path, cache_dir, progress)
+  if path is None:
+    return fixed(f"{os.fspath(name_or_path)!r} is not a GGUF file or a "
+                 "registry model", rows)
+  dtype = hardware.resolve_dtype(dtype)
+  return tuning.quantize.choose_for_file(
+      path, dtype, lambda: gguf_lib.load_gguf(path, dtype, progress=progress,
+                                              quantize="gguf"),
+      matmul_plan=matmul, rows=rows, cache_dir=cache_dir)
+
+
+def _gguf_path(name_or_path: str | os.PathLike,
+               cache_dir: str | os.PathLike | None,
+               progress: bool) -> pathlib.Path | None:
+  """The GGUF file of a registry name (fetched if needed) or a `.gguf`
+  path; None for any other source."""
+  key = os.fspath(name_or_path)
+  if key in weights.SOURCES:
+    return pathlib.Path(weights.fetch(weights.get_source(key), cache_dir,
+                                      progress=progress))
+  if key.endswith(".gguf"):
+    path = pathlib.Path(key).expanduser()
+    if not path.is_file():
+      raise FileNotFoundError(f"GGUF file {path} does not exist.")
+    return path
+  return None
+
+
 def _load(name_or_path: str | os.PathLike, dtype: jnp.dtype,
           cache_dir: str | os.PathLike | None,
           progress: bool, placement: dict[str, Any],
@@ -203,8 +256,7 @@ def _load(name_or_path: str | os.PathLike, dtype: jnp.dtype,
   (a parsed `quantize`) to every loader."""
   key = os.fspath(name_or_path)
   if key in weights.SOURCES and spec == "gguf":
-    path = weights.fetch(weights.get_source(key), cache_dir,
-                         progress=progress)
+    path = _gguf_path(key, cache_dir, progress)
     return (gguf_lib.load_gguf(path, dtype, progress=progress,
                                quantize="gguf"), load_tokenizer(key, cache_dir))
   if spec == "gguf" and not key.endswith(".gguf"):

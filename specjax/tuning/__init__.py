@@ -2,6 +2,8 @@
 
 - `matmul`: which `MatmulPlan` makes a verification pass cost about one
   forward on this CPU.
+- `quantize`: whether a GGUF model's own blocks or its float weights are
+  the faster model here (`quantize="auto"`).
 - `cost`: forward times per model, batch and chunk length, and the
   speculative throughput they predict.
 - `simulate`: a γ policy's mean throughput under the cost model and
@@ -10,6 +12,7 @@
 
 from specjax.tuning import cost
 from specjax.tuning import matmul
+from specjax.tuning import quantize
 from specjax.tuning import simulate
 
-__all__ = ["cost", "matmul", "simulate"]
+__all__ = ["cost", "matmul", "quantize", "simulate"]

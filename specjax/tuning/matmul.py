@@ -40,8 +40,9 @@ from specjax.models import Model
 from specjax.models import ModelConfig
 from specjax.models.matmul import project
 
-__all__ = ["PLANS", "TuneResult", "apply", "cache_file", "candidates",
-           "tune"]
+__all__ = ["PLANS", "TuneResult", "apply", "cache_file", "cache_key",
+           "candidates",
+           "head_plan", "run_layers", "stack", "tune"]
 
 PLANS = ("in_out/xla", "out_in/xla", "out_in/kernel", "out_in/hybrid")
 _STACK_BYTES = 512 << 20  # more than any CPU's last-level cache
@@ -98,7 +99,8 @@ def _shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
           "head": (e, min(config.vocab_size, _HEAD_ROWS))}
 
 
-def _key(config: ModelConfig, dtype: Any, rows: Sequence[int]) -> str:
+def cache_key(config: ModelConfig, dtype: Any, rows: Sequence[int]) -> str:
+  """Names the machine, kernel sources, candidates, dtype, shapes, rows."""
   shapes = ",".join(f"{k}={i}x{o}" for k, (i, o) in _shapes(config).items())
   # The candidates are in the key: a new candidate plan re-measures.
   return (f"{hardware.machine_key()}|kernel={kernels.source_hash()}|"
@@ -106,9 +108,12 @@ def _key(config: ModelConfig, dtype: Any, rows: Sequence[int]) -> str:
           f"{jnp.dtype(dtype).name}|{shapes}|rows={','.join(map(str, rows))}")
 
 
-def _stack(config: ModelConfig, dtype: Any, plan: MatmulPlan):
-  """Weights of enough layers to exceed the caches, stored per `plan`."""
+def stack(config: ModelConfig, dtype: Any, plan: MatmulPlan,
+          head_rows: int = _HEAD_ROWS):
+  """Weights of enough layers to exceed the caches, stored per `plan`,
+  filled with 0.01, and the first `head_rows` rows of the head [V', E]."""
   shapes = _shapes(config)
+  shapes["head"] = (config.hidden_size, min(config.vocab_size, head_rows))
   layer_bytes = sum(i * o for n, (i, o) in shapes.items() if n != "head")
   layer_bytes *= jnp.dtype(dtype).itemsize
   num_layers = max(1, min(config.num_layers, -(-_STACK_BYTES // layer_bytes)))
@@ -116,24 +121,36 @@ def _stack(config: ModelConfig, dtype: Any, plan: MatmulPlan):
       {n: jnp.full(plan.stored_shape(s), 0.01, dtype)
        for n, s in shapes.items() if n != "head"}
       for _ in range(num_layers)])
-  head = jnp.full(MatmulPlan(layout="out_in").stored_shape(shapes["head"]),
+  head = jnp.full(head_plan(plan).stored_shape(shapes["head"]),
                   0.01, dtype)  # [V', E], like the tied embedding
   return fill(), head
 
 
+def run_layers(x: jax.Array, layers: Sequence[dict[str, Any]],
+               plan: MatmulPlan) -> jax.Array:
+  """Applies every matrix of `layers` (dicts of q, k, v, o, gate, up,
+  down, stored per `plan`, or `QuantizedMatrix`es) once to x [X, E],
+  chaining so nothing is skipped -> [X, E]."""
+  for w in layers:
+    qkv = project(x, w["q"], plan)
+    qkv = qkv + jnp.sum(project(x, w["k"], plan) + project(x, w["v"], plan))
+    x = x + project(qkv, w["o"], plan)
+    h = project(x, w["gate"], plan) * project(x, w["up"], plan)
+    x = x + project(h, w["down"], plan)
+  return x
+
+
+def head_plan(plan: MatmulPlan) -> MatmulPlan:
+  """The plan of the head [V, E], stored [O, I] like the tied embedding."""
+  return dataclasses.replace(plan, layout="out_in")
+
+
 def _forward(plan: MatmulPlan):
-  """Applies every matrix once to x [X, E], chaining so nothing is skipped."""
-  head_plan = dataclasses.replace(plan, layout="out_in")
+  """Applies every matrix once to x [X, E], then the head."""
 
   @jax.jit
   def forward(x, layers, head):
-    for w in layers:
-      qkv = project(x, w["q"], plan)
-      qkv = qkv + jnp.sum(project(x, w["k"], plan) + project(x, w["v"], plan))
-      x = x + project(qkv, w["o"], plan)
-      h = project(x, w["gate"], plan) * project(x, w["up"], plan)
-      x = x + project(h, w["down"], plan)
-    return project(x, head, head_plan)
+    return project(run_layers(x, layers, plan), head, head_plan(plan))
 
   return forward
 
@@ -143,7 +160,7 @@ def _measure(config: ModelConfig, dtype: Any, names: Sequence[str],
   steps = {}
   for name in names:
     plan = MatmulPlan.parse(name)
-    layers, head = _stack(config, dtype, plan)
+    layers, head = stack(config, dtype, plan)
     forward = _forward(plan)
     for m in rows:
       x = jnp.full((m, config.hidden_size), 0.5, dtype)
@@ -177,7 +194,7 @@ def tune(config: ModelConfig, dtype: Any = jnp.float32, *,
     A `TuneResult`.
   """
   rows = tuple(int(m) for m in rows)
-  key = _key(config, dtype, rows)
+  key = cache_key(config, dtype, rows)
   matmul = os.environ.get("SPECJAX_MATMUL") or matmul
   if matmul != "auto":
     plan = matmul if isinstance(matmul, MatmulPlan) else MatmulPlan.parse(

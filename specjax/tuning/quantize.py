@@ -1,0 +1,259 @@
+"""Float weights or a GGUF file's own blocks: measured once per machine.
+
+Shape letters (`specjax.shapes`): E hidden, V vocab, L layers, X rows per
+product (batch times chunk).
+
+`registry.load_pretrained(..., quantize="auto")` keeps a GGUF file's own
+blocks (`quantize="gguf"`) where that model is the faster one here, else
+its float weights. The two are the same model (the blocks dequantise to
+the float loader's weights bit for bit, and speculation is exact for
+either), so the choice is about speed alone, and speed depends on the CPU:
+the block kernel is bound by compute (unpacking), the float product by
+memory (BENCHMARKS.md "Quantized weights": the blocks decode 2.6x faster
+than fp32 on a Zen 4 core and 3.1x on a Zen 5 one, and prefill costs more
+on the first).
+
+`choose` times, at each X in `rows` (a decode step and a verification
+pass, as `tuning.matmul`), every matrix product of one forward of each
+candidate, interleaved round-robin:
+
+- "gguf": the model's own block matrices, all L layers and the head,
+  through the plan a quantized model gets (the CPU kernel);
+- "float": matrices of the same shapes stored and multiplied as the
+  float model's plan (`tuning.matmul.tune`), on enough layers to exceed
+  the caches, scaled to L, and the whole [V, E] head.
+
+It keeps the candidate of least total time over `rows`. Prefill chunks are
+not weighed: a call's decoding steps are its bulk. The choice and the
+estimates are cached in `$SPECJAX_CACHE/tuning/quantize.json` under a key
+naming the machine, kernel sources, both plans, dtype, shapes, the file's
+block types and rows; deleting the file re-measures.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import functools
+import os
+import pathlib
+from typing import Any, Callable, Sequence
+
+import gguf
+import jax
+import jax.numpy as jnp
+
+from specjax import hardware
+from specjax import kernels
+from specjax import store
+from specjax.checkpoints import gguf_blocks
+from specjax.checkpoints.gguf import read_config
+from specjax.checkpoints.gguf_reader import GGUFFile
+from specjax.models import MatmulPlan
+from specjax.models import Model
+from specjax.models import ModelConfig
+from specjax.models.config import flatten
+from specjax.models.matmul import project
+from specjax.tuning import matmul
+
+__all__ = ["KERNEL_PLAN", "QuantizeChoice", "block_types", "cache_file",
+           "choose", "choose_for_file"]
+
+# The plan `load_pretrained` gives a quantized model where the kernels are.
+KERNEL_PLAN = MatmulPlan.parse("out_in/kernel")
+_REPEATS = 7
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeChoice:
+  """What `quantize="auto"` resolved to, and why.
+
+  Attributes:
+    quantize: "gguf" or None (float weights).
+    source: "measured", "cache", or "fixed" (nothing to measure: `why`).
+    model_ms: "float" / "gguf" -> {str(X): estimated ms of one forward's
+      matrix products at X rows}; empty when fixed.
+    rows: the X values timed.
+    why: one sentence for reports.
+    key: the cache key ("" when fixed).
+  """
+
+  quantize: str | None
+  source: str
+  model_ms: dict[str, dict[str, float]]
+  rows: tuple[int, ...]
+  why: str
+  key: str = ""
+
+  @classmethod
+  def fixed(cls, why: str, rows: Sequence[int]) -> "QuantizeChoice":
+    """Float weights, nothing measured: `why` the blocks cannot win."""
+    return cls(None, "fixed", {}, tuple(rows), f"float weights: {why}")
+
+  def to_json(self) -> dict[str, Any]:
+    return {"quantize": self.quantize, "source": self.source,
+            "rows": list(self.rows), "model_ms": self.model_ms,
+            "why": self.why, "key": self.key}
+
+
+def cache_file(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+  return store.path_for("quantize", cache_dir)
+
+
+def block_types(reader: GGUFFile) -> str:
+  """The file's quantized tensor types and counts, "Q4_K*169+Q6_K*29"."""
+  counts = collections.Counter(
+      t.tensor_type.name for t in reader.tensors
+      if gguf.GGML_QUANT_SIZES[t.tensor_type][0] > 1)
+  return "+".join(f"{name}*{n}" for name, n in sorted(counts.items()))
+
+
+def _check_entry(entry: Any) -> None:
+  if entry["quantize"] not in ("gguf", None):
+    raise ValueError(f"unknown choice {entry['quantize']!r}")
+  if not isinstance(entry["model_ms"], dict):
+    raise ValueError("an entry has no timings")
+
+
+def _layers(model: Model) -> list[dict[str, Any]]:
+  """The model's matrices, one dict (q, k, v, ..., down) per layer."""
+  flat = flatten(model.params)
+  layers: dict[int, dict[str, Any]] = collections.defaultdict(dict)
+  for path, w in flat.items():
+    parts = path.split("/")
+    if path.startswith("layers_") and len(parts) == 2:
+      layers[int(parts[0][len("layers_"):])][parts[1]] = w
+  return [layers[i] for i in range(model.config.num_layers)]
+
+
+def _head(model: Model) -> Any:
+  """The vocabulary head [V, E]: `lm_head`, else the tied embedding."""
+  return model.params.get("lm_head", model.params["embed"])
+
+
+def _measure(config: ModelConfig, dtype: Any, float_plan: MatmulPlan,
+             blocks: Model, blocks_plan: MatmulPlan, rows: Sequence[int]
+             ) -> dict[str, dict[str, float]]:
+  """Estimated ms of one forward's products per candidate and X."""
+  blocks = blocks.with_plan(blocks_plan)
+  layers, head = matmul.stack(config, dtype, float_plan,
+                              head_rows=config.vocab_size)
+  candidates = {
+      "float": (float_plan, layers, head, config.num_layers / len(layers)),
+      "gguf": (blocks.plan, _layers(blocks), _head(blocks), 1.0)}
+  run = jax.jit(matmul.run_layers, static_argnames="plan")
+  logits = jax.jit(project, static_argnames="plan")
+  steps: dict[tuple[str, str, int], Callable[[], Any]] = {}
+  for name, (plan, ws, w_head, _) in candidates.items():
+    for m in rows:
+      x = jnp.full((m, config.hidden_size), 0.5, dtype)
+      steps[(name, "layers", m)] = (
+          lambda x=x, ws=ws, p=plan: run(x, ws, plan=p))
+      steps[(name, "head", m)] = (
+          lambda x=x, w=w_head, p=matmul.head_plan(plan): logits(x, w,
+                                                                  plan=p))
+  times = hardware.median_ms(steps, _REPEATS)
+  return {name: {str(m): times[(name, "layers", m)] * scale
+                 + times[(name, "head", m)] for m in rows}
+          for name, (_, _, _, scale) in candidates.items()}
+
+
+def choose(config: ModelConfig, blocks: Callable[[], Model], *,
+           types: str, float_plan: MatmulPlan,
+           blocks_plan: MatmulPlan = KERNEL_PLAN, dtype: Any = jnp.float32,
+           rows: Sequence[int] = (1, 5),
+           cache_dir: str | os.PathLike | None = None) -> QuantizeChoice:
+  """Float or block weights for a GGUF model on this machine: cached, or
+  measured (then cached).
+
+  Args:
+    config: the model's shapes.
+    blocks: loads the model with its GGUF blocks (`quantize="gguf"`);
+      called only when measuring.
+    types: the file's block types (`block_types`), for the cache key.
+    float_plan: the plan of the float model.
+    blocks_plan: the plan of the block model.
+    dtype: the float dtype.
+    rows: X of a decode step and a verification pass.
+    cache_dir: cache root (default `$SPECJAX_CACHE` or ~/.cache/specjax).
+
+  Returns:
+    A `QuantizeChoice`.
+  """
+  rows = tuple(int(m) for m in rows)
+  key = (f"{matmul.cache_key(config, dtype, rows)}|float={float_plan.name}"
+         f"|blocks={blocks_plan.name}|{types}")
+  path = cache_file(cache_dir)
+  entries = store.read(path, _check_entry)
+  entry = entries.get(key)
+  source = "cache"
+  if entry is None:
+    source = "measured"
+    model_ms = _measure(config, dtype, float_plan, blocks(), blocks_plan,
+                        rows)
+    best = min(model_ms, key=lambda n: sum(model_ms[n].values()))
+    entry = {"quantize": "gguf" if best == "gguf" else None,
+             "model_ms": model_ms,
+             "measured": datetime.datetime.now().isoformat(
+                 timespec="seconds")}
+    entries[key] = entry
+    store.write(path, entries)
+  total = {n: sum(t.values()) for n, t in entry["model_ms"].items()}
+  chosen = "gguf" if entry["quantize"] else "float"
+  other = "float" if entry["quantize"] else "gguf"
+  why = (f"{chosen} weights: a decode step plus a verification pass "
+         f"(rows {', '.join(map(str, rows))}) cost {total[chosen]:.0f} ms "
+         f"of products against {total[other]:.0f} ms for {other} here "
+         f"({source})")
+  return QuantizeChoice(entry["quantize"], source, entry["model_ms"], rows,
+                        why, key)
+
+
+def choose_for_file(path: str | os.PathLike, dtype: Any,
+                    load_blocks: Callable[[], Model], *,
+                    matmul_plan: str | MatmulPlan | None = "auto",
+                    rows: Sequence[int] = (1, 5),
+                    cache_dir: str | os.PathLike | None = None
+                    ) -> QuantizeChoice:
+  """What `quantize="auto"` means for the GGUF file `path`.
+
+  Float weights without measuring where the blocks cannot be the faster
+  model: no specjax CPU kernel here, a float dtype other than float32 (an
+  accelerator's bfloat16), or a block type the loaders cannot keep.
+
+  Args:
+    path: the .gguf file.
+    dtype: the float model's dtype.
+    load_blocks: loads the file with `quantize="gguf"`.
+    matmul_plan: `load_pretrained`'s `matmul`: "auto" (both models get
+      their tuned plans), a forced plan (both get it), or None.
+    rows: X of a decode step and a verification pass.
+    cache_dir: cache root.
+  """
+  rows = tuple(int(m) for m in rows)
+  fixed = functools.partial(QuantizeChoice.fixed, rows=rows)
+  if not kernels.available():
+    return fixed("the specjax CPU kernels are not available here")
+  if jnp.dtype(dtype) != jnp.float32:
+    return fixed(f"the float model is {jnp.dtype(dtype).name}, and the "
+                 "block kernels are CPU float32")
+  reader = GGUFFile(path)
+  types = block_types(reader)
+  kept = {q.name for q in gguf_blocks.SUPPORTED}
+  odd = sorted({t.split("*")[0] for t in types.split("+") if t} - kept)
+  if odd:
+    return fixed(f"{os.fspath(path)} has blocks of type(s) {odd}, which "
+                 "quantize='gguf' does not keep")
+  config = read_config(reader)
+  del reader
+  if matmul_plan is None:
+    float_plan = blocks_plan = MatmulPlan()
+  else:
+    tuned = matmul.tune(config, dtype, rows=rows, matmul=matmul_plan,
+                        cache_dir=cache_dir)
+    float_plan = tuned.plan
+    blocks_plan = float_plan if tuned.source == "forced" else KERNEL_PLAN
+  return choose(config, load_blocks, types=types, float_plan=float_plan,
+                blocks_plan=blocks_plan, dtype=dtype, rows=rows,
+                cache_dir=cache_dir)
