@@ -118,6 +118,22 @@ def test_an_odd_output_count_leaves_a_one_row_tile(name):
     np.testing.assert_array_equal(np.asarray(run(x[r:r + 1], w))[0], got[r])
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_x_beyond_l2_sums_in_the_same_order(qtype):
+  """x [60, 4608] (1.1 MB, more than the kernel keeps in L2): its float
+  tiles take groups of x rows outer, each output still summed in the
+  decode step's order; 41 outputs leave a one-row tile."""
+  block, _ = gguf.GGML_QUANT_SIZES[qtype]
+  w = jax.tree.map(jnp.asarray, gguf_blocks.from_blocks(
+      random_blocks(qtype, 41, 4608 // block), qtype, "t", (4608, 41)))
+  x = jax.random.normal(jax.random.key(3), (60, 4608), jnp.float32)
+  run = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=True))
+  got = np.asarray(run(x, w))
+  _assert_rounding_close(got, np.asarray(jax.jit(quantized.matmul)(x, w)))
+  for r in (0, 8, 9, 59):
+    np.testing.assert_array_equal(np.asarray(run(x[r:r + 1], w))[0], got[r])
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(platform.machine() != "x86_64" or not shutil.which("g++"),
                     reason="GCC on x86-64")
@@ -132,7 +148,8 @@ def test_rows_agree_when_gcc_tunes_for_amd_cores_without_avx512(tmp_path):
   env = dict(os.environ, CXX=str(cxx), SPECJAX_CACHE=str(tmp_path / "cache"))
   tests = [f"{__file__}::{name}" for name in (
       "test_kernel_equals_the_xla_product",
-      "test_an_odd_output_count_leaves_a_one_row_tile")]
+      "test_an_odd_output_count_leaves_a_one_row_tile",
+      "test_x_beyond_l2_sums_in_the_same_order")]
   run = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
       env=env, capture_output=True, text=True, check=False)

@@ -935,27 +935,33 @@ inline i32x16 widen(const uint8_t* p) {
 // bytes of a block's packed part hold 16 consecutive elements, read from x
 // in place. In groups of 16, ftile reads each part's 64 code bytes as 16
 // dwords and takes byte q of every dword at once (q = 0..3: lane l is byte
-// 4l + q), so x is copied in that order: xp [K / kNibBlock, M, kNibBlock],
-// part p's element for byte 4l + q at 64p + 16q + l.
+// 4l + q), so x is copied in that order: xp [M, K], each row's block of
+// kNibBlock with part p's element for byte 4l + q at 64p + 16q + l. (Rows
+// stay apart: with a block's M rows side by side, a [64, 8960] x put each
+// block of a row group on its own page.)
 struct XPerm {
   const float* x;
   std::unique_ptr<float[]> xp;  // null for groups of 32 or more
 
   XPerm(const float* x, int64_t m, int64_t k, int group) : x(x) {
     if (group >= 32) return;
+    // The block's source element of each destination, computed once: the
+    // division in nib_element made the copy cost a third of a [9, 8960]
+    // Q6_K product.
+    int32_t order[kNibBlock];
+    for (int part = 0; part < 2; ++part) {
+      for (int q = 0; q < 4; ++q) {
+        for (int l = 0; l < 16; ++l) {
+          order[64 * part + 16 * q + l] = nib_element(group, part, 4 * l + q);
+        }
+      }
+    }
     xp.reset(new float[m * k]);
     for (int64_t b = 0; b < k / kNibBlock; ++b) {
       for (int64_t r = 0; r < m; ++r) {
-        float* dst = xp.get() + (b * m + r) * kNibBlock;
+        float* dst = xp.get() + r * k + b * kNibBlock;
         const float* src = x + r * k + b * kNibBlock;
-        for (int part = 0; part < 2; ++part) {
-          for (int q = 0; q < 4; ++q) {
-            for (int l = 0; l < 16; ++l) {
-              dst[64 * part + 16 * q + l] =
-                  src[nib_element(group, part, 4 * l + q)];
-            }
-          }
-        }
+        for (int i = 0; i < kNibBlock; ++i) dst[i] = src[order[i]];
       }
     }
   }
@@ -990,6 +996,9 @@ struct FTiles {
 };
 constexpr int kFMultiMaxRows = 9;  // dequantising in registers
 constexpr int kFLoadMaxRows = 12;  // loading dequantised weights
+// Bytes of x [M, K] above which ftile's passes take x rows outer
+// (`columns`): more than an L2 holds beside the weights.
+constexpr int64_t kFXBytes = int64_t{1} << 20;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 // How far ahead of each weight row's reads ftile prefetches, in bytes
@@ -1022,7 +1031,7 @@ void ftile(const XPerm& xp, int64_t m, int64_t r0, int64_t k,
   const __m512i byte32 = _mm512_set1_epi32(0xff);
   const __m512i magic = _mm512_set1_epi32(0x4b000000);  // 2^23 as float
   const __m512 magic_off = _mm512_set1_ps(8388608.0f + offset);
-  const float* x0 = G >= 32 ? xp.x + r0 * k : xp.xp.get() + r0 * kNibBlock;
+  const float* x0 = (G >= 32 ? xp.x : xp.xp.get()) + r0 * k;
   const bool has_mins = w.mins != nullptr;
   // 4-bit codes in groups of 32 or more: each group's 16 weights are
   // looked up by code (vpermps reads an index's low 4 bits), from a table
@@ -1084,7 +1093,7 @@ void ftile(const XPerm& xp, int64_t m, int64_t r0, int64_t k,
         block_m[t] = has_mins ? expand(w.mins + row) : _mm512_setzero_ps();
       });
     }
-    const float* xb = G >= 32 ? x0 + b * kNibBlock : x0 + b * m * kNibBlock;
+    const float* xb = x0 + b * kNibBlock;
     unroll<4>([&](auto j) {
       // Bytes 16j.. of the block hold group j's (G = 32) or j / 2's (G =
       // 64) elements in both parts: one scale (and min) serves both.
@@ -1145,8 +1154,8 @@ void ftile(const XPerm& xp, int64_t m, int64_t r0, int64_t k,
       unroll<2>([&](auto p) {
         unroll<R>([&](auto r) {
           const __m512 xv = _mm512_loadu_ps(
-              G >= 32 ? xb + k * r + nib_element(G, p, 16 * j)
-                      : xb + kNibBlock * r + 64 * p + 16 * j);
+              xb + k * r + (G >= 32 ? nib_element(G, p, 16 * j)
+                                    : 64 * p + 16 * j));
           unroll<NB>([&](auto t) {
             acc[t][r] = (f32x16)_mm512_fmadd_ps(wv[t][p], xv,
                                                 (__m512)acc[t][r]);
@@ -1357,13 +1366,10 @@ struct QWork {
     const int64_t groups = (m + kMaxRows - 1) / kMaxRows;
     if (ft.one) {  // nibble formats: dequantised in registers (ftile)
       const int64_t ng = k / group, hb_row = high ? k * (bits - 4) / 8 : 0;
-      const bool one_pass = m <= kFMultiMaxRows;
-      const int64_t max_rows = one_pass ? kFMultiMaxRows : kFLoadMaxRows;
-      const int64_t row_groups = (m + max_rows - 1) / max_rows;
-      for (int64_t j = n0; j < n1;) {
-        const int64_t nb = j + 2 <= n1 ? 2 : 1;
-        // Rows j.. of scales and mins lie ng apart: as stored, or
-        // converted (scales into tmp, mins into tmp + 2 ng).
+      // Weight rows j.. (nb of them): rows of scales and mins lie ng
+      // apart, as stored or converted (scales into tmp, mins into tmp +
+      // 2 ng).
+      auto weight_rows = [&](int64_t j, int64_t nb) {
         FRows w{codes + j * (k / 2), high ? high + j * hb_row : nullptr,
                 scales.row(j, ng, tmp), mins.row(j, ng, tmp + 2 * ng), ng,
                 rows_buf};
@@ -1371,6 +1377,35 @@ struct QWork {
           scales.row(j + t, ng, tmp + t * ng);
           mins.row(j + t, ng, tmp + (2 + t) * ng);
         }
+        return w;
+      };
+      const bool one_pass = m <= kFMultiMaxRows;
+      if (!one_pass && m * k * int64_t{sizeof(float)} > kFXBytes) {
+        // x exceeds L2 (a prefill chunk of a down projection): groups of
+        // x rows outer, each over the chunk's weight rows dequantised in
+        // registers again, so that x crosses from L3 once per chunk
+        // rather than once per weight row pair.
+        const int64_t row_groups = (m + kFMultiMaxRows - 1) / kFMultiMaxRows;
+        int64_t r0 = 0;
+        for (int64_t g = 0; g < row_groups; ++g) {
+          const int64_t rows = (m - r0) / (row_groups - g);
+          for (int64_t j = n0; j < n1;) {
+            const int64_t nb = j + 2 <= n1 ? 2 : 1;
+            const FRows w = weight_rows(j, nb);
+            (nb > 1 ? ft.multi : ft.one)[rows](
+                *xperm, m, r0, k, w, static_cast<int8_t>(offset),
+                y + r0 * n + j, n);
+            j += nb;
+          }
+          r0 += rows;
+        }
+        return;
+      }
+      const int64_t max_rows = one_pass ? kFMultiMaxRows : kFLoadMaxRows;
+      const int64_t row_groups = (m + max_rows - 1) / max_rows;
+      for (int64_t j = n0; j < n1;) {
+        const int64_t nb = j + 2 <= n1 ? 2 : 1;
+        const FRows w = weight_rows(j, nb);
         // One pass: dequantised in registers; several: once, into L1.
         const FTileFn* tiles = nb > 1 ? ft.multi : ft.one;
         if (!one_pass) {
