@@ -18,7 +18,8 @@ pass, as `tuning.matmul`), every matrix product of one forward of each
 candidate, interleaved round-robin:
 
 - "gguf": the model's own block matrices, all L layers and the head,
-  through the plan a quantized model gets (the CPU kernel);
+  through the plan a quantized model gets (the CPU kernel, which its
+  layer loop sends every X);
 - "float": matrices of the same shapes stored and multiplied as the
   float model's plan (`tuning.matmul.tune`), on enough layers to exceed
   the caches, scaled to L, and the whole [V, E] head.
@@ -53,7 +54,9 @@ from specjax.checkpoints.gguf_reader import GGUFFile
 from specjax.models import MatmulPlan
 from specjax.models import Model
 from specjax.models import ModelConfig
+from specjax.models import quantized
 from specjax.models.config import flatten
+from specjax.models.matmul import LayerPick
 from specjax.models.matmul import project
 from specjax.tuning import matmul
 
@@ -127,6 +130,18 @@ def _layers(model: Model) -> list[dict[str, Any]]:
   return [layers[i] for i in range(model.config.num_layers)]
 
 
+def _as_looped(layers: list[dict[str, Any]], plan: MatmulPlan
+               ) -> list[dict[str, Any]]:
+  """`layers` as the model's layer loop multiplies them: with a kernel
+  plan, packed matrices go to the kernel at any X (`LayerPick`)."""
+  if not (plan.kernel and plan.layer_loop):
+    return layers
+  zero = jnp.zeros((), jnp.int32)
+  return [{n: LayerPick(ws=(w,), index=zero)
+           if quantized.is_quantized(w) and quantized.kernel_supports(w)
+           else w for n, w in layer.items()} for layer in layers]
+
+
 def _head(model: Model) -> Any:
   """The vocabulary head [V, E]: `lm_head`, else the tied embedding."""
   return model.params.get("lm_head", model.params["embed"])
@@ -141,7 +156,8 @@ def _measure(config: ModelConfig, dtype: Any, float_plan: MatmulPlan,
                               head_rows=config.vocab_size)
   candidates = {
       "float": (float_plan, layers, head, config.num_layers / len(layers)),
-      "gguf": (blocks.plan, _layers(blocks), _head(blocks), 1.0)}
+      "gguf": (blocks.plan, _as_looped(_layers(blocks), blocks.plan),
+               _head(blocks), 1.0)}
   run = jax.jit(matmul.run_layers, static_argnames="plan")
   logits = jax.jit(project, static_argnames="plan")
   steps: dict[tuple[str, str, int], Callable[[], Any]] = {}
