@@ -55,7 +55,6 @@ from specjax.models import MatmulPlan
 from specjax.models import Model
 from specjax.models import ModelConfig
 from specjax.models import quantized
-from specjax.models.config import flatten
 from specjax.models.matmul import LayerPick
 from specjax.models.matmul import project
 from specjax.tuning import matmul
@@ -120,14 +119,9 @@ def _check_entry(entry: Any) -> None:
 
 
 def _layers(model: Model) -> list[dict[str, Any]]:
-  """The model's matrices, one dict (q, k, v, ..., down) per layer."""
-  flat = flatten(model.params)
-  layers: dict[int, dict[str, Any]] = collections.defaultdict(dict)
-  for path, w in flat.items():
-    parts = path.split("/")
-    if path.startswith("layers_") and len(parts) == 2:
-      layers[int(parts[0][len("layers_"):])][parts[1]] = w
-  return [layers[i] for i in range(model.config.num_layers)]
+  """The model's layers' parameters (q, k, v, ..., down among them)."""
+  return [model.params[f"layers_{i}"]
+          for i in range(model.config.num_layers)]
 
 
 def _as_looped(layers: list[dict[str, Any]], plan: MatmulPlan
