@@ -170,10 +170,11 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
       downloaded or its file failed verification.
     FileNotFoundError / ConnectionError / ValueError: from the loaders.
   """
+  gguf_file = None  # a registry model's GGUF file, once fetched
   if quantize == "auto":
-    quantize = auto_quantize(name_or_path, dtype, cache_dir=cache_dir,
-                             progress=progress, matmul=matmul,
-                             tune_rows=tune_rows, mesh=mesh).quantize
+    choice, gguf_file = _auto_quantize(name_or_path, dtype, cache_dir,
+                                       progress, matmul, tune_rows, mesh)
+    quantize = choice.quantize
   quantize, act_bits = quantized.split_activations(quantize)
   spec = quantized.parse(quantize)
   if spec is not None and mesh is not None:
@@ -183,7 +184,7 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
   model, tokenizer = _load(name_or_path, hardware.resolve_dtype(dtype),
                            cache_dir, progress,
                            dict(mesh=mesh, split=split) if mesh else {},
-                           spec)
+                           spec, gguf_file)
   if spec is not None and matmul == "auto":
     # Nothing float to tune; the kernel reads every format's packed codes
     # once for all rows, where XLA's CPU backend dequantises each matrix
@@ -214,19 +215,31 @@ def auto_quantize(name_or_path: str | os.PathLike, dtype: Any = None, *,
   cached); anything else, or a model placed on a mesh, gets float weights.
   Both are the same model, bit for bit. Arguments as `load_pretrained`.
   """
+  return _auto_quantize(name_or_path, dtype, cache_dir, progress, matmul,
+                        tune_rows, mesh)[0]
+
+
+def _auto_quantize(name_or_path: str | os.PathLike, dtype: Any,
+                   cache_dir: str | os.PathLike | None, progress: bool,
+                   matmul: str | MatmulPlan | None, tune_rows: Sequence[int],
+                   mesh: jax.sharding.Mesh | None
+                   ) -> tuple[tuning.quantize.QuantizeChoice,
+                              pathlib.Path | None]:
+  """`auto_quantize`, and the GGUF file it read (None if none), so that
+  loading the blocks does not fetch and verify the file again."""
   rows = tuple(int(m) for m in tune_rows)
   fixed = tuning.quantize.QuantizeChoice.fixed
   if mesh is not None:
-    return fixed("quantized matrices are not placed on a mesh", rows)
+    return fixed("quantized matrices are not placed on a mesh", rows), None
   path = _gguf_path(name_or_path, cache_dir, progress)
   if path is None:
     return fixed(f"{os.fspath(name_or_path)!r} is not a GGUF file or a "
-                 "registry model", rows)
+                 "registry model", rows), None
   dtype = hardware.resolve_dtype(dtype)
   return tuning.quantize.choose_for_file(
       path, dtype, lambda: gguf_lib.load_gguf(path, dtype, progress=progress,
                                               quantize="gguf"),
-      matmul_plan=matmul, rows=rows, cache_dir=cache_dir)
+      matmul_plan=matmul, rows=rows, cache_dir=cache_dir), path
 
 
 def _gguf_path(name_or_path: str | os.PathLike,
@@ -249,14 +262,16 @@ def _gguf_path(name_or_path: str | os.PathLike,
 def _load(name_or_path: str | os.PathLike, dtype: jnp.dtype,
           cache_dir: str | os.PathLike | None,
           progress: bool, placement: dict[str, Any],
-          spec: str | quantized.QuantSpec | None = None
+          spec: str | quantized.QuantSpec | None = None,
+          gguf_file: pathlib.Path | None = None
           ) -> tuple[Model, Tokenizer]:
   """`load_pretrained` before the matmul plan is applied; `placement`
   (mesh, split) goes to the loaders that place tensor by tensor; `spec`
-  (a parsed `quantize`) to every loader."""
+  (a parsed `quantize`) to every loader; `gguf_file`, a registry model's
+  GGUF file already fetched and verified."""
   key = os.fspath(name_or_path)
   if key in weights.SOURCES and spec == "gguf":
-    path = _gguf_path(key, cache_dir, progress)
+    path = gguf_file or _gguf_path(key, cache_dir, progress)
     return (gguf_lib.load_gguf(path, dtype, progress=progress,
                                quantize="gguf"), load_tokenizer(key, cache_dir))
   if spec == "gguf" and not key.endswith(".gguf"):

@@ -103,12 +103,11 @@ def cache_file(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
   return store.path_for("quantize", cache_dir)
 
 
-def block_types(reader: GGUFFile) -> str:
-  """The file's quantized tensor types and counts, "Q4_K*169+Q6_K*29"."""
-  counts = collections.Counter(
+def block_types(reader: GGUFFile) -> collections.Counter:
+  """The file's quantized tensor types and their counts."""
+  return collections.Counter(
       t.tensor_type.name for t in reader.tensors
       if gguf.GGML_QUANT_SIZES[t.tensor_type][0] > 1)
-  return "+".join(f"{name}*{n}" for name, n in sorted(counts.items()))
 
 
 def _check_entry(entry: Any) -> None:
@@ -181,7 +180,7 @@ def choose(config: ModelConfig, blocks: Callable[[], Model], *,
     config: the model's shapes.
     blocks: loads the model with its GGUF blocks (`quantize="gguf"`);
       called only when measuring.
-    types: the file's block types (`block_types`), for the cache key.
+    types: the file's block types, "Q4_K*169+Q6_K*29", for the cache key.
     float_plan: the plan of the float model.
     blocks_plan: the plan of the block model.
     dtype: the float dtype.
@@ -249,9 +248,8 @@ def choose_for_file(path: str | os.PathLike, dtype: Any,
     return fixed(f"the float model is {jnp.dtype(dtype).name}, and the "
                  "block kernels are CPU float32")
   reader = GGUFFile(path)
-  types = block_types(reader)
-  kept = {q.name for q in gguf_blocks.SUPPORTED}
-  odd = sorted({t.split("*")[0] for t in types.split("+") if t} - kept)
+  counts = block_types(reader)
+  odd = sorted(set(counts) - {q.name for q in gguf_blocks.SUPPORTED})
   if odd:
     return fixed(f"{os.fspath(path)} has blocks of type(s) {odd}, which "
                  "quantize='gguf' does not keep")
@@ -264,6 +262,7 @@ def choose_for_file(path: str | os.PathLike, dtype: Any,
                         cache_dir=cache_dir)
     float_plan = tuned.plan
     blocks_plan = float_plan if tuned.source == "forced" else KERNEL_PLAN
+  types = "+".join(f"{name}*{n}" for name, n in sorted(counts.items()))
   return choose(config, load_blocks, types=types, float_plan=float_plan,
                 blocks_plan=blocks_plan, dtype=dtype, rows=rows,
                 cache_dir=cache_dir)
