@@ -164,24 +164,55 @@ def greedy_probs(logits: jax.Array) -> jax.Array:
   return jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
 
 
+def _order_keys(x: jax.Array) -> jax.Array:
+  """float32 [..., V] -> uint32 keys in the same order (-inf lowest)."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  bits = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+  return jax.lax.bitcast_convert_type(bits, jnp.uint32) ^ jnp.uint32(
+      0x80000000)
+
+
+def _smallest_key(holds, lo: jax.Array, hi: jax.Array) -> jax.Array:
+  """The smallest uint32 key K in [lo, hi] for which `holds(K)` ([..., 1]
+  bool, false then true as K grows; true at hi), by bisection: 32 passes
+  over the row, where a sort of a large vocabulary compiles and runs far
+  slower on TPU."""
+  def halve(_, bounds):
+    lo, hi = bounds
+    mid = lo + (hi - lo) // 2
+    yes = holds(mid)
+    return jnp.where(yes, lo, mid + 1), jnp.where(yes, mid, hi)
+  return jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
+
+
 def _filtered_logits(scaled: jax.Array, top_k: jax.Array,
                      top_p: jax.Array) -> jax.Array:
   """Masks to -inf what top-k then top-p remove. [..., V] -> [..., V].
 
-  Ties at a threshold are kept (as Hugging Face's warpers do).
+  Top-k keeps the tokens at least as likely as the k-th; top-p then keeps,
+  from the most likely down, each token whose more likely tokens hold less
+  than top_p of the top-k mass. Ties at either threshold are kept (as
+  Hugging Face's warpers do). Both thresholds are found by bisection over
+  the logits' order (`_smallest_key`), with no sort.
   """
   vocab = scaled.shape[-1]
-  desc = -jnp.sort(-scaled, axis=-1)  # [..., V] descending
+  keys = _order_keys(scaled)  # [..., V]
+  lo = jnp.min(keys, axis=-1, keepdims=True)
+  hi = jnp.max(keys, axis=-1, keepdims=True)
   k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-  ranks = jnp.arange(vocab)
-  desc = jnp.where(ranks < k, desc, -jnp.inf)
-  # Top-p on what top-k kept: keep a token while the mass before it < top_p.
-  sorted_probs = jax.nn.softmax(desc, axis=-1)
-  mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-  keep = (mass_before < top_p) & (ranks < k)
-  num_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)
-  threshold = jnp.take_along_axis(desc, num_keep - 1, axis=-1)  # [..., 1]
-  return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+  # The k-th largest key: the smallest K with fewer than k keys above it.
+  kth = _smallest_key(
+      lambda t: jnp.sum(keys > t, axis=-1, keepdims=True) < k, lo, hi)
+  in_top_k = keys >= kth
+  top = jnp.max(scaled, axis=-1, keepdims=True)
+  weights = jnp.where(in_top_k, jnp.exp(scaled - top), 0.0)
+  probs = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  # The last kept key: the smallest K (within the top k) whose more
+  # likely tokens hold less than top_p.
+  threshold = _smallest_key(
+      lambda t: jnp.sum(jnp.where(keys > t, probs, 0.0), axis=-1,
+                        keepdims=True) < top_p, kth, hi)
+  return jnp.where(keys >= threshold, scaled, -jnp.inf)
 
 
 def probabilities(logits: jax.Array, params: SamplingParams) -> jax.Array:
