@@ -52,6 +52,11 @@ REAL_SHAPES = {
         head_dim=64, rope_theta=500000.0, rms_norm_eps=1e-5,
         tie_embeddings=True,
         rope_scaling=RopeScaling(factor=32.0, **_LLAMA3_ROPE)),
+    "llama-3-70b": ModelConfig(
+        arch="llama", vocab_size=128256, hidden_size=8192,
+        intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
+        head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5,
+        tie_embeddings=False),
     "qwen2.5-coder-1.5b-instruct": ModelConfig(
         arch="qwen2", vocab_size=151936, hidden_size=1536,
         intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2,

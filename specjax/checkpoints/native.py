@@ -56,12 +56,13 @@ def save(model: Model, path: str | os.PathLike[str]) -> None:
     ValueError: the params do not match the config, or use a dtype that
       safetensors cannot store.
   """
-  check_params(model.config, model.params)
+  params = model.canonical_params()
+  check_params(model.config, params)
   if model.quantization:
     raise ValueError(f"Cannot save a quantized model ({model.quantization}) "
                      "as a native checkpoint, which holds float weights: "
                      "save the float model and load it with quantize=.")
-  arrays = {name: np.asarray(x) for name, x in flatten(model.params).items()}
+  arrays = {name: np.asarray(x) for name, x in flatten(params).items()}
   header: dict[str, Any] = {"__metadata__": {
       "format": FORMAT, "version": str(VERSION),
       "config": json.dumps(model.config.to_dict())}}

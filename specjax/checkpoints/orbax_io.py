@@ -53,7 +53,8 @@ def save(model: Model, directory: str | os.PathLike[str]) -> None:
       specjax checkpoint (nothing else is ever deleted).
     ValueError: the params do not match the config.
   """
-  check_params(model.config, model.params)
+  params = model.canonical_params()
+  check_params(model.config, params)
   directory = os.path.abspath(os.fspath(directory))
   if os.path.lexists(directory) and not (
       is_checkpoint(directory) or _is_empty_dir(directory)):
@@ -66,13 +67,13 @@ def save(model: Model, directory: str | os.PathLike[str]) -> None:
   try:
     with _checkpointer() as checkpointer:  # synchronous: returns committed
       checkpointer.save(os.path.join(tmp, PARAMS_NAME),
-                        args=ocp.args.PyTreeSave(model.params))
+                        args=ocp.args.PyTreeSave(params))
     meta = {
         "format": FORMAT,
         "version": VERSION,
         "config": model.config.to_dict(),
         "dtypes": {path: np.dtype(x.dtype).name
-                   for path, x in flatten(model.params).items()},
+                   for path, x in flatten(params).items()},
     }
     with open(os.path.join(tmp, META_NAME), "w") as f:
       json.dump(meta, f, indent=1)

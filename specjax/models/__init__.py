@@ -42,6 +42,7 @@ from specjax.models.quantized import is_quantized
 from specjax.models.quantized import QuantizedMatrix
 from specjax.models.quantized import quantize_params
 from specjax.models.quantized import QuantSpec
+from specjax.models import stacking
 from specjax.models.subset import LayerSubset
 from specjax.models.transformer import Transformer
 from specjax.models.transformer import TransformerOutput
@@ -116,7 +117,7 @@ class Model(Decoder):
     """
     if isinstance(plan, str):
       plan = MatmulPlan.parse(plan)
-    params = self.params
+    params = self.canonical_params()
     if plan.transposed != self.plan.transposed:
       flat = flatten(params)
       for path in matrix_paths(self.config):
@@ -125,7 +126,18 @@ class Model(Decoder):
         flat[path] = (_transpose_donated if donate else _transpose)(
             flat[path])
       params = unflatten(self.config, lambda path, _: flat[path])
+    if plan.scan_layers:
+      params = stacking.stack_layers(params, self.config.num_layers,
+                                     donate=donate)
     return self.replace(params=params, plan=plan)
+
+  def canonical_params(self) -> Any:
+    """The parameters with one dict per layer (`param_shapes`'s tree),
+    unstacked if the plan scans them (matrices stay in the plan's
+    layout)."""
+    if stacking.is_stacked(self.params):
+      return stacking.unstack_layers(self.params, self.config.num_layers)
+    return self.params
 
   @property
   def quantization(self) -> str | None:
@@ -145,9 +157,12 @@ class Model(Decoder):
       raise ValueError("Cannot quantize a model placed on a mesh: "
                        "quantized matrices are not sharded.")
     spec, act_bits = quantized.split_activations(spec)
-    model = self.replace(params=quantize_params(
-        self.config, self.params, spec, out_in=self.plan.transposed,
-        donate=donate))
+    params = quantize_params(
+        self.config, self.canonical_params(), spec,
+        out_in=self.plan.transposed, donate=donate)
+    if self.plan.scan_layers:
+      params = stacking.stack_layers(params, self.config.num_layers)
+    model = self.replace(params=params)
     return model.with_activations(act_bits) if act_bits else model
 
   def with_activations(self, bits: int) -> "Model":
@@ -196,4 +211,5 @@ def init_random(config: ModelConfig, key: jax.Array,
       num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=dtype)
   params = jax.jit(module.init)(key, jnp.zeros((1, 1), jnp.int32),
                                 cache)["params"]
-  return Model(config=config, params=params)
+  return Model(config=config, params=params).with_plan(
+      MatmulPlan.for_backend())

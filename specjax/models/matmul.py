@@ -58,6 +58,9 @@ class MatmulPlan:
       kernel-quantized model as one loop (`Transformer`), every product
       of it in the kernel, which reads the layer's matrix in place; False
       unrolls them (each layer compiled).
+    scan_layers: store the layers stacked [L, ...] and run them as one
+      `lax.scan` of XLA's dots (`specjax.models.stacking`): the GPU and
+      TPU layout. Not with `kernel`, which has its own loop.
   """
 
   layout: str = "in_out"
@@ -65,6 +68,7 @@ class MatmulPlan:
   kernel_max_rows: int = 32
   kernel_min_rows: int = 1
   layer_loop: bool = True
+  scan_layers: bool = False
 
   def __post_init__(self):
     if self.layout not in LAYOUTS:
@@ -73,6 +77,9 @@ class MatmulPlan:
     if self.kernel and self.layout != "out_in":
       raise ValueError("The specjax kernel reads weights stored [out, in]: "
                        "use layout='out_in' with kernel=True.")
+    if self.kernel and self.scan_layers:
+      raise ValueError("scan_layers runs XLA's dots; a kernel plan loops "
+                       "over its layers itself (layer_loop).")
     if not 1 <= self.kernel_max_rows <= kernels.MAX_ROWS:
       raise ValueError(f"kernel_max_rows must be in [1, {kernels.MAX_ROWS}],"
                        f" got {self.kernel_max_rows}.")
@@ -82,9 +89,10 @@ class MatmulPlan:
 
   @property
   def name(self) -> str:
-    """'in_out/xla', 'out_in/xla', 'out_in/kernel' or 'out_in/hybrid'."""
+    """'in_out/xla', 'out_in/xla', 'out_in/kernel' or 'out_in/hybrid';
+    '/scan' follows with `scan_layers` ('in_out/xla/scan')."""
     if not self.kernel:
-      return f"{self.layout}/xla"
+      return f"{self.layout}/xla" + ("/scan" if self.scan_layers else "")
     impl = "kernel" if self.kernel_min_rows == 1 else "hybrid"
     return f"{self.layout}/{impl}"
 
@@ -92,12 +100,22 @@ class MatmulPlan:
   def parse(cls, name: str) -> "MatmulPlan":
     """Inverts `name`, e.g. MatmulPlan.parse('out_in/kernel')."""
     layout, _, impl = name.partition("/")
-    if impl not in ("xla", "kernel", "hybrid"):
+    impl, _, scan = impl.partition("/")
+    if impl not in ("xla", "kernel", "hybrid") or scan not in ("", "scan"):
       raise ValueError(f"Unknown matmul plan {name!r}; expected "
-                       "'in_out/xla', 'out_in/xla', 'out_in/kernel' or "
-                       "'out_in/hybrid'.")
+                       "'in_out/xla', 'out_in/xla', 'out_in/kernel', "
+                       "'out_in/hybrid', or an xla plan + '/scan'.")
     return cls(layout=layout, kernel=impl != "xla",
-               kernel_min_rows=2 if impl == "hybrid" else 1)
+               kernel_min_rows=2 if impl == "hybrid" else 1,
+               scan_layers=bool(scan))
+
+  @classmethod
+  def for_backend(cls, backend: str | None = None) -> "MatmulPlan":
+    """The plan a model gets on a backend without tuning: layers stacked
+    and scanned on GPU and TPU; the checkpoint's layout on CPU, where
+    `specjax.tuning.matmul` measures the candidates instead."""
+    backend = backend or jax.default_backend()
+    return cls(scan_layers=backend != "cpu")
 
   @property
   def transposed(self) -> bool:

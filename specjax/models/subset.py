@@ -106,7 +106,7 @@ class LayerSubset(Decoder):
     the model's layers, and the embedding, final norm and head."""
     params = self.model.params
     layers = sum(x.nbytes for name, layer in params.items()
-                 if name.startswith("layers_")
+                 if name.startswith("layers")
                  for x in jax.tree.leaves(layer))
     rest = self.model.weight_bytes_per_token - layers
     return rest + layers * self.num_layers_run // self.model.config.num_layers

@@ -40,6 +40,7 @@ from specjax.models.matmul import LayerPick
 from specjax.models.matmul import MatmulPlan
 from specjax.models.matmul import project
 from specjax.models import quantized
+from specjax.models import stacking
 
 _INIT = nn.initializers.normal(0.02)
 
@@ -345,8 +346,11 @@ class Transformer(nn.Module):
     c = self.config
     self.embed = _param(self, "embed", (c.vocab_size, c.hidden_size),
                         self.param_dtype)
-    self.layers = [Block(c, self.param_dtype, self.plan, layer=i)
-                   for i in range(c.num_layers)]
+    # With `plan.scan_layers` the layers are one stacked dict
+    # (`stacking.KEY`), run by `_scanned`.
+    self.layers = [] if self.plan.scan_layers else [
+        Block(c, self.param_dtype, self.plan, layer=i)
+        for i in range(c.num_layers)]
     norm_init = (nn.initializers.zeros if c.norm_plus_one
                  else nn.initializers.ones)
     self.final_norm = self.param("final_norm", norm_init,
@@ -434,7 +438,11 @@ class Transformer(nn.Module):
       if cache_mask is not None:
         cache_m &= cache_mask
       masks[window] = (cache_m, chunk_m, start)
-    if self._loops(first, stop, x):
+    if self.plan.scan_layers:
+      x, keys, values, chosen = self._scanned(
+          x, cache, positions, masks, first, stop, hidden_layers,
+          cache_is_empty)
+    elif self._loops(first, stop, x):
       x, keys, values, chosen = self._layer_loop(
           x, cache, positions, masks, first, stop, hidden_layers,
           cache_is_empty)
@@ -563,6 +571,74 @@ class Transformer(nn.Module):
     chosen = {i: outs[i - first] for i in hidden_layers
               if first <= i < stop}
     return x, keys, values, chosen
+
+  def _scanned(self, x, cache, positions, masks, first, stop,
+               hidden_layers, cache_is_empty):
+    """Layers first..stop-1 from stacked [L, ...] parameters, as one
+    `lax.scan` over groups of P layers (`stacking.layer_period`: P = 1
+    unless windows or ropes alternate), each step indexing its layers'
+    slices of the stacked weights; layers outside whole groups (a range
+    that starts or ends inside one) run unrolled.
+
+    Same arguments and results as `_unrolled`.
+    """
+    c = self.config
+    stacked = self.variables["params"][stacking.KEY]
+    period = stacking.layer_period(
+        lambda i: (c.layer_window(i), c.layer_rope(i)), c.num_layers)
+    blocks = [Block(c, self.param_dtype, self.plan, layer=j, parent=None)
+              for j in range(period)]
+
+    def layer(x, i, j):
+      """Layer i (an int or traced), whose code is that of layer j < P."""
+      cache_m, chunk_m, start = masks[c.layer_window(j)]
+      if cache_is_empty:
+        k_cache = v_cache = None
+      else:
+        k_cache, v_cache = cache.k[i], cache.v[i]
+        if start is not None:
+          window = c.layer_window(j)
+          k_cache = window_slots(k_cache, start, window)
+          v_cache = window_slots(v_cache, start, window)
+      params = stacking.take_layer(stacked, i)
+      return blocks[j].apply({"params": params}, x, k_cache, v_cache,
+                             positions, cache_m, chunk_m)
+
+    def unrolled(x, layers):
+      pieces = []
+      for i in layers:
+        with jax.named_scope(f"layer_{i}"):
+          x, k, v = layer(x, i, i % period)
+        pieces.append((k[None], v[None], x[None]))
+      return x, pieces
+
+    def group(x, g):
+      parts = []
+      for j in range(period):
+        x, k, v = layer(x, g * period + j, j)
+        parts.append((k, v, x))
+      k, v, h = (jnp.stack(p) for p in zip(*parts))  # [P, ...]
+      return x, (k, v, h if hidden_layers else None)
+
+    # Layers [first, head) unrolled, whole groups g0..g1-1 scanned, the
+    # rest unrolled.
+    g0, g1 = -(-first // period), stop // period
+    head = min(g0 * period, stop)
+    x, pieces = unrolled(x, range(first, head))
+    if g1 > g0:
+      with jax.named_scope("layers"):
+        x, (k, v, h) = jax.lax.scan(
+            group, x, jnp.arange(g0, g1, dtype=jnp.int32))  # [G, P, ...]
+      flat = lambda a: a.reshape(-1, *a.shape[2:])  # [G * P, ...]
+      pieces.append((flat(k), flat(v), flat(h) if hidden_layers else None))
+    x, tail = unrolled(x, range(g1 * period if g1 > g0 else head, stop))
+    ks, vs, hs = zip(*(pieces + tail))
+    chosen = {}
+    if hidden_layers:
+      outs = jnp.concatenate(hs)  # [l, B, T, E]
+      chosen = {i: outs[i - first] for i in hidden_layers
+                if first <= i < stop}
+    return x, jnp.concatenate(ks), jnp.concatenate(vs), chosen
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """[..., E] -> [..., V] float32 (soft-capped if the config says so)."""

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec
 
 from specjax.models import config as config_lib
 from specjax.models.config import matrix_paths
+from specjax.models import stacking
 from specjax.models.matmul import MatmulPlan
 from specjax.shapes import MODEL
 from specjax.shapes import mesh_axis
@@ -118,7 +119,12 @@ def param_specs(config: config_lib.ModelConfig, mesh: Mesh, *,
       shape = shape[::-1]
     return param_spec(path, shape, mesh, transposed=path in transposed,
                       **kwargs)
-  return config_lib.unflatten(config, spec)
+  specs = config_lib.unflatten(config, spec)
+  if plan.scan_layers:  # [L, ...]: the layer axis stays whole
+    specs = stacking.stack_layers(
+        specs, config.num_layers,
+        combine=lambda per_layer: PartitionSpec(None, *per_layer[0]))
+  return specs
 
 
 def replicated_large(params: Any, min_bytes: int = 1 << 20) -> list[str]:
