@@ -1,0 +1,88 @@
+"""Compiles the programs users run for TPU chips, with no TPU attached.
+
+Each chip kind is compiled for in a process of its own (libtpu reads its
+environment once). Every figure is compiled for TPU, not run.
+
+  pip install -e ".[tpu]"
+  python scripts/aot_report.py --out=results/aot/report.json
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+
+from absl import app
+from absl import flags
+import jax
+
+from specjax import hardware
+from specjax.aot import report
+
+_OUT = flags.DEFINE_string("out", "results/aot/report.json", "JSON rows.")
+_RUNS = flags.DEFINE_list(
+    "runs", ["v5e:1:qwen1.5b:bf16:full", "v5e:1:qwen1.5b:bf16:unrolled",
+             "v5e:1:qwen1.5b:int8", "v5e:1:llama8b:bf16",
+             "v5e:1:llama8b:int8", "v5e:1:llama8b:int8:unrolled",
+             "v6e:1:qwen1.5b:bf16",
+             "v6e:1:llama8b:bf16", "v6e:8:llama70b:bf16",
+             "v5e:8:llama70b:int8"],
+    "chip:chips:pair:weights[:full|:unrolled] runs.")
+_ONE = flags.DEFINE_string("one", "", "Internal: run one entry of --runs.")
+_APPEND = flags.DEFINE_bool(
+    "append", False, "Keep --out's rows of runs not in --runs.")
+_TABLES = flags.DEFINE_string(
+    "tables", "", "Print the markdown tables of this report JSON and exit.")
+
+
+def _one(spec: str) -> list[dict]:
+  chip, chips, pair, weights, *extra = spec.split(":")
+  only = (("generate step", "generate", "model γ=4 step", "model γ=4")
+          if "unrolled" in extra else ())
+  return report.run(chip, pair, chips=int(chips),
+                    quantize=None if weights == "bf16" else weights,
+                    scan="unrolled" not in extra, full="full" in extra,
+                    only=only)
+
+
+def main(argv):
+  del argv
+  if _ONE.value:
+    print(json.dumps(_one(_ONE.value)))
+    return
+  if _TABLES.value:
+    with open(_TABLES.value) as f:
+      print(report.markdown(json.load(f)["rows"]))
+    return
+  rows = []
+  for spec in _RUNS.value:
+    print(f"compiling {spec} ...", file=sys.stderr, flush=True)
+    out = subprocess.run([sys.executable, __file__, f"--one={spec}"],
+                         capture_output=True, text=True, check=False,
+                         env={**os.environ, "JAX_PLATFORMS": ""})
+    if out.returncode:
+      print(out.stderr[-3000:], file=sys.stderr)
+      continue
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    for row in got:
+      print(json.dumps(row), flush=True)
+    rows += got
+  if _APPEND.value and os.path.exists(_OUT.value):
+    key = lambda r: (r["chip"], r["pair"], r["weights"], r["layout"],
+                     r["program"])
+    new = {key(r) for r in rows}
+    with open(_OUT.value) as f:
+      rows = [r for r in json.load(f)["rows"] if key(r) not in new] + rows
+  os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
+  with open(_OUT.value, "w") as f:
+    json.dump({"machine": hardware.machine(), "jax": jax.__version__,
+               "libtpu": importlib.metadata.version("libtpu"),
+               "rows": rows}, f, indent=1)
+  print(report.markdown(rows))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,349 @@
+"""What a compiled program reads from device memory, counted in its HLO.
+
+XLA's `cost_analysis()` is one number per module, and two of its habits make
+it wrong for decoding programs (tests/test_aot.py checks each on a known
+program, compiled for TPU):
+
+- a `while` body is counted once, whatever its trip count: a scan over L
+  layers reports one layer's bytes;
+- on TPU an operand prefetched into on-chip memory (a `copy-start` to
+  memory space S(1)) is counted at the copy and again at its reader: an
+  8-row product of a 32 MiB matrix reports 160 MiB.
+
+`count` walks the optimised HLO text instead: every top-level instruction
+reads its operands and writes its result where they live in device memory
+(HBM: no memory space, or S(0)); a fused computation that only slices an
+operand reads the slice; an in-place update writes the update; a `while`
+body counts once per iteration, with its trip count read from the loop's
+condition (for a loop that may stop early, such as drafting, its bound); a `conditional` counts its dearest branch. Collectives are
+counted the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+__all__ = ["HloCount", "count"]
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
+          "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
+          "f64": 8, "s4": 0.5, "u4": 0.5, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\](\{[^}]*\})?")
+_HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(.*\) -> .* \{$")
+# Opcodes that move no data of their own.
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+         "after-all", "partition-id", "replica-id", "copy-done",
+         "slice-done",
+         "opt-barrier", "add-dependency", "domain"}
+_SLICES = {"dynamic-slice", "slice", "gather"}
+# Element-preserving operations a fusion evaluates on demand.
+_RELAYOUTS = {"copy", "convert", "bitcast", "reshape", "bitcast-convert"}
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter",
+                "collective-permute", "all-to-all")
+
+
+@dataclasses.dataclass
+class _Instr:
+  name: str
+  type: str
+  opcode: str
+  args: str  # the text inside the parentheses
+  operands: list[str]
+  attrs: str  # the text after them
+  root: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class HloCount:
+  """Totals over one run of a program.
+
+  Attributes:
+    hbm_bytes: bytes read and written in device memory.
+    hbm_written: the part of them written (a step that copied a weight
+      would write as much as it reads of it).
+    collectives: collective operations executed (all-reduce, all-gather,
+      reduce-scatter, collective-permute, all-to-all).
+    instructions: HLO instructions in the optimised module (all
+      computations, fused ones included).
+    fusions: fusion instructions.
+    while_loops: `while` instructions.
+    unknown_trips: `while` loops whose trip count the condition does not
+      fix (counted once; a generation loop that runs to EOS).
+    largest: the instructions that move the most bytes, as (bytes over
+      the run, opcode, the JAX operation it came from), largest first.
+  """
+
+  hbm_bytes: float
+  hbm_written: float
+  collectives: float
+  instructions: int
+  fusions: int
+  while_loops: int
+  unknown_trips: int
+  largest: tuple[tuple[float, str, str], ...] = ()
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+  """'TYPE opcode(...)...' -> (TYPE, 'opcode(...)...'); tuple types nest."""
+  if rest.startswith("("):
+    depth = 0
+    for i, ch in enumerate(rest):
+      depth += ch == "("
+      depth -= ch == ")"
+      if depth == 0:
+        return rest[:i + 1], rest[i + 2:]
+  head, _, tail = rest.partition(" ")
+  return head, tail
+
+
+def _parse(text: str) -> tuple[dict[str, list[_Instr]], str]:
+  """Computations (name -> instructions) and the entry's name."""
+  comps, entry, current = {}, None, None
+  for line in text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = comps.setdefault(header.group(2), [])
+      if header.group(1):
+        entry = header.group(2)
+      continue
+    if current is None or " = " not in line or not line.startswith("  "):
+      continue
+    lhs, _, rest = line.strip().partition(" = ")
+    name = lhs.removeprefix("ROOT ").lstrip("%")
+    typ, call = _split_type(rest)
+    opcode, _, args = call.partition("(")
+    depth, end = 1, len(args)
+    for i, ch in enumerate(args):
+      depth += (ch == "(") - (ch == ")")
+      if depth == 0:
+        end = i
+        break
+    operands = re.findall(r"%([\w.\-]+)", args[:end])
+    current.append(_Instr(name, typ, opcode, args[:end], operands,
+                          args[end + 1:], lhs.startswith("ROOT ")))
+  if entry is None:
+    raise ValueError("No ENTRY computation in the HLO text.")
+  return comps, entry
+
+
+def _bytes(typ: str, hbm_only: bool = True) -> float:
+  """Bytes of a (tuple) type; with `hbm_only`, of its parts in HBM."""
+  total = 0.0
+  for dtype, dims, layout in _ARRAY.findall(typ):
+    space = re.search(r"S\((\d+)\)", layout or "")
+    if hbm_only and space and space.group(1) != "0":
+      continue
+    size = math.prod(int(d) for d in dims.split(",") if d)
+    total += size * _BYTES.get(dtype, 4)
+  return total
+
+
+def _elements(typ: str) -> int:
+  """Elements of the first array in a type."""
+  match = _ARRAY.search(typ)
+  if not match:
+    return 0
+  return math.prod(int(d) for d in match.group(2).split(",") if d)
+
+
+def _called(attrs: str, key: str) -> list[str]:
+  """The computations an instruction names in attribute `key`
+  (`calls=%f` or `branch_computations={%a, %b}`)."""
+  match = re.search(key + r"=(\{[^}]*\}|%[\w.\-]+)", attrs)
+  if not match:
+    return []
+  return [n.strip().lstrip("%") for n in match.group(1).strip("{}").split(",")
+          if n.strip()]
+
+
+class _Counter:
+  """Walks one module's computations."""
+
+  def __init__(self, text: str):
+    self.comps, self.entry = _parse(text)
+    self.by_name = {c: {i.name: i for i in instrs}
+                    for c, instrs in self.comps.items()}
+    self.unknown_trips = 0
+    self.moved = {}  # (opcode, JAX op) -> bytes over the run
+    self.scale = 1.0  # runs of the computation being walked
+
+  def param_read(self, comp: str, index: int, full: float) -> float:
+    """Bytes a fused computation `comp` reads of its parameter `index`,
+    whose whole is `full` bytes (`_needed`)."""
+    param = next((i.name for i in self.comps[comp] if i.opcode == "parameter"
+                  and i.args.strip() == str(index)), None)
+    return full if param is None else full * self._needed(comp, param, 1.0)
+
+  def _needed(self, comp: str, name: str, of_root: float) -> float:
+    """The fraction of value `name`'s elements that fused computation
+    `comp` reads, `of_root` being the fraction of its result read: a
+    fusion computes elements on demand, so a value that is only sliced,
+    updated in place, or relaid out, converted or reshaped on its way to
+    a slice (a nested fusion included) is read only where the slice is."""
+    instr = self.by_name[comp][name]
+    size = _elements(instr.type)
+    total = of_root if instr.root else 0.0
+    for user in self.comps[comp]:
+      if name not in user.operands:
+        continue
+      if user.opcode in _SLICES and user.operands[0] == name:
+        total += _elements(user.type) / max(size, 1)
+      elif user.opcode == "dynamic-update-slice" and (
+          user.operands[0] == name):
+        continue  # updated in place
+      elif user.opcode in _RELAYOUTS and _elements(user.type) == size:
+        total += self._needed(comp, user.name, of_root)
+      elif user.opcode == "fusion":
+        (inner,) = _called(user.attrs, "calls")
+        used = self._needed(comp, user.name, of_root)
+        for k, operand in enumerate(user.operands):
+          if operand == name:
+            param = next(i.name for i in self.comps[inner]
+                         if i.opcode == "parameter"
+                         and i.args.strip() == str(k))
+            total += self._needed(inner, param, used)
+      elif user.opcode == "tuple" and user.root:
+        total += of_root
+      else:
+        return 1.0
+      if total >= 1.0:
+        return 1.0
+    return total
+
+  def written(self, comp: str) -> float:
+    """Bytes a fusion writes to HBM: its results, or only the update of
+    a result that updates an operand in place."""
+    names = self.by_name[comp]
+    root = next(i for i in self.comps[comp] if i.root)
+    parts = [names[o] for o in root.operands] if (
+        root.opcode == "tuple") else [root]
+    total = 0.0
+    for part in parts:
+      if part.opcode == "dynamic-update-slice":
+        if _bytes(part.type):
+          total += _bytes(names[part.operands[1]].type, hbm_only=False)
+      else:
+        total += _bytes(part.type)
+    return total
+
+  def trips(self, comp: str, instr: _Instr) -> int | None:
+    """A `while`'s trip count, or its bound: a condition `i < c` (alone,
+    or and-ed with others: a draft loop that may stop early runs at most
+    that often) on a tuple element whose initial value is a constant."""
+    (cond,) = _called(instr.attrs, "condition")
+    cinstrs = self.by_name[cond]
+    root = next(i for i in self.comps[cond] if i.root)
+    compares = [root]
+    if root.opcode == "and":
+      compares = [cinstrs[o] for o in root.operands if o in cinstrs]
+    for compare in compares:
+      if compare.opcode != "compare" or "direction=LT" not in compare.attrs:
+        continue
+      lhs, rhs = (cinstrs.get(o) for o in compare.operands)
+      limit = _constant(rhs)
+      if lhs is None or lhs.opcode != "get-tuple-element" or limit is None:
+        continue
+      element = int(re.search(r"index=(\d+)", lhs.attrs).group(1))
+      init = self.by_name[comp].get(instr.operands[0])
+      if init is None or init.opcode != "tuple":
+        continue
+      start = self.by_name[comp].get(init.operands[element])
+      while start is not None and start.opcode == "copy":
+        start = self.by_name[comp].get(start.operands[0])
+      start = _constant(start)
+      if start is not None:
+        return max(limit - start, 0)
+    return None
+
+  def moves(self, instr: _Instr, names: dict[str, _Instr]
+            ) -> tuple[float, float]:
+    """(HBM bytes read, HBM bytes written) of one top-level instruction."""
+    op = instr.opcode
+    operands = [names[o] for o in instr.operands if o in names]
+    if op == "fusion":
+      (inner,) = _called(instr.attrs, "calls")
+      read = sum(self.param_read(inner, k, _bytes(o.type))
+                 for k, o in enumerate(operands) if _bytes(o.type))
+      return read, self.written(inner)
+    if op == "copy-start":  # (destination, source, context)
+      return _bytes(operands[0].type), _bytes(
+          _ARRAY.search(instr.type).group(0))
+    if op == "slice-start":  # ((source), destination, context)
+      dest = "{}[{}]{}".format(*_ARRAY.findall(instr.type)[1])
+      return _bytes(dest, hbm_only=False), _bytes(dest)
+    if op in _SLICES:
+      return _bytes(instr.type), _bytes(instr.type)
+    if op == "dynamic-update-slice":
+      update = _bytes(operands[1].type) if _bytes(instr.type) else 0.0
+      return update, update
+    return sum(_bytes(o.type) for o in operands), _bytes(instr.type)
+
+  def walk(self, comp: str) -> tuple[float, float, float]:
+    """(HBM bytes read, written, collectives) of one run of `comp`."""
+    read = written = coll = 0.0
+    names = self.by_name[comp]
+    for instr in self.comps[comp]:
+      op = instr.opcode
+      if op in _FREE:
+        continue
+      if op == "while":
+        (body,) = _called(instr.attrs, "body")
+        n = self.trips(comp, instr)
+        if n is None:
+          self.unknown_trips += 1
+          n = 1
+        self.scale *= n
+        r, w, c = self.walk(body)
+        self.scale /= n
+        read, written, coll = read + n * r, written + n * w, coll + n * c
+        continue
+      if op in ("conditional", "call", "async-start"):
+        callees = (_called(instr.attrs, "branch_computations")
+                   or _called(instr.attrs, "true_computation")
+                   + _called(instr.attrs, "false_computation")
+                   if op == "conditional" else
+                   _called(instr.attrs, "to_apply")
+                   + _called(instr.attrs, "calls"))
+        costs = [self.walk(c) for c in callees] or [(0.0, 0.0, 0.0)]
+        if op == "conditional":  # the dearest branch
+          costs = [max(costs, key=lambda x: x[0] + x[1])]
+        for r, w, c in costs:
+          read, written, coll = read + r, written + w, coll + c
+        continue
+      if any(op.startswith(c) for c in _COLLECTIVES) and not op.endswith(
+          "-done"):
+        coll += 1
+      r, w = self.moves(instr, names)
+      read, written = read + r, written + w
+      where = re.search(r'op_name="([^"]*)"', instr.attrs)
+      key = (op, where.group(1) if where else "")
+      self.moved[key] = self.moved.get(key, 0.0) + self.scale * (r + w)
+    return read, written, coll
+
+
+def _constant(instr: _Instr | None) -> int | None:
+  """The value of an integer scalar `constant`, else None."""
+  if instr is None or instr.opcode != "constant":
+    return None
+  try:
+    return int(instr.args)
+  except ValueError:
+    return None
+
+
+def count(text: str) -> HloCount:
+  """Counts one run of the optimised HLO module `text`
+  (`compiled.as_text()`)."""
+  counter = _Counter(text)
+  read, written, coll = counter.walk(counter.entry)
+  instrs = [i for c in counter.comps.values() for i in c]
+  return HloCount(
+      hbm_bytes=read + written, hbm_written=written, collectives=coll,
+      instructions=len(instrs),
+      fusions=sum(i.opcode == "fusion" for i in instrs),
+      while_loops=sum(i.opcode == "while" for i in instrs),
+      unknown_trips=counter.unknown_trips,
+      largest=tuple(sorted(((b, op, where) for (op, where), b
+                            in counter.moved.items()), reverse=True)[:12]))

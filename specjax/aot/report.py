@@ -1,0 +1,233 @@
+"""The ahead-of-time report: a pair's programs compiled for one TPU chip.
+
+Every figure is compiled for TPU, not run. Per program: trace, lower and
+compile seconds on this CPU, HLO size, HBM one chip holds against its HBM
+and against `specjax.sharding.memory`'s plan; per decoding step: HBM bytes
+read (`hlo.count`) against weight plus KV-cache bytes, the step time the
+chip's bandwidth implies, and the speedup those step times predict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax import policies
+from specjax import testing
+from specjax.aot import chips as chips_lib
+from specjax.aot import programs as programs_lib
+from specjax.policies.costs import expected_tokens
+from specjax.policies.costs import ForwardCosts
+from specjax.sharding import memory
+
+__all__ = ["PAIRS", "Pair", "run"]
+
+# α of the real Qwen pair on CPU (BENCHMARKS.md "Drafters"): the 0.5B
+# draft, prompt lookup.
+CPU_ALPHA = {"model": 0.958, "lookup": 0.808}
+ALPHAS = (0.6, 0.8, 0.9)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+  """A target and its draft, at real shapes (`testing.REAL_SHAPES`).
+
+  Attributes:
+    name: what the report calls it.
+    target: the target's `REAL_SHAPES` name.
+    draft: the draft's.
+    split_draft: split the draft over the mesh like the target (an 8B
+      draft copied to every chip would not leave room for a 70B target's
+      share); False replicates it.
+  """
+
+  name: str
+  target: str
+  draft: str
+  split_draft: bool = False
+
+
+PAIRS = {
+    "qwen1.5b": Pair("qwen1.5b", "qwen2.5-coder-1.5b-instruct",
+                     "qwen2.5-coder-0.5b-instruct"),
+    "llama8b": Pair("llama8b", "llama-3-8b", "llama-3.2-1b"),
+    "llama70b": Pair("llama70b", "llama-3-70b", "llama-3-8b",
+                     split_draft=True),
+}
+
+
+def _auto(chip: chips_lib.Chip, target_bytes: float, draft_bytes: float,
+          max_gamma: int = 8) -> policies.Auto:
+  """`gamma="auto"` priced as the chip's bandwidth prices each forward
+  (memory-bound at B = 1: a pass of any width up to γ + 1 reads the
+  weights and cache once)."""
+  ms = lambda b: {t: 1e3 * b / chip.bandwidth for t in (1, max_gamma + 1)}
+  return policies.Auto.from_costs(policies.StepCosts.from_forwards(
+      max_gamma, ForwardCosts(1, ms(target_bytes), "roofline"),
+      ForwardCosts(1, ms(draft_bytes), "roofline"), "roofline"))
+
+
+def _programs(call: programs_lib.Call, draft: Any, full: bool,
+              auto: policies.Auto):
+  """name -> (kind, γ, builder) of the programs to compile."""
+  vocab = call.target.vocab_size
+  model, lookup = programs_lib.DraftModel(draft), programs_lib.lookup(vocab)
+  out = {
+      "generate step": ("ar", 0, call.generate_step),
+      "model γ=4 step": ("model", 4, lambda: call.speculative_step(
+          model, policies.Fixed(4))),
+      "lookup γ=8 step": ("lookup", 8, lambda: call.speculative_step(
+          lookup, policies.Fixed(8))),
+      "generate": ("", 0, call.generate),
+      "model γ=4": ("", 4, lambda: call.speculative(model,
+                                                    policies.Fixed(4))),
+  }
+  if full:
+    out.update({
+        "lookup γ=8": ("", 8, lambda: call.speculative(
+            lookup, policies.Fixed(8))),
+        "tree 16 nodes, depth 4": ("", 4, lambda: call.speculative(
+            model, policies.Fixed(4, 16), num_nodes=16)),
+        "model, γ auto": ("", 8, lambda: call.speculative(model, auto)),
+    })
+  return out
+
+
+def run(chip_name: str, pair_name: str, *, chips: int = 1,
+        quantize: str | None = None, scan: bool = True, full: bool = False,
+        only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+  """Compiles `pair_name`'s programs for `chips` chips of `chip_name`.
+
+  Args:
+    chip_name: a `chips.CHIPS` key, or "attached": this runtime's own
+      devices (a Colab TPU or GPU, or the CPU), priced by their nominal
+      bandwidth (`policies.Roofline.nominal`).
+    pair_name: a `PAIRS` key.
+    chips: chips in the mesh (the target split over them, the draft
+      replicated).
+    quantize: None (bf16) or "int8" (weight-only) for both models.
+    scan: the scanned layout (False: every layer unrolled).
+    full: also the lookup and tree generations.
+    only: compile only these program names.
+
+  Returns:
+    One dict per program (compiled for TPU, not run).
+  """
+  if chip_name == "attached":
+    chip, devices = chips_lib.attached(chips)
+  else:
+    chip = chips_lib.CHIPS[chip_name]
+    devices = chips_lib.devices(chip, chips)
+  pair = PAIRS[pair_name]
+  mesh = programs_lib.make_mesh(devices)
+  shapes = dict(mesh=mesh, quantize=quantize, scan=scan)
+  target = programs_lib.abstract_model(testing.REAL_SHAPES[pair.target],
+                                       **shapes)
+  draft = programs_lib.abstract_model(testing.REAL_SHAPES[pair.draft],
+                                      split=pair.split_draft, **shapes)
+  call = programs_lib.Call(target)
+  size = call.speculative(programs_lib.DraftModel(draft),
+                          policies.Fixed(8))[2]["cache_size"]
+  dtype = jnp.bfloat16
+  kv_t = programs_lib.kv_bytes(target.config, dtype, call.batch, size)
+  kv_d = programs_lib.kv_bytes(draft.config, dtype, call.batch, size)
+  w_t, w_d = programs_lib.weight_bytes(target), programs_lib.weight_bytes(
+      draft)
+  plan = None
+  try:
+    plan = memory.plan({"target": target, "draft": draft},
+                       batch=call.batch, cache_size=size, chunk=9,
+                       mesh=mesh, limit=None).per_device
+  except Exception:  # pylint: disable=broad-except
+    plan = None  # the plan needs placed arrays; reported as missing
+  rows, step_s = [], {}
+  auto = _auto(chip, (w_t + kv_t) / chips,
+               (w_d + kv_d) / (chips if pair.split_draft else 1))
+  for name, (kind, gamma, build) in _programs(call, draft, full,
+                                              auto).items():
+    if only and name not in only:
+      continue
+    fn, args, static = build()
+    row = dict(chip=f"{chip.name}-{chips}", pair=pair.name,
+               weights=quantize or "bf16",
+               layout="scan" if scan else "unrolled", program=name,
+               chip_hbm_gib=chip.hbm_bytes / 2**30)
+    try:
+      c = programs_lib.compile_program(name, fn, *args, static=static)
+    except jax.errors.JaxRuntimeError as e:
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      # XLA refuses a program that cannot fit; that is the result.
+      rows.append(dict(row, fits=False, error=str(e).splitlines()[0]))
+      continue
+    # The compiled program is one device's: its shapes are shards.
+    read = c.count.hbm_bytes
+    draft_chips = chips if pair.split_draft else 1
+    expect = (w_t + kv_t) / chips + (
+        gamma * (w_d + kv_d) / draft_chips if kind == "model" else 0)
+    row.update(
+        trace_s=round(c.trace_s, 2),
+        lower_s=round(c.lower_s, 2), compile_s=round(c.compile_s, 2),
+        instructions=c.count.instructions, fusions=c.count.fusions,
+        while_loops=c.count.while_loops,
+        peak_hbm_gib=round(c.peak_bytes / 2**30, 3),
+        fits=c.peak_bytes <= chip.hbm_bytes,
+        plan_gib=None if plan is None else round(plan / 2**30, 3),
+        collectives=c.count.collectives,
+        unknown_trips=c.count.unknown_trips,
+        largest=[(round(b / 2**30, 3), op, where[-90:])
+                 for b, op, where in c.count.largest[:4]])
+    if kind:
+      step_s[kind] = read / chip.bandwidth
+      row.update(step_read_gib=round(read / 2**30, 3),
+                 step_written_gib=round(c.count.hbm_written / 2**30, 3),
+                 step_expected_gib=round(expect / 2**30, 3),
+                 step_ratio=round(read / expect, 3),
+                 step_ms_roofline=round(1e3 * read / chip.bandwidth, 3),
+                 gamma=gamma)
+    rows.append(row)
+  for row in rows:
+    kind = {"model γ=4 step": "model", "lookup γ=8 step": "lookup"}.get(
+        row["program"])
+    if kind and "ar" in step_s:
+      ratio = step_s["ar"] / step_s[kind]
+      alphas = ALPHAS + (CPU_ALPHA[kind],)
+      row["predicted_speedup"] = {
+          str(a): round(expected_tokens([a] * row["gamma"], row["gamma"])
+                        * ratio, 2) for a in alphas}
+  return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+  """Two tables of `run`'s rows: the decoding steps, then every program's
+  compile time and memory. Figures are compiled for TPU, not run."""
+  gib = lambda x: "" if x is None else f"{x:.2f}"
+  steps = ["| chip | pair | weights | step | GiB read / chip | weights + KV"
+           " / chip | ratio | roofline ms | collectives | predicted speedup "
+           "at α = 0.6 / 0.8 / 0.9 / CPU's α |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  progs = ["| chip | pair | weights | layout | program | compile s | HLO "
+           "instructions | while loops | HBM GiB / chip (XLA) | plan GiB | "
+           "fits |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    head = f"| {r['chip']} | {r['pair']} | {r['weights']} |"
+    if "error" in r:
+      progs.append(f"{head} {r['layout']} | {r['program']} | | | | "
+                   f"{r['error'][:80]} | | **no** |")
+      continue
+    if "step_read_gib" in r and r["layout"] == "scan":
+      speed = r.get("predicted_speedup")
+      speed = " / ".join(f"{v:.2f}" for v in speed.values()) if speed else ""
+      steps.append(
+          f"{head} {r['program']} | {gib(r['step_read_gib'])} | "
+          f"{gib(r['step_expected_gib'])} | {r['step_ratio']:.3f} | "
+          f"{r['step_ms_roofline']:.2f} | {r['collectives']:.0f} | {speed} |")
+    progs.append(
+        f"{head} {r['layout']} | {r['program']} | {r['compile_s']:.1f} | "
+        f"{r['instructions']} | {r['while_loops']} | "
+        f"{gib(r['peak_hbm_gib'])} | {gib(r['plan_gib'])} | "
+        f"{'yes' if r['fits'] else '**no**'} |")
+  return "\n".join(steps) + "\n\n" + "\n".join(progs) + "\n"
