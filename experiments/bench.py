@@ -40,7 +40,6 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tqdm
 
 from experiments import controls as controls_lib
 from experiments import cost as cost_lib
@@ -67,6 +66,7 @@ from specjax import hardware
 from specjax import heads
 from specjax import metrics
 from specjax import policies
+from specjax import progress as progress_lib
 from specjax.hardware import timed_call
 from specjax.sharding import distributed
 from specjax.tuning import cost as tuning_cost
@@ -396,9 +396,10 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
   num_batches = {b: -(-len(encoded) // b) for b in batch_sizes}
   num_runs = (len(gammas) * len(node_counts)
               + len(config.get("policies", ()))) * len(accepts)
-  bar = tqdm.tqdm(total=sum(n * (1 + num_runs * len(names))
-                            for n in num_batches.values()),
-                  desc="generate", unit="call", disable=not config.progress)
+  bar = progress_lib.tqdm(total=sum(n * (1 + num_runs * len(names))
+                                    for n in num_batches.values()),
+                          desc="generate", unit="call",
+                          disable=not config.progress)
   seen: set = set()
   runs, baselines, costs = [], {}, {}
   for batch_size in batch_sizes:

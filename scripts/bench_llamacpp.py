@@ -36,12 +36,15 @@ import json
 import os
 import pathlib
 import platform
+import sys
 import time
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from configs import llama_pair
 from experiments import pair as pair_lib
 from specjax import decode

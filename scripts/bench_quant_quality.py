@@ -27,6 +27,7 @@ import json
 import math
 import pathlib
 import platform
+import sys
 import textwrap
 import time
 
@@ -34,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from configs import llama_pair
 from experiments import pair as pair_lib
 from specjax import decode

@@ -15,6 +15,8 @@ COMMAND (a GPU node): python scripts/bench_sharding.py --mesh=1x8 \
 
 from __future__ import annotations
 
+import pathlib
+import sys
 
 from absl import app
 from absl import flags
@@ -22,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from experiments.validation import parse_mesh
 from specjax import hardware
 from specjax import models

@@ -13,8 +13,9 @@ automaton state. A drafted token advances a speculative state and a
 rejection rolls it back as it rolls back a cache: the caller keeps one state
 per position.
 
-Library: outlines-core. Its `Index` is a token-level DFA built from a
-regex over a given `Vocabulary` (state x token -> state), and
+Library: outlines-core (the `structured` extra, imported at first use).
+Its `Index` is a token-level DFA built from a regex over a given
+`Vocabulary` (state x token -> state), and
 `outlines_core.json_schema.build_regex_from_schema` turns a JSON schema
 into such a regex; a finite token-level automaton is exactly what can
 become device tables, computed once on the host. xgrammar and llguidance
@@ -74,15 +75,18 @@ from __future__ import annotations
 import collections
 import functools
 import json
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TYPE_CHECKING
 import weakref
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-import outlines_core
-from outlines_core import json_schema as outlines_json_schema
+
+from specjax import _optional
+
+if TYPE_CHECKING:
+  import outlines_core
 
 
 __all__ = ["Grammar", "START", "accepts", "advance", "allowed",
@@ -91,6 +95,8 @@ __all__ = ["Grammar", "START", "accepts", "advance", "allowed",
 
 # The initial state of every compiled grammar.
 START = 0
+# The setup.cfg extra that installs outlines-core.
+_EXTRA = "structured"
 # Smallest padded sizes: tiny grammars share one program.
 _MIN_STATES = 16
 _MIN_CLASSES = 16
@@ -180,7 +186,8 @@ def vocabulary(tokenizer: Any,
     for i, b in enumerate(tokenizer.token_bytes()):
       if b and i not in skip:
         spelled[b].append(i)
-    cached[eos] = outlines_core.Vocabulary(eos[0], dict(spelled))
+    outlines = _optional.require("outlines_core", _EXTRA)
+    cached[eos] = outlines.Vocabulary(eos[0], dict(spelled))
   return cached[eos]
 
 
@@ -210,8 +217,9 @@ def _pattern(regex: str | None, json_schema: Any) -> tuple[str, str]:
     raise ValueError("json_schema must be a JSON object (a dict or its JSON "
                      f"text), got {type(schema).__name__}.")
   text = json.dumps(schema)
+  schemas = _optional.require("outlines_core.json_schema", _EXTRA)
   try:
-    pattern = outlines_json_schema.build_regex_from_schema(text)
+    pattern = schemas.build_regex_from_schema(text)
   except Exception as e:  # pylint: disable=broad-except
     raise ValueError(f"outlines-core cannot turn this JSON schema into a "
                      f"regex: {e}".rstrip()) from e
@@ -464,8 +472,9 @@ def compile_grammar(source: Any | outlines_core.Vocabulary,
       schema that is not a JSON object or that outlines-core does not
       support; an automaton over `max_states` or `max_classes`.
   """
+  outlines = _optional.require("outlines_core", _EXTRA)
   pattern, what = _pattern(regex, json_schema)
-  if isinstance(source, outlines_core.Vocabulary):
+  if isinstance(source, outlines.Vocabulary):
     if vocab_size is None:
       raise ValueError("vocab_size is required with an outlines-core "
                        "Vocabulary.")
@@ -480,7 +489,7 @@ def compile_grammar(source: Any | outlines_core.Vocabulary,
     vocab, token_bytes = vocabulary(source, eos), source.token_bytes()
     vocab_size = source.vocab_size if vocab_size is None else vocab_size
   try:
-    index = outlines_core.Index(pattern, vocab)
+    index = outlines.Index(pattern, vocab)
   except Exception as e:  # pylint: disable=broad-except
     raise ValueError(f"outlines-core cannot build an automaton for {what}: "
                      f"{e}".rstrip()) from e

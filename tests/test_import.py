@@ -5,6 +5,10 @@ import subprocess
 import sys
 
 HEAVY = ("torch", "transformers", "pytest", "nbclient", "accelerate")
+# Modules of setup.cfg's extras that the library imports where it uses them
+# (`specjax._optional.require`), never at import time.
+OPTIONAL = ("outlines_core", "jsonschema", "matplotlib", "ml_collections",
+            "libtpu")
 
 
 def test_decode_import_pulls_no_test_only_dependency():
@@ -13,6 +17,22 @@ def test_decode_import_pulls_no_test_only_dependency():
       "import specjax.decode, specjax.checkpoints, specjax.registry\n"
       "import specjax.tokenizer, specjax.metrics\n"
       f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, check=True, timeout=300)
+  assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_library_import_pulls_no_optional_extra():
+  # `pip install specjax` (no extras) is enough to import every module.
+  code = (
+      "import importlib, pathlib, sys\n"
+      "import specjax\n"
+      "root = pathlib.Path(specjax.__file__).parent\n"
+      "for path in sorted(root.rglob('*.py')):\n"
+      "  parts = path.relative_to(root.parent).with_suffix('').parts\n"
+      "  importlib.import_module('.'.join(p for p in parts\n"
+      "                                   if p != '__init__'))\n"
+      f"print(sorted(m for m in {OPTIONAL + HEAVY!r} if m in sys.modules))\n")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True,
                        text=True, check=True, timeout=300)
   assert out.stdout.strip() == "[]", out.stdout + out.stderr

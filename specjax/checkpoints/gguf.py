@@ -32,8 +32,8 @@ import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tqdm
 
+from specjax import progress as progress_lib
 from specjax.checkpoints import gguf_blocks
 from specjax.checkpoints.gguf_reader import GGUFFile
 from specjax.models import check_params
@@ -335,8 +335,9 @@ class HFTensors(Mapping):
           f"Unsupported GGUF quantization type(s) {bad}; the gguf package "
           f"can dequantize "
           f"{sorted(q.name for q in supported_quantization_types())}.")
-    self._bar = tqdm.tqdm(total=len(reader.tensors), desc="dequantize GGUF",
-                          unit="tensor", disable=not progress)
+    self._bar = progress_lib.tqdm(total=len(reader.tensors),
+                                  desc="dequantize GGUF", unit="tensor",
+                                  disable=not progress)
     self._tensors = {}
     for t in reader.tensors:
       name = hf_name(t.name, config.arch)

@@ -13,8 +13,8 @@ import time
 from typing import Any, Callable
 
 import numpy as np
-import tqdm
 
+from specjax import progress as progress_lib
 from specjax import registry
 from specjax import weights
 from specjax.heads import data
@@ -82,8 +82,8 @@ def _features(config: Any, target: Any, encode, render, separator,
     raise ValueError(f"The {config.corpus} corpus gave {len(tokens)} "
                      f"{split} sequences of {config.seq_len} tokens; "
                      f"{count} were asked for.")
-  with tqdm.tqdm(total=len(tokens), desc=f"features ({split})",
-                 unit="seq", disable=not config.progress) as bar:
+  with progress_lib.tqdm(total=len(tokens), desc=f"features ({split})",
+                         unit="seq", disable=not config.progress) as bar:
     hidden = data.extract(target, tokens, batch=config.extract_batch,
                           progress=bar.update)
   data.Features(tokens=tokens, hidden=hidden, meta=meta).save(path)
@@ -108,8 +108,8 @@ def run(config: Any) -> dict[str, Any]:
                           "train", config.num_sequences)
   extracted = time.perf_counter()
   settings = train_config(config)
-  with tqdm.tqdm(total=settings.num_steps, desc="train", unit="step",
-                 disable=not config.progress) as bar:
+  with progress_lib.tqdm(total=settings.num_steps, desc="train",
+                         unit="step", disable=not config.progress) as bar:
 
     def progress(step, record):
       bar.n = step

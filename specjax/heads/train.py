@@ -44,6 +44,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
+from specjax import _optional
 from specjax.heads.eagle import Eagle
 from specjax.heads.eagle import EagleLayer
 from specjax.heads.eagle import layer_cache
@@ -386,9 +387,9 @@ def load_heads(path: str | os.PathLike, target: Any,
 def save_plot(history: list[dict[str, Any]], path: str | os.PathLike
               ) -> None:
   """Training loss and held-out per-head accuracy against step, as PNG."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib = _optional.require("matplotlib", "experiments")
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = _optional.require("matplotlib.pyplot", "experiments")
   fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
   trained = [r for r in history if "loss" in r]
   left.plot([r["step"] for r in trained], [r["loss"] for r in trained],
