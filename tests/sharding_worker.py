@@ -23,6 +23,7 @@ import numpy as np
 
 from specjax import decode
 from specjax import loops
+from specjax import models
 from specjax import policies
 from specjax import drafters
 from specjax import speculate
@@ -90,14 +91,15 @@ def _vocab_gathers(target, draft, mesh):
       budget, policies.Fixed(3), tokens_cap=64, cache_size=128, pad_id=0,
       synthetic=False, num_nodes=None)
   vocab = target.vocab_size
-  out = []
+  gathers, seen = [], 0
   for line in lowered.compile().as_text().splitlines():
     match = re.search(r"= \w+\[([\d,]+)\]\S* all-gather\(", line)
+    seen += bool(match)
     if match and int(match.group(1).split(",")[-1]) == vocab:
       name = re.search(r'op_name="([^"]+)"', line)
-      out.append([[int(d) for d in match.group(1).split(",")],
-                  name.group(1) if name else ""])
-  return out
+      gathers.append([[int(d) for d in match.group(1).split(",")],
+                      name.group(1) if name else ""])
+  return {"vocab": gathers, "all_gathers": seen}
 
 
 def _memory(target, draft, mesh):
@@ -136,6 +138,11 @@ def main(meshes: str) -> None:
       entry["vocab_gathers"] = _vocab_gathers(placed, small, mesh)
     if data > 1 and model > 1:  # the placement variants, on both axes
       entry["draft_split"] = _decode(placed, sharding.shard(draft, mesh))[1]
+      # The accelerator layout: layers stacked [L, ...] and scanned.
+      scan = models.MatmulPlan(scan_layers=True)
+      entry["scanned"] = _decode(
+          sharding.shard(target.with_plan(scan), mesh),
+          sharding.shard(draft.with_plan(scan), mesh, split=False))
       entry["head_hidden"] = _decode(
           sharding.shard(target, mesh, head="hidden"), small)
     del placed, small

@@ -19,6 +19,7 @@ from specjax import testing
 from specjax.checkpoints import native
 from specjax.models import MatmulPlan
 from specjax.models import init_random
+from specjax.models import LayerSubset
 from specjax.models import stacking
 from specjax.sharding import rules
 
@@ -123,3 +124,21 @@ def test_stacked_partition_specs_keep_the_layer_axis_whole():
   stacked = rules.param_specs(config, mesh, plan=SCAN)
   for name, spec in stacked[stacking.KEY].items():
     assert spec == PartitionSpec(None, *flat["layers_0"][name])
+
+
+def test_quantized_and_subset_models_scan_as_they_run_per_layer():
+  model = init_random(CONFIGS["llama"], jax.random.key(2))
+  tokens = jnp.asarray([[5, 9, 2, 7]], jnp.int32)
+  for per_layer in (model.quantize("int8"),
+                    LayerSubset.create(model, exit_layer=4, skip=(1,))):
+    if isinstance(per_layer, LayerSubset):
+      scanned = LayerSubset.create(model.with_plan(SCAN), exit_layer=4,
+                                   skip=(1,))
+    else:
+      scanned = model.with_plan(SCAN).quantize("int8")
+      assert stacking.is_stacked(scanned.params)
+    want, _ = per_layer(tokens, per_layer.init_cache(1, 8))
+    got, _ = scanned(tokens, scanned.init_cache(1, 8))
+    np.testing.assert_allclose(np.asarray(got.logits),
+                               np.asarray(want.logits), rtol=1e-5,
+                               atol=1e-5)

@@ -19,6 +19,7 @@ from specjax import policies
 from specjax import testing
 from specjax.aot import chips as chips_lib
 from specjax.aot import programs as programs_lib
+from specjax.models import MatmulPlan
 from specjax.policies.costs import expected_tokens
 from specjax.policies.costs import ForwardCosts
 from specjax.sharding import memory
@@ -97,7 +98,8 @@ def _programs(call: programs_lib.Call, draft: Any, full: bool,
 
 
 def run(chip_name: str, pair_name: str, *, chips: int = 1,
-        quantize: str | None = None, scan: bool = True, full: bool = False,
+        quantize: str | None = None, scan: bool | None = None,
+        full: bool = False,
         only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
   """Compiles `pair_name`'s programs for `chips` chips of `chip_name`.
 
@@ -109,7 +111,8 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
     chips: chips in the mesh (the target split over them, the draft
       replicated).
     quantize: None (bf16) or "int8" (weight-only) for both models.
-    scan: the scanned layout (False: every layer unrolled).
+    scan: the scanned layout (False: every layer unrolled); default: the
+      layout the devices' backend gets (`MatmulPlan.for_backend`).
     full: also the lookup and tree generations.
     only: compile only these program names.
 
@@ -123,7 +126,12 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
     devices = chips_lib.devices(chip, chips)
   pair = PAIRS[pair_name]
   mesh = programs_lib.make_mesh(devices)
-  shapes = dict(mesh=mesh, quantize=quantize, scan=scan)
+  backend = devices[0].platform
+  if scan is None:
+    scan = MatmulPlan.for_backend(backend).scan_layers
+  # bf16 on accelerators, float32 on CPU (`hardware.default_dtype`).
+  dtype = jnp.float32 if backend == "cpu" else jnp.bfloat16
+  shapes = dict(mesh=mesh, quantize=quantize, scan=scan, dtype=dtype)
   target = programs_lib.abstract_model(testing.REAL_SHAPES[pair.target],
                                        **shapes)
   draft = programs_lib.abstract_model(testing.REAL_SHAPES[pair.draft],
@@ -131,7 +139,6 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
   call = programs_lib.Call(target)
   size = call.speculative(programs_lib.DraftModel(draft),
                           policies.Fixed(8))[2]["cache_size"]
-  dtype = jnp.bfloat16
   kv_t = programs_lib.kv_bytes(target.config, dtype, call.batch, size)
   kv_d = programs_lib.kv_bytes(draft.config, dtype, call.batch, size)
   w_t, w_d = programs_lib.weight_bytes(target), programs_lib.weight_bytes(
@@ -152,7 +159,7 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
       continue
     fn, args, static = build()
     row = dict(chip=f"{chip.name}-{chips}", pair=pair.name,
-               weights=quantize or "bf16",
+               weights=quantize or jnp.dtype(dtype).name,
                layout="scan" if scan else "unrolled", program=name,
                chip_hbm_gib=chip.hbm_bytes / 2**30)
     try:
@@ -192,7 +199,7 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
   for row in rows:
     kind = {"model γ=4 step": "model", "lookup γ=8 step": "lookup"}.get(
         row["program"])
-    if kind and "ar" in step_s:
+    if kind in step_s and "ar" in step_s:
       ratio = step_s["ar"] / step_s[kind]
       alphas = ALPHAS + (CPU_ALPHA[kind],)
       row["predicted_speedup"] = {
@@ -205,10 +212,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
   """Two tables of `run`'s rows: the decoding steps, then every program's
   compile time and memory. Figures are compiled for TPU, not run."""
   gib = lambda x: "" if x is None else f"{x:.2f}"
-  steps = ["| chip | pair | weights | step | GiB read / chip | weights + KV"
-           " / chip | ratio | roofline ms | collectives | predicted speedup "
-           "at α = 0.6 / 0.8 / 0.9 / CPU's α |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+  steps = ["| chip | pair | weights | layout | step | GiB read / chip | "
+           "weights + KV / chip | ratio | roofline ms | collectives | "
+           "predicted speedup at α = 0.6 / 0.8 / 0.9 / CPU's α |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   progs = ["| chip | pair | weights | layout | program | compile s | HLO "
            "instructions | while loops | HBM GiB / chip (XLA) | plan GiB | "
            "fits |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -218,11 +225,12 @@ def markdown(rows: list[dict[str, Any]]) -> str:
       progs.append(f"{head} {r['layout']} | {r['program']} | | | | "
                    f"{r['error'][:80]} | | **no** |")
       continue
-    if "step_read_gib" in r and r["layout"] == "scan":
+    if "step_read_gib" in r:
       speed = r.get("predicted_speedup")
       speed = " / ".join(f"{v:.2f}" for v in speed.values()) if speed else ""
       steps.append(
-          f"{head} {r['program']} | {gib(r['step_read_gib'])} | "
+          f"{head} {r['layout']} | {r['program']} | "
+          f"{gib(r['step_read_gib'])} | "
           f"{gib(r['step_expected_gib'])} | {r['step_ratio']:.3f} | "
           f"{r['step_ms_roofline']:.2f} | {r['collectives']:.0f} | {speed} |")
     progs.append(

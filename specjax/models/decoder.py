@@ -87,9 +87,12 @@ class Decoder:
         0, full, lambda i, c: run(chunk, i * chunk, c),
         (cache, last, everything))
     # The rest in one piece, the smallest of `sizes` that holds it:
-    # fewer rows never cost more, on any machine.
+    # fewer rows never cost more, on any machine. A scanned (GPU/TPU)
+    # model, memory-bound at these sizes, keeps one size: each size is
+    # another forward to compile.
     rest = longest - full * chunk
-    sizes = sorted({max(chunk >> k, 1) for k in (2, 1, 0)})
+    sizes = [chunk] if self.plan.scan_layers else sorted(
+        {max(chunk >> k, 1) for k in (2, 1, 0)})
     pieces = [lambda c: c] + [
         functools.partial(run, size, full * chunk) for size in sizes]
     pick = jnp.where(rest > 0, 1 + jnp.searchsorted(

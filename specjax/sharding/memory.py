@@ -167,20 +167,20 @@ def _weights(name: str, model: Model, mesh: Mesh | None,
              split: bool) -> Entry:
   """A placed model's own shards, or else the shards `shard(model, mesh,
   split=split)` would make."""
+  leaves = jax.tree.leaves(model.params)
+  stored = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+               for x in leaves)
+  if model.mesh is not None:  # placed: its own shards, packed or not
+    return Entry(name, "weights", stored,
+                 sum(rules.per_device_bytes(x) for x in leaves))
   if getattr(model, "quantization", None):
-    # Packed codes, scales and mins as stored; never sharded.
-    total = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
-                for x in jax.tree.leaves(model.params))
-    return Entry(name, "weights", total, total)
+    # Packed codes, scales and mins as stored; not placed, so whole.
+    return Entry(name, "weights", stored, stored)
   item = jnp.dtype(model.dtype).itemsize
   shapes = flatten(param_shapes(model.config))
   total = sum(int(np.prod(s)) for s in shapes.values()) * item
   if mesh is None:
     return Entry(name, "weights", total, total)
-  if model.mesh is not None:
-    per = sum(rules.per_device_bytes(x)
-              for x in jax.tree.leaves(model.params))
-    return Entry(name, "weights", total, per)
   specs = flatten(rules.param_specs(model.config, mesh, plan=model.plan,
                                     split=split))
   transposed = set(matrix_paths(model.config)) if model.plan.transposed else ()
