@@ -7,7 +7,7 @@ EAGLE drafts at the feature level. Position i of its input is the pair
 (f_i, e(t_{i+1})): the target's last hidden state at position i (the LM
 head's input, whose output is the law of token i+1) and the embedding of
 the token that followed. A linear map [2E -> E] and one decoder layer of
-the target's shape (`specjax.models.transformer.Block`, its own small KV
+the target's shape (`specjax.models.block.Block`, its own small KV
 cache) predict f_{i+1}; the target's frozen LM head turns that into the
 law of token i+2. Drafting is autoregressive (EAGLE-1's chain, in a
 `lax.while_loop`): each drafted token and the predicted feature are the
@@ -36,9 +36,9 @@ from specjax.drafters.base import capped
 from specjax.drafters.base import Drafter
 from specjax.step_types import Proposal
 from specjax.models import quantized
+from specjax.models.block import Block
 from specjax.models.config import ModelConfig
 from specjax.models.transformer import attention_masks
-from specjax.models.transformer import Block
 from specjax.models.transformer import causal_mask
 from specjax.models.transformer import default_positions
 

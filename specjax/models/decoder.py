@@ -21,7 +21,7 @@ PREFILL_CHUNK = 64
 
 class Decoder:
   """`__call__` and `prefill` of the `LanguageModel` protocol, for a class
-  with `forward` (a `Transformer.__call__`), `logits`, `config` and
+  with `forward` (a `Transformer.__call__`), `logits`, `config`, `plan` and
   `dtype`: `Model`, and `LayerSubset`, which runs some of a model's
   layers."""
 

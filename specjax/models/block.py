@@ -1,0 +1,211 @@
+"""One decoder layer (`Block`) and the pieces it is built from: rotary
+embeddings, RMSNorm, soft-capping.
+
+Shape letters (`specjax.shapes`): B batch, T tokens in this call, S cache
+size, E hidden size, F MLP size, H query heads, K key/value heads, R = H //
+K query heads per key/value head, D head dim.
+
+`Transformer` (`specjax.models.transformer`) runs the layers and owns the
+geometry; a `Block` takes the positions and masks it is given.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.config import LinearRopeScaling
+from specjax.models.config import ModelConfig
+from specjax.models.matmul import LayerPick
+from specjax.models.matmul import MatmulPlan
+from specjax.models.matmul import project
+from specjax.models import quantized
+
+_INIT = nn.initializers.normal(0.02)
+
+
+def rope_inv_freq(config: ModelConfig, layer: int = 0) -> np.ndarray:
+  """Rotary inverse frequencies [D // 2] of layer `layer`, with Llama 3 or
+  linear scaling if configured."""
+  d = config.head_dim
+  theta, s = config.layer_rope(layer)
+  inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, np.float64) / d))
+  if s is None:
+    return inv_freq.astype(np.float32)
+  if isinstance(s, LinearRopeScaling):
+    return (inv_freq / s.factor).astype(np.float32)
+  low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+  high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+  wavelen = 2 * np.pi / inv_freq
+  smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+            / (s.high_freq_factor - s.low_freq_factor))
+  mid = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+  out = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+  out = np.where((wavelen <= low_wavelen) & (wavelen >= high_wavelen), mid, out)
+  return out.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array,
+               inv_freq: np.ndarray) -> jax.Array:
+  """Rotates halves of the head dim (the Hugging Face convention).
+
+  Args:
+    x: [B, T, N, D] queries or keys.
+    positions: [B, T] int32 absolute positions.
+    inv_freq: [D // 2].
+
+  Returns:
+    [B, T, N, D], same dtype as x.
+  """
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float,
+             plus_one: bool = False) -> jax.Array:
+  """[..., E] -> [..., E]; statistics in fp32 like the reference.
+
+  Llama scales the normalised x, cast back to x's dtype, by `scale`; Gemma
+  (`plus_one`) scales it in float32 by (1 + scale), then casts.
+  """
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  if plus_one:
+    return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+  return scale * x32.astype(x.dtype)
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+  """cap * tanh(x / cap) elementwise (Gemma's soft-capping); x if None."""
+  if cap is None:
+    return x
+  return cap * jnp.tanh(x / cap)
+
+def param(module: nn.Module, name: str, shape, dtype, init=_INIT):
+  """`module.param`, or a `QuantizedMatrix` or `LayerPick` given for it as
+  is (Flax's shape check would compare its arrays with the float shape)."""
+  if module.has_variable("params", name):
+    w = module.get_variable("params", name)
+    if quantized.is_quantized(w) or isinstance(w, LayerPick):
+      return w
+  return module.param(name, init, shape, dtype)
+
+class Block(nn.Module):
+  """Pre-norm decoder layer: grouped-query attention and a gated MLP
+  (SwiGLU, or Gemma's GeGLU with QK-norm and post-norms).
+
+  Attributes:
+    config: the model.
+    param_dtype: dtype of freshly initialised parameters.
+    plan: how matrix products are computed.
+    layer: this layer's index, which fixes its rope (`config.layer_rope`);
+      its window comes in through the masks the caller passes.
+  """
+
+  config: ModelConfig
+  param_dtype: jnp.dtype = jnp.float32
+  plan: MatmulPlan = MatmulPlan()
+  layer: int = 0
+
+  def _param(self, name, shape, init=_INIT):
+    return param(self, name, shape, self.param_dtype, init)
+
+  def _dense(self, x: jax.Array, name: str, features_in: int,
+             features_out: int) -> jax.Array:
+    """x [B, T, in] times weight `name` (stored as the plan says) -> out."""
+    w = self._param(name, self.plan.stored_shape((features_in, features_out)))
+    return project(x, w, self.plan)
+
+  def _norm(self, x: jax.Array, name: str) -> jax.Array:
+    """RMSNorm over x's last axis with scale `name` [x.shape[-1]]; a
+    (1 + w) scale starts at w = 0."""
+    c = self.config
+    init = nn.initializers.zeros if c.norm_plus_one else nn.initializers.ones
+    scale = self._param(name, (x.shape[-1],), init)
+    return rms_norm(x, scale, c.rms_norm_eps, c.norm_plus_one)
+
+  @nn.compact
+  def __call__(self, x: jax.Array, k_cache: jax.Array | None,
+               v_cache: jax.Array | None, positions: jax.Array,
+               cache_mask: jax.Array | None, chunk_mask: jax.Array):
+    """One layer over a chunk.
+
+    Args:
+      x: [B, T, E] residual stream.
+      k_cache: [B, S, K, D] this layer's cached keys (read only; a local
+        layer may get only its window's [B, W, K, D]), or None when the
+        cache is empty (prefill).
+      v_cache: [B, S or W, K, D] this layer's cached values, or None.
+      positions: [B, T] absolute positions of the chunk.
+      cache_mask: [B, T, S or W] which cache slots each query reads, or
+        None.
+      chunk_mask: [B or 1, T, T] which chunk tokens each query reads.
+
+    Returns:
+      x [B, T, E], and the chunk's keys and values [B, T, K, D] for the cache.
+    """
+    c = self.config
+    e, nh, nk, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    b, t, _ = x.shape
+
+    with jax.named_scope("attention"):
+      h = self._norm(x, "attn_norm")
+      q = self._dense(h, "q", e, nh * d)
+      k = self._dense(h, "k", e, nk * d)
+      v = self._dense(h, "v", e, nk * d)
+      if c.qkv_bias:
+        zeros = nn.initializers.zeros
+        q += self._param("q_bias", (nh * d,), zeros)
+        k += self._param("k_bias", (nk * d,), zeros)
+        v += self._param("v_bias", (nk * d,), zeros)
+      q, k = q.reshape(b, t, nh, d), k.reshape(b, t, nk, d)
+      if c.qk_norm:
+        q, k = self._norm(q, "q_norm"), self._norm(k, "k_norm")
+      inv_freq = rope_inv_freq(c, self.layer)
+      q = apply_rope(q, positions, inv_freq)
+      k = apply_rope(k, positions, inv_freq)
+      v = v.reshape(b, t, nk, d)
+
+      # Queries grouped by key/value head: [B, T, H, D] -> [B, T, K, R, D].
+      scale = c.query_pre_attn_scalar or d
+      q = q.reshape(b, t, nk, nh // nk, d) / np.sqrt(scale).astype(q.dtype)
+      f32 = jnp.float32
+      scores = jnp.einsum("btkrd,bukd->bkrtu", q, k,
+                          preferred_element_type=f32)  # [B, K, R, T, T]
+      scores = softcap(scores, c.attn_logit_softcap)
+      scores = jnp.where(chunk_mask[:, None, None], scores, -jnp.inf)
+      if k_cache is not None:
+        s_cache = jnp.einsum("btkrd,bskd->bkrts", q, k_cache.astype(q.dtype),
+                             preferred_element_type=f32)  # [B, K, R, T, S]
+        s_cache = softcap(s_cache, c.attn_logit_softcap)
+        s_cache = jnp.where(cache_mask[:, None, None], s_cache, -jnp.inf)
+        scores = jnp.concatenate([s_cache, scores], -1)  # [B, K, R, T, S+T]
+      probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+      attn = jnp.einsum("bkrtu,bukd->btkrd", probs[..., -t:], v)
+      if k_cache is not None:
+        attn += jnp.einsum("bkrts,bskd->btkrd", probs[..., :-t],
+                           v_cache.astype(v.dtype))  # [B, T, K, R, D]
+      out = self._dense(attn.reshape(b, t, nh * d), "o", nh * d, e)
+      if c.post_norms:
+        out = self._norm(out, "attn_post_norm")
+      x = x + out
+
+    with jax.named_scope("mlp"):
+      h = self._norm(x, "mlp_norm")
+      gate = self._dense(h, "gate", e, c.intermediate_size)
+      up = self._dense(h, "up", e, c.intermediate_size)
+      if c.activation == "gelu_tanh":
+        gate = jax.nn.gelu(gate, approximate=True)
+      else:
+        gate = jax.nn.silu(gate)
+      out = self._dense(gate * up, "down", c.intermediate_size, e)
+      if c.post_norms:
+        out = self._norm(out, "mlp_post_norm")
+      x = x + out
+    return x, k, v
