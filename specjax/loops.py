@@ -5,10 +5,10 @@ max new tokens, N_cap its cap, G = γ, V vocab, E hidden.
 
 `generate_loop` is autoregressive decoding (`plain.target_step`) and
 `speculative_loop` runs `speculate.speculate_step` until every row hit EOS
-or N tokens, taking the plain steps an adaptive policy chooses as runs of
-`generate`'s step (`plain.plain_run`); both start with `start` (the
-target's prefill and its first token). `specjax.decode` validates
-arguments and calls them.
+or N tokens, taking the plain steps of a policy that declares plain runs
+(`policies.PlainRuns`) as runs of `generate`'s step (`plain.plain_run`);
+both start with `start` (the target's prefill and its first token).
+`specjax.decode` validates arguments and calls them.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from specjax import speculate
 from specjax import streaming
 from specjax.drafters.base import Drafter
 from specjax.models import LanguageModel
+from specjax.policies.base import GammaPolicy
 from specjax.step_types import SpecState
 from specjax.step_types import SpecStats
 from specjax.step_types import StepParams
@@ -137,9 +138,9 @@ def start(target: LanguageModel, prompts: jax.Array, lengths: jax.Array,
 
 @functools.partial(jax.jit, static_argnames=("tokens_cap", "cache_size",
                                              "pad_id"))
-def generate_loop(model, prompts, lengths, params, eos_ids, key,
-                  max_new_tokens, stops=None, stream_id=None, *, tokens_cap,
-                  cache_size, pad_id):
+def generate_loop(model: LanguageModel, prompts, lengths, params, eos_ids,
+                  key, max_new_tokens, stops=None, stream_id=None, *,
+                  tokens_cap, cache_size, pad_id):
   """The whole autoregressive generation; returns tokens [B, N_cap] and
   lengths [B]. `stops`: stop strings or None; `stream_id`: a
   `specjax.streaming` stream or None."""
@@ -169,7 +170,8 @@ def generate_loop(model, prompts, lengths, params, eos_ids, key,
 
 def init_spec_state(target: LanguageModel, drafter: Drafter,
                     prompts: jax.Array, lengths: jax.Array,
-                    params: StepParams, key: jax.Array, *, policy: Any,
+                    params: StepParams, key: jax.Array, *,
+                    policy: GammaPolicy,
                     max_new_tokens: int | jax.Array, cache_size: int,
                     tokens_cap: int | None = None,
                     synthetic: bool = False) -> SpecState:
@@ -248,8 +250,9 @@ def first_acceptance(probs: jax.Array, guess: jax.Array, params: StepParams,
 
 @functools.partial(jax.jit, static_argnames=(
     "tokens_cap", "cache_size", "pad_id", "synthetic", "num_nodes"))
-def speculative_loop(target, drafter, prompts, lengths, params, key,
-                     max_new_tokens, policy, stream_id=None, *, tokens_cap,
+def speculative_loop(target: LanguageModel, drafter: Drafter, prompts,
+                     lengths, params, key, max_new_tokens,
+                     policy: GammaPolicy, stream_id=None, *, tokens_cap,
                      cache_size, pad_id, synthetic, num_nodes):
   """The whole speculative generation; returns tokens [B, N_cap],
   lengths [B], the `SpecStats` and the policy's final state.
@@ -275,14 +278,15 @@ def speculative_loop(target, drafter, prompts, lengths, params, key,
     return after
 
   def body(s: SpecState) -> SpecState:
-    remaining = max_new_tokens - s.num_generated  # [B]
-    run = lambda: policy.plain_run(s.policy_state, s.active, remaining)
-    if run() is None:  # the policy asks before every step (unused: dropped)
+    if not policy.plain_runs:  # the policy is asked before every step
       return streamed(s)
+    remaining = max_new_tokens - s.num_generated  # [B]
     budget = policy.budget(s.policy_state, s.active, remaining)  # [B]
     drafting = jnp.any(budget > 0)
     # The run's length is asked only after a plain choice.
-    steps = jax.lax.cond(drafting, lambda: jnp.int32(0), run)
+    steps = jax.lax.cond(
+        drafting, lambda: jnp.int32(0),
+        lambda: policy.plain_run(s.policy_state, s.active, remaining))
     s = plain.plain_run(s, steps, target=target, drafter=drafter,
                         params=params, policy=policy,
                         max_new_tokens=max_new_tokens, stream_id=stream_id)

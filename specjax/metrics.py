@@ -20,7 +20,7 @@
   model component (f = γ) this is Leviathan's formula.
 
 Every function takes `SpecStats` (or numpy arrays of it); `row` restricts a
-metric to one batch row.
+metric to one batch row. `summarize(out)` takes a whole `SpecOutput`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from specjax.outputs import SpecOutput
 from specjax.tuning.cost import expected_tokens
 
 
@@ -118,9 +119,31 @@ def predicted_speedup_extended(stats: Any, component_costs: Sequence[float],
                    + verify_ratio)
 
 
-def summarize(stats: Any, gamma: int,
+def summarize(result: SpecOutput | Any, gamma: int | None = None,
               cost_ratio: float | None = None) -> dict[str, Any]:
-  """All metrics of one speculative run as a JSON-ready dict."""
+  """All metrics of one speculative run as a JSON-ready dict.
+
+  Args:
+    result: the run's `SpecOutput` (it holds the stats and γ), or its
+      `SpecStats` (then pass `gamma`).
+    gamma: γ (γ_max under an adaptive policy); default the output's.
+    cost_ratio: c, a measured draft / target forward time; with it the
+      dict adds Leviathan et al.'s `predicted_speedup`.
+
+  Raises:
+    TypeError: `SpecStats` without `gamma`.
+  """
+  extra = {}
+  if isinstance(result, SpecOutput):
+    gamma = result.gamma if gamma is None else gamma
+    extra = {"policy": result.policy, "synthetic": result.synthetic,
+             "lossless": result.lossless}
+    stats = result.stats
+  elif gamma is None:
+    raise TypeError("summarize(stats) needs gamma=; or pass the SpecOutput "
+                    "itself, which holds it.")
+  else:
+    stats = result
   alpha = acceptance_rate(stats)
   out = {
       "gamma": gamma,
@@ -134,6 +157,7 @@ def summarize(stats: Any, gamma: int,
       "draft_forwards": int(np.sum(stats.draft_forwards)),
       "draft_forwards_by_component": np.asarray(
           stats.draft_forwards).reshape(-1).tolist(),
+      **extra,
   }
   if cost_ratio is not None:
     out["draft_cost_ratio"] = cost_ratio

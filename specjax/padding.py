@@ -30,8 +30,9 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["PROMPT_ALIGN", "cache_class", "default_cache_size",
-           "output_cap", "prepare_prompts", "prompt_bucket"]
+__all__ = ["PROMPT_ALIGN", "cache_class", "check_max_new_tokens",
+           "default_cache_size", "output_cap", "prepare_prompts",
+           "prompt_bucket", "prompt_rows"]
 
 MIN_CACHE = 256
 PROMPT_ALIGN = 64  # specjax.models.decoder.PREFILL_CHUNK (a layer above)
@@ -69,6 +70,82 @@ def default_cache_size(longest: int, max_new_tokens: int, reserve: int = 1,
                      + reserve)
 
 
+def check_max_new_tokens(max_new_tokens: int) -> int:
+  """N as an int, or an error naming `max_new_tokens` and what it must be.
+
+  Raises:
+    ValueError: N is not an integer (a float, a bool, a string) or is
+      below 1.
+  """
+  if isinstance(max_new_tokens, bool) or not isinstance(
+      max_new_tokens, (int, np.integer)):
+    raise ValueError("max_new_tokens must be an integer >= 1, got "
+                     f"{max_new_tokens!r} ({type(max_new_tokens).__name__}).")
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+  return int(max_new_tokens)
+
+
+def _prompt_row(b: int, prompt: Sequence[int], vocab_size: int
+                ) -> np.ndarray:
+  """Prompt b as [P_b] int64, or an error naming what is wrong with it."""
+  if isinstance(prompt, (str, bytes)):
+    raise ValueError(f"Prompt {b} is text ({prompt!r:.40}); token ids are "
+                     "expected here: encode it first, or give the decoder "
+                     "a tokenizer (decoder.SpeculativeDecoder(..., "
+                     "tokenizer=tok)).")
+  row = np.asarray(prompt)
+  if row.ndim == 0:
+    raise ValueError(f"Prompt {b} is one id ({prompt!r}), not a list of "
+                     "token ids.")
+  if row.ndim != 1:
+    raise ValueError(f"Prompt {b} must be a flat list of token ids, got an "
+                     f"array of shape {row.shape}.")
+  if row.size == 0:
+    raise ValueError(f"Prompt {b} is empty; every prompt needs at least "
+                     "one token (e.g. a BOS id).")
+  if row.dtype.kind not in "iu":
+    raise ValueError(f"Prompt {b} must hold integer token ids, got "
+                     f"{row.dtype} values ({row[:4].tolist()}...).")
+  if row.min() < 0 or row.max() >= vocab_size:
+    raise ValueError(f"Prompt {b} has token ids outside [0, {vocab_size}).")
+  return row.astype(np.int64)
+
+
+def _is_one_id(x: object) -> bool:
+  """Whether x is a single token id (a number or 0-d array), not a list."""
+  if isinstance(x, (str, bytes)):
+    return False
+  try:
+    return np.ndim(x) == 0
+  except ValueError:  # a ragged nested list: not one id
+    return False
+
+
+def prompt_rows(prompts: Sequence[Sequence[int]], vocab_size: int
+                ) -> list[np.ndarray]:
+  """Validated prompts: B lists of token ids -> B arrays [P_b] int64.
+
+  Raises:
+    ValueError: not a non-empty list of prompts (a string, a flat list or
+      1-D array of ids), or a prompt that is empty, holds non-integers
+      (floats are never rounded) or ids outside [0, V).
+  """
+  try:
+    batch = 0 if isinstance(prompts, (str, bytes)) else len(prompts)
+  except TypeError:  # no length: None, an int, a generator
+    batch = 0
+  if not batch:
+    raise ValueError("prompts must be a non-empty list of token-id lists "
+                     f"(B lists), got {prompts!r:.60}.")
+  if all(_is_one_id(p) for p in prompts):
+    raise ValueError(
+        "prompts must be a list of prompts, each a list of token ids; got "
+        f"a flat sequence of {batch} ids. For one prompt, wrap it: "
+        "[ids].")
+  return [_prompt_row(b, p, vocab_size) for b, p in enumerate(prompts)]
+
+
 def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
                     max_new_tokens: int, cache_size: int | None,
                     reserve: int = 1, tokens_cap: int | None = None,
@@ -77,7 +154,7 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
   """Validates prompts and pads them to a bucket.
 
   Args:
-    prompts: B lists of token ids.
+    prompts: B lists of token ids (`prompt_rows`).
     vocab_size: V; every id must be in [0, V).
     max_new_tokens: N.
     cache_size: S, or None for `default_cache_size`.
@@ -90,20 +167,12 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
     tokens [B, P] int32 right-padded with 0, lengths [B] int32, and S.
 
   Raises:
-    ValueError: on an empty batch or prompt, an out-of-range id, or a cache
-      too small for the longest prompt plus N plus `reserve`.
+    ValueError: bad prompts (`prompt_rows`), a bad N
+      (`check_max_new_tokens`), or a cache too small for the longest prompt
+      plus N plus `reserve`.
   """
-  if isinstance(prompts, (str, bytes)) or not len(prompts):
-    raise ValueError("prompts must be a non-empty list of token-id lists.")
-  rows = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
-  for b, row in enumerate(rows):
-    if row.size == 0:
-      raise ValueError(f"Prompt {b} is empty; every prompt needs at least "
-                       "one token (e.g. a BOS id).")
-    if row.min() < 0 or row.max() >= vocab_size:
-      raise ValueError(f"Prompt {b} has token ids outside [0, {vocab_size}).")
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+  rows = prompt_rows(prompts, vocab_size)
+  max_new_tokens = check_max_new_tokens(max_new_tokens)
   lengths = np.array([r.size for r in rows], np.int32)
   longest = int(lengths.max())
   needed = longest + max_new_tokens + reserve

@@ -10,12 +10,13 @@ runs nothing else; under an adaptive policy (`policies.Auto`) most steps
 of a poorly drafting pair are such plain steps. Taken through
 `speculate_step`, a plain step pays for the machinery of a drafting one:
 the policy's choice, the width switch, the rejection sampler, the
-statistics. Once the policy chooses a plain step it also says how many
-plain steps that choice stands for (`GammaPolicy.plain_run`), and
-`plain_run` takes them in a loop of `target_step`s with the drafter's
-`commit`, at about `generate`'s operations per step (issue 54: on a GPU
-each operation is a kernel launch), counting them in the statistics and
-the policy's state once at the end. The tokens are those `speculate_step`
+statistics. Once a policy that declares plain runs (`policies.PlainRuns`)
+chooses a plain step it also says how many plain steps that choice stands
+for (`PlainRuns.plain_run`), and `plain_run` takes them in a loop of
+`target_step`s with the drafter's `commit`, at about `generate`'s
+operations per step (issue 54: on a GPU each operation is a kernel
+launch), counting them in the statistics and the policy's state once at
+the end. The tokens are those `speculate_step`
 would emit: a plain step's verification samples the next token from the
 target's distribution at the last committed token, as here.
 """
@@ -32,9 +33,12 @@ from specjax import buffers
 from specjax import sampling
 from specjax import streaming
 from specjax.drafters import text
+from specjax.drafters.base import Drafter
+from specjax.models.protocol import LanguageModel
 from specjax.models.protocol import ModelOutput
 from specjax.models.protocol import model_output
 from specjax.policies.base import LONGEST_PLAIN_RUN
+from specjax.policies.base import PlainRuns
 from specjax.step_types import Proposal
 from specjax.step_types import SpecState
 from specjax.step_types import StepParams
@@ -69,7 +73,7 @@ class Emitted:
   params: sampling.SamplingParams
 
 
-def target_step(target: Any, cache: Any, last_token: jax.Array,
+def target_step(target: LanguageModel, cache: Any, last_token: jax.Array,
                 params: sampling.SamplingParams, key: jax.Array,
                 tokens: jax.Array, counts: jax.Array, done: jax.Array,
                 eos_ids: jax.Array, max_new_tokens: int | jax.Array,
@@ -93,8 +97,8 @@ def target_step(target: Any, cache: Any, last_token: jax.Array,
                  stop_state=stop_state, params=params.advance(token, ~done))
 
 
-def plain_run(state: SpecState, steps: jax.Array, *, target: Any,
-              drafter: Any, params: StepParams, policy: Any,
+def plain_run(state: SpecState, steps: jax.Array, *, target: LanguageModel,
+              drafter: Drafter, params: StepParams, policy: PlainRuns,
               max_new_tokens: int | jax.Array, stream_id: Any = None
               ) -> SpecState:
   """Up to `steps` ([] int32, 0 for none; at most `LONGEST_PLAIN_RUN`)
@@ -105,7 +109,7 @@ def plain_run(state: SpecState, steps: jax.Array, *, target: Any,
   `Verification` of width 1, no draft accepted) as `speculate_step` would
   make it; a drafter that `commits_text` commits the run's tokens after
   it instead, G + 1 at a time (`commit_text`). The statistics
-  (`SpecStats.plain`) and the policy (`GammaPolicy.after_plain`) count
+  (`SpecStats.plain`) and the policy (`PlainRuns.after_plain`) count
   the steps once, after the run.
   """
   steps = jnp.minimum(steps, LONGEST_PLAIN_RUN)
@@ -149,7 +153,7 @@ def plain_run(state: SpecState, steps: jax.Array, *, target: Any,
                                                        taken))
 
 
-def commit_text(drafter: Any, drafter_state: Any, tokens: jax.Array,
+def commit_text(drafter: Drafter, drafter_state: Any, tokens: jax.Array,
                 start: jax.Array, count: jax.Array, width: int) -> Any:
   """Commits each row's `count` [B] tokens of the output buffer `tokens`
   [B, W] from `start` [B] into a drafter that `commits_text`, `width`

@@ -8,17 +8,18 @@ vocab, N max new tokens.
 the loops (`specjax.loops`) run it in a `lax.while_loop`. It is five
 stages, each reusable on its own:
 
-1. the γ policy sets each row's draft budget (`GammaPolicy.budget`; a fixed
-   γ is the policy `Fixed`);
+1. the γ policy sets each row's draft budget (`StepPolicy.budget`, the
+   step's part of `specjax.policies.GammaPolicy`; a fixed γ is the policy
+   `Fixed`);
 2. the drafter proposes up to that budget (`Drafter.propose`), only when
    some row may draft (`propose_if`), and the policy keeps the drafts worth
-   verifying (`GammaPolicy.trim`): the one place a proposal is capped;
+   verifying (`StepPolicy.trim`): the one place a proposal is capped;
 3. the target scores the last committed token and the drafts in one
    static-shape pass over the smallest compiled width that holds them and
    rejection-samples them (`specjax.verify.verify_within`);
 4. the drafter and the output buffer commit what was emitted
    (`Drafter.commit`, `buffers.emit`), and the policy learns from it
-   (`GammaPolicy.update`);
+   (`StepPolicy.update`);
 5. `SpecStats.update` counts.
 
 Rows accept different counts; each row's target and draft caches roll back
@@ -27,18 +28,18 @@ to their own lengths. Rows that are done are carried along unchanged.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
 from specjax import buffers
 from specjax.drafters.base import Drafter
 from specjax.drafters.base import propose_if
+from specjax.models.protocol import LanguageModel
 from specjax.step_types import Proposal
 from specjax.step_types import SpecState
 from specjax.step_types import SpecStats
 from specjax.step_types import StepParams
+from specjax.step_types import StepPolicy
 from specjax.step_types import Verification
 from specjax.verify import verify_within
 
@@ -46,8 +47,8 @@ __all__ = ["Proposal", "SpecState", "SpecStats", "StepParams",
            "Verification", "speculate_step"]
 
 
-def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
-                   params: StepParams, policy: Any,
+def speculate_step(state: SpecState, *, target: LanguageModel,
+                   drafter: Drafter, params: StepParams, policy: StepPolicy,
                    max_new_tokens: int | jax.Array,
                    synthetic: bool = False,
                    num_nodes: int | None = None,
@@ -59,8 +60,8 @@ def speculate_step(state: SpecState, *, target: Any, drafter: Drafter,
     target: a `specjax.models.LanguageModel`.
     drafter: a `specjax.drafters.Drafter`.
     params: traced settings.
-    policy: a `specjax.policies.GammaPolicy` (G is its `max_gamma`; a
-      fixed γ is `policies.Fixed(γ)`).
+    policy: a `StepPolicy`, e.g. a `specjax.policies.GammaPolicy` (G is
+      its `max_gamma`; a fixed γ is `policies.Fixed(γ)`).
     max_new_tokens: N, an int or a traced [] int32.
     synthetic: accept by `params.synthetic` instead of p/q (for system
       benchmarks on random weights; not distribution-preserving).

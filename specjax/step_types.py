@@ -10,13 +10,14 @@ W = N_cap + G + 1 output buffer width.
 - `StepParams`: the traced per-call settings.
 - `SpecStats`: counters accumulated over a generation.
 - `SpecState`: the speculative loop's state.
+- `StepPolicy`: what the step asks of a γ policy.
 
-Pure pytrees; nothing here calls a model or loops.
+Pure pytrees and a protocol; nothing here calls a model or loops.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import flax.struct
 import jax
@@ -29,7 +30,7 @@ from specjax import sampling
 from specjax import tree
 
 __all__ = ["Proposal", "SpecState", "SpecStats", "StepParams",
-           "Verification", "emitted_tokens"]
+           "StepPolicy", "Verification", "emitted_tokens"]
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -364,3 +365,45 @@ class SpecState:
     return ~self.done
 
 
+class StepPolicy(Protocol):
+  """What `speculate.speculate_step` asks of a γ policy: the seam below
+  `specjax.policies.GammaPolicy`, which implements it and adds a
+  generation's part (`init`, `observe`, `warm`, `may_draft`).
+
+  `state` is the policy's own pytree (`GammaPolicy.init`), carried in
+  `SpecState.policy_state`.
+
+  Attributes:
+    max_gamma: G, static: the most drafts a step proposes (it fixes the
+      compiled shapes).
+    widths: the target pass widths T the step compiles, ascending: one
+      (every step verifies all it drafted) or from 1 to G + 1
+      (`verify.verify_widths`; a budget of k verifies over the smallest
+      width >= k + 1).
+  """
+
+  max_gamma: int
+
+  @property
+  def widths(self) -> tuple[int, ...]:
+    raise NotImplementedError
+
+  def budget(self, state: Any, active: jax.Array,
+             remaining: jax.Array | None = None) -> jax.Array:
+    """[B] int32 draft budget in [0, G] for the next step (0 where
+    `active` [B] is False); `remaining` [B] is the tokens each row may
+    still emit, or None for no limit."""
+    raise NotImplementedError
+
+  def trim(self, state: Any, num_drafted: jax.Array, active: jax.Array,
+           remaining: jax.Array | None = None) -> jax.Array:
+    """[B] int32 how many of the `num_drafted` [B] drafts to verify, once
+    drafted (default: all)."""
+    del state, active, remaining
+    return num_drafted
+
+  def update(self, state: Any, budget: jax.Array, proposal: Proposal,
+             num_accepted: jax.Array, active: jax.Array) -> Any:
+    """The state after one step: `budget` [B] as chosen, the proposal,
+    and `num_accepted` [B] for rows where `active` [B]."""
+    raise NotImplementedError

@@ -21,6 +21,7 @@ from specjax.heads.eagle import layer_cache
 from specjax.heads.medusa import Medusa
 from specjax.heads.medusa import MedusaHeads
 from specjax.models import init_random
+from specjax.models import DeclaredModel
 from specjax.models import Model
 from specjax.models import ModelConfig
 from specjax.models import RopeScaling
@@ -142,11 +143,13 @@ class LengthCache:
 
 
 @flax.struct.dataclass
-class FixedLogitsModel:
+class FixedLogitsModel(DeclaredModel):
   """A `LanguageModel` whose logits depend only on the previous token.
 
   `table[prev]` is the logit vector after token `prev`, so every expected
-  output can be computed by hand.
+  output can be computed by hand. It declares the defaults
+  (`DeclaredModel`): it writes its cache as it goes, and a forward reads
+  its table.
 
   Attributes:
     table: [V, V] float32 logits.

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from specjax import rejection
 from specjax import sampling
 from specjax import tree
+from specjax.models.protocol import declared
+from specjax.models.protocol import LanguageModel
 from specjax.models.protocol import model_output
 from specjax.models.protocol import ModelOutput
 from specjax.step_types import emitted_tokens
@@ -51,7 +53,7 @@ def width_index(widths: Sequence[int], num_tokens: jax.Array) -> jax.Array:
                           side="left").astype(jnp.int32)
 
 
-def verify(target: Any, cache: Any, last_token: jax.Array,
+def verify(target: LanguageModel, cache: Any, last_token: jax.Array,
            proposal: Proposal, params: sampling.SamplingParams,
            key: jax.Array, *, synthetic: rejection.Synthetic | None = None,
            lossy: rejection.Lossy | None = None
@@ -90,7 +92,7 @@ def verify(target: Any, cache: Any, last_token: jax.Array,
   return verification, cache.rollback(start + 1 + verification.num_accepted)
 
 
-def _score(target: Any, cache: Any, last_token: jax.Array,
+def _score(target: LanguageModel, cache: Any, last_token: jax.Array,
            proposal: Proposal, params: sampling.SamplingParams,
            key: jax.Array, synthetic: rejection.Synthetic | None, *,
            lossy: rejection.Lossy | None = None, **model_kw
@@ -124,7 +126,7 @@ def _score(target: Any, cache: Any, last_token: jax.Array,
   return verification, out, cache
 
 
-def verify_tree(target: Any, cache: Any, last_token: jax.Array,
+def verify_tree(target: LanguageModel, cache: Any, last_token: jax.Array,
                 proposal: Proposal, params: sampling.SamplingParams,
                 key: jax.Array, *, synthetic: rejection.Synthetic | None = None
                 ) -> tuple[Verification, Any]:
@@ -190,8 +192,8 @@ def _pad_steps(x: jax.Array | None, width: int,
   return jnp.pad(x, pad)
 
 
-def verify_within(widths: Sequence[int], target: Any, cache: Any,
-                  last_token: jax.Array, proposal: Proposal,
+def verify_within(widths: Sequence[int], target: LanguageModel,
+                  cache: Any, last_token: jax.Array, proposal: Proposal,
                   params: sampling.SamplingParams, key: jax.Array, *,
                   synthetic: rejection.Synthetic | None = None,
                   lossy: rejection.Lossy | None = None
@@ -213,12 +215,13 @@ def verify_within(widths: Sequence[int], target: Any, cache: Any,
     hidden zero past the pass), the cache, and the draft slots the pass
     scored ([] int32, T - 1).
 
-  A target that can return a chunk's keys and values instead of writing
-  them (`defers_cache_writes`, a `Model`) only reads its cache inside the
-  branches, and the keys and values are written once after the switch (G +
-  1 slots per row; those past the pass are zeros beyond the row's length,
-  never read): a branch that wrote in place would make XLA copy the whole
-  cache at every step (a measurable share of a step at B = 8).
+  A target that declares it can return a chunk's keys and values instead
+  of writing them (`DeclaredModel.defers_cache_writes`: a `Model`) only
+  reads its cache inside the branches, and the keys and values are
+  written once after the switch (G + 1 slots per row; those past the pass
+  are zeros beyond the row's length, never read): a branch that wrote in
+  place would make XLA copy the whole cache at every step (a measurable
+  share of a step at B = 8).
   """
   gamma = proposal.tokens.shape[1]
   if len(widths) == 1:  # every step verifies all it drafted
@@ -230,10 +233,8 @@ def verify_within(widths: Sequence[int], target: Any, cache: Any,
                      f"{tuple(widths)}.")
   branch = width_index(widths, jnp.max(proposal.num_drafted) + 1)
   start = cache.lengths
-  # The one capability read off a model: `LanguageModel` is a structural
-  # protocol (an adapter around another project's model need not declare
-  # it), and a model that cannot defer its writes is verified in place.
-  deferred = getattr(target, "defers_cache_writes", False)
+  # A model that declares nothing (`declared`) is verified in place.
+  deferred = declared(target).defers_cache_writes
 
   def at(width):
     def run(cache):

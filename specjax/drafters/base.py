@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import sampling
+from specjax.models.protocol import LanguageModel
 from specjax.step_types import Proposal
 from specjax.step_types import Verification
 
@@ -64,7 +65,7 @@ class Drafter:
   gates_itself: ClassVar[bool] = False
   uses_prompt_hidden: ClassVar[bool] = False
   commits_text: ClassVar[bool] = False
-  cost_model: ClassVar[Any] = None
+  cost_model: ClassVar[LanguageModel | None] = None
 
   def init(self, prompts: jax.Array, prompt_lengths: jax.Array,
            first_token: jax.Array, cache_size: int, **kwargs: Any) -> Any:
@@ -81,6 +82,13 @@ class Drafter:
       The drafter's state (a pytree).
     """
     raise NotImplementedError
+
+  def for_target(self, target: Any) -> "Drafter":
+    """This drafter with what it learns from `target` (a `LanguageModel`)
+    filled in, e.g. `PromptLookup()`'s vocabulary size; the decoders call
+    it before they check vocabularies. The default returns it as is."""
+    del target
+    return self
 
   def init_guess(self, prompts: jax.Array, prompt_lengths: jax.Array,
                  first_token: jax.Array, cache_size: int, **kwargs: Any

@@ -33,6 +33,7 @@ from specjax.drafters.base import capped
 from specjax.drafters.base import Drafter
 from specjax.drafters.base import forwards
 from specjax.drafters.base import where_rows
+from specjax.models.protocol import LanguageModel
 from specjax.step_types import Proposal
 from specjax.verify import verify
 
@@ -82,7 +83,7 @@ class Cascade(Drafter):
   """Drafts G tokens of `model` by speculative decoding with `drafter`
   proposing `gamma` (γ') tokens per round."""
 
-  model: Any
+  model: LanguageModel
   drafter: Drafter
   gamma: int = flax.struct.field(pytree_node=False, default=4)
 
@@ -116,7 +117,7 @@ class Cascade(Drafter):
     return self.gamma + 1 + self.drafter.extra_positions
 
   @property
-  def cost_model(self) -> Any:
+  def cost_model(self) -> LanguageModel:
     return self.model
 
   def init(self, prompts, prompt_lengths, first_token, cache_size):

@@ -26,6 +26,7 @@ from specjax.drafters.base import Drafter
 from specjax.drafters.base import forwards
 from specjax.drafters.base import propose_if
 from specjax.drafters.base import where_rows
+from specjax.models.protocol import LanguageModel
 from specjax.step_types import Proposal
 
 
@@ -83,7 +84,7 @@ class Fallback(Drafter):
                                 cache_size))
 
   @property
-  def cost_model(self) -> Any:
+  def cost_model(self) -> LanguageModel | None:
     return self.second.cost_model
 
   def propose(self, state, key, params, gamma, stop_threshold, limit=None):

@@ -163,12 +163,14 @@ class PromptLookup(Drafter):
 
   Attributes:
     vocab_size: V, the target's vocabulary (lookup never leaves the ids it
-      saw, but the engine checks vocabularies match).
+      saw, but the engine checks vocabularies match). None (the default)
+      takes the target's: the decoders fill it in (`for_target`).
     max_ngram: longest suffix looked up first.
     min_ngram: shortest suffix looked up.
   """
 
-  vocab_size: int = flax.struct.field(pytree_node=False)
+  vocab_size: int | None = flax.struct.field(pytree_node=False,
+                                             default=None)
   max_ngram: int = flax.struct.field(pytree_node=False, default=3)
   min_ngram: int = flax.struct.field(pytree_node=False, default=1)
 
@@ -184,6 +186,12 @@ class PromptLookup(Drafter):
       raise ValueError(f"PromptLookup needs max_ngram >= min_ngram, got "
                        f"max_ngram={self.max_ngram!r}, min_ngram="
                        f"{self.min_ngram!r}.")
+
+  def for_target(self, target) -> "PromptLookup":
+    """This drafter with V = the target's when none was given."""
+    if self.vocab_size is not None:
+      return self
+    return self.replace(vocab_size=target.vocab_size)
 
   def init(self, prompts, prompt_lengths, first_token, cache_size):
     """Context = prompt then the target's first token, in [B, S]."""

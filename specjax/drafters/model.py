@@ -26,6 +26,7 @@ from specjax.drafters import track
 from specjax.drafters.base import Drafter
 from specjax.drafters.base import pad_nodes
 from specjax.step_types import Proposal
+from specjax.models.protocol import LanguageModel
 from specjax.models.protocol import model_output
 
 
@@ -57,7 +58,7 @@ class _DraftLoop:
 class DraftModel(Drafter):
   """Drafts with a `specjax.models.LanguageModel` (e.g. a small `Model`)."""
 
-  model: Any
+  model: LanguageModel
 
   @property
   def vocab_size(self) -> int:
@@ -71,7 +72,7 @@ class DraftModel(Drafter):
   commits_text = True
 
   @property
-  def cost_model(self) -> Any:
+  def cost_model(self) -> LanguageModel:
     return self.model
 
   def init(self, prompts, prompt_lengths, first_token, cache_size):

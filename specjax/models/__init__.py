@@ -19,6 +19,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import cache as cache_lib
 from specjax import hardware
@@ -34,6 +35,10 @@ from specjax.models.config import param_shapes
 from specjax.models.config import RopeScaling
 from specjax.models.decoder import Decoder
 from specjax.models.matmul import MatmulPlan
+from specjax.models.protocol import array_bytes
+from specjax.models.protocol import CostGeometry
+from specjax.models.protocol import declared
+from specjax.models.protocol import DeclaredModel
 from specjax.models.protocol import LanguageModel
 from specjax.models.protocol import ModelOutput
 from specjax.models.protocol import model_output
@@ -48,18 +53,19 @@ from specjax.models.transformer import Transformer
 from specjax.models.transformer import TransformerOutput
 
 __all__ = [
-    "ARCHITECTURES", "Decoder", "LanguageModel", "LayerSubset",
-    "LinearRopeScaling", "MatmulPlan",
+    "ARCHITECTURES", "CostGeometry", "DeclaredModel", "Decoder",
+    "LanguageModel", "LayerSubset", "LinearRopeScaling", "MatmulPlan",
     "Model", "ModelConfig",
     "ModelOutput", "QuantSpec", "QuantizedMatrix", "RopeScaling",
-    "Transformer", "TransformerOutput", "check_params", "is_quantized", "init_random", "matrix_paths", "model_output",
+    "Transformer", "TransformerOutput", "check_params", "declared",
+    "is_quantized", "init_random", "matrix_paths", "model_output",
     "param_shapes",
     "supports_compaction",
 ]
 
 
 @flax.struct.dataclass
-class Model(Decoder):
+class Model(Decoder, DeclaredModel):
   """A specjax transformer: static config plus a parameter pytree.
 
   Attributes:
@@ -80,7 +86,7 @@ class Model(Decoder):
                                                      default=None)
 
   # `__call__(..., write_cache=False)` returns the chunk's keys and values
-  # instead of writing them (`ModelOutput.keys`).
+  # instead of writing them (`ModelOutput.keys`; `DeclaredModel`).
   defers_cache_writes = True
 
   @property
@@ -95,12 +101,26 @@ class Model(Decoder):
   def weight_bytes_per_token(self) -> int:
     """Parameter bytes one decode step reads: all of them, except that the
     input embedding is only gathered (T rows) when a separate `lm_head`
-    exists. Divided by memory bandwidth, the decode roofline."""
-    total = sum(x.nbytes for x in jax.tree.leaves(self.params))
+    exists. Divided by memory bandwidth, the decode roofline. From shapes
+    and dtypes, so `jax.ShapeDtypeStruct` parameters count too."""
+    total = sum(map(array_bytes, jax.tree.leaves(self.params)))
     # (A quantized matrix counts its packed arrays: they are the leaves.)
     if "lm_head" in self.params:
-      total -= self.params["embed"].nbytes
+      total -= array_bytes(self.params["embed"])
     return total
+
+  def cost_geometry(self) -> CostGeometry:
+    """Every layer's attention over its cache, and the parameters one
+    decode step reads (`weight_bytes_per_token`), at the first
+    parameter's width (`DeclaredModel`)."""
+    c = self.config
+    first = jax.tree.leaves(self.params)[0]
+    return CostGeometry(
+        weight_bytes=float(self.weight_bytes_per_token),
+        itemsize=np.dtype(first.dtype).itemsize, layers=c.num_layers,
+        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        key=CostGeometry.identity(c, self.dtype, self.plan.name))
 
   @property
   def module(self) -> Transformer:

@@ -1,15 +1,18 @@
-"""What decoders need from a model: `LanguageModel` and `ModelOutput`.
+"""What decoders need from a model: `LanguageModel` and `ModelOutput`,
+and what a model declares beyond them: `DeclaredModel`, `CostGeometry`.
 
 Shape letters (`specjax.shapes`): B batch, T chunk, P padded prompt, E
-hidden, V vocab.
+hidden, V vocab, L layers, H query heads, K key/value heads, D head dim.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+import dataclasses
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import flax.struct
 import jax
+import numpy as np
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -62,6 +65,10 @@ class LanguageModel(Protocol):
   commit that is not a prefix, as in token trees; `specjax.cache.KVCache`
   does). `supports_compaction` tells; a recurrent cache (the README's GRU)
   need not.
+
+  These four members are all a model must have. What else the engine may
+  use, a model declares by subclassing `DeclaredModel`, whose defaults a
+  model that implements this protocol alone gets (`declared`).
   """
 
   vocab_size: int
@@ -87,6 +94,110 @@ class LanguageModel(Protocol):
     `cache` is fresh from `init_cache`. The returned cache has `lengths` set
     to the prompt lengths; what the padding wrote past them is stale.
     """
+
+
+def array_bytes(x: jax.Array | np.ndarray | jax.ShapeDtypeStruct) -> int:
+  """Bytes of an array from its shape and dtype: also for the
+  `jax.ShapeDtypeStruct`s that stand for parameters when a program is
+  compiled ahead of time (`specjax.aot`)."""
+  return int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+
+
+_ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostGeometry:
+  """What one forward of a model reads and computes, for pricing it
+  (`specjax.policies.costs.Roofline`) and for telling its measured costs
+  from another model's (`specjax.policies.costs.table_key`).
+
+  Attributes:
+    weight_bytes: parameter bytes one forward reads.
+    itemsize: bytes per parameter, so that a forward of T tokens costs
+      2 · T · weight_bytes / itemsize FLOPs in its matrices.
+    layers: L, attention layers run, each reading its K/V cache.
+    num_heads: H per layer.
+    num_kv_heads: K per layer.
+    head_dim: D.
+    key: what tells this model's measured cost tables from another's on
+      one machine (config, layers run, dtype, matmul plan; `identity`).
+  """
+
+  weight_bytes: float
+  itemsize: int = 4
+  layers: int = 0
+  num_heads: int = 0
+  num_kv_heads: int = 0
+  head_dim: int = 0
+  key: str = ""
+
+  @property
+  def kv_bytes_per_slot(self) -> float:
+    """K/V cache bytes a forward reads per row and cache slot."""
+    return (2.0 * self.layers * self.num_kv_heads * self.head_dim
+            * self.itemsize)
+
+  @property
+  def attention_flops_per_slot(self) -> float:
+    """Attention FLOPs per query row and cache slot."""
+    return 4.0 * self.layers * self.num_heads * self.head_dim
+
+  @staticmethod
+  def identity(config: Any, dtype: Any, plan: str, part: str = "") -> str:
+    """`key` for a model of `config` in `dtype` under a matmul plan named
+    `plan`, or `part` of such a model (e.g. some of its layers)."""
+    return f"{config}|{part}|{dtype}|{plan}"
+
+  @classmethod
+  def of_arrays(cls, model: LanguageModel) -> "CostGeometry":
+    """The default: every array leaf of the pytree `model` read once per
+    forward, no attention cache, and a key that says only the class (a
+    model that declares nothing)."""
+    leaves = [x for x in jax.tree.leaves(model) if isinstance(x, _ARRAYS)]
+    return cls(weight_bytes=float(max(sum(map(array_bytes, leaves)), 1)),
+               itemsize=np.dtype(leaves[0].dtype).itemsize if leaves else 4,
+               key=cls.identity(type(model).__qualname__, "", ""))
+
+
+class DeclaredModel:
+  """A `LanguageModel`'s declared capabilities, with their defaults:
+  subclass it (as `specjax.models.Model` and `LayerSubset` do) and
+  override what differs. A model that implements `LanguageModel` without
+  it has these defaults (`declared`).
+
+  Attributes:
+    defers_cache_writes: `__call__(tokens, cache, write_cache=False)`
+      returns the chunk's keys and values (`ModelOutput.keys`, `values`)
+      instead of writing them, and the cache has `write(keys, values,
+      start)`, so that a verifier switching between widths writes the
+      cache once after the switch (`specjax.verify.verify_within`).
+  """
+
+  defers_cache_writes: ClassVar[bool] = False
+
+  def cost_geometry(self) -> CostGeometry:
+    """What one forward reads and computes (default: every array leaf of
+    the model, once, and no attention; `CostGeometry.of_arrays`)."""
+    return CostGeometry.of_arrays(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Defaults(DeclaredModel):
+  """The declarations of a model that implements `LanguageModel` alone."""
+
+  model: LanguageModel
+
+  def cost_geometry(self) -> CostGeometry:
+    return CostGeometry.of_arrays(self.model)
+
+
+def declared(model: LanguageModel) -> DeclaredModel:
+  """What `model` declares: itself where it subclasses `DeclaredModel`,
+  else the defaults. The one place a model's declarations are looked up,
+  so that a model written against `LanguageModel` alone (the README's
+  GRU) is priced and verified as the defaults say."""
+  return model if isinstance(model, DeclaredModel) else _Defaults(model)
 
 
 def supports_compaction(cache: Any) -> bool:

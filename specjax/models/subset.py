@@ -17,6 +17,7 @@ state, so it drafts with the target's vocabulary by construction.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import flax.struct
@@ -25,13 +26,16 @@ import jax.numpy as jnp
 
 from specjax import cache as cache_lib
 from specjax.models.decoder import Decoder
+from specjax.models.protocol import array_bytes
+from specjax.models.protocol import CostGeometry
+from specjax.models.protocol import DeclaredModel
 from specjax.models.transformer import TransformerOutput
 
 __all__ = ["LayerSubset"]
 
 
 @flax.struct.dataclass
-class LayerSubset(Decoder):
+class LayerSubset(Decoder, DeclaredModel):
   """Layers `ranges` of `model`, in order, then its final norm and head.
 
   Attributes:
@@ -105,16 +109,21 @@ class LayerSubset(Decoder):
     """Parameter bytes one forward reads: the layers it runs' share of
     the model's layers, and the embedding, final norm and head."""
     params = self.model.params
-    layers = sum(x.nbytes for name, layer in params.items()
+    layers = sum(array_bytes(x) for name, layer in params.items()
                  if name.startswith("layers")
                  for x in jax.tree.leaves(layer))
     rest = self.model.weight_bytes_per_token - layers
     return rest + layers * self.num_layers_run // self.model.config.num_layers
 
-  @property
-  def cost_key(self) -> str:
-    """Distinguishes its measured forward costs from the full model's."""
-    return f"layers={self.ranges}"
+  def cost_geometry(self) -> CostGeometry:
+    """The model's, for the layers it runs; keyed apart from the full
+    model's (`DeclaredModel`)."""
+    return dataclasses.replace(
+        self.model.cost_geometry(),
+        weight_bytes=float(self.weight_bytes_per_token),
+        layers=self.num_layers_run,
+        key=CostGeometry.identity(self.config, self.dtype, self.plan.name,
+                                  f"layers={self.ranges}"))
 
   def init_cache(self, batch: int, size: int) -> cache_lib.KVCache:
     c = self.config

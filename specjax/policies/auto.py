@@ -44,7 +44,7 @@ the measurements behind each part.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import flax.struct
 import jax
@@ -52,14 +52,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import finish
-from specjax.policies.base import GammaPolicy
 from specjax.policies.base import LONGEST_PLAIN_RUN
-from specjax.policies.base import PolicyState
+from specjax.policies.base import PlainRuns
 from specjax.policies.base import reached
 from specjax.policies.base import usable_drafts
 from specjax.policies.costs import catch_up_ms
 from specjax.policies.costs import drafting_ms
+from specjax.policies.costs import ForwardCosts
 from specjax.policies.costs import StepCosts
+from specjax.policies.estimates import AutoState
 from specjax.policies.estimates import Estimates
 from specjax.verify import verify_widths
 from specjax.verify import width_index
@@ -68,7 +69,7 @@ __all__ = ["Auto"]
 
 
 @flax.struct.dataclass
-class Auto(Estimates, GammaPolicy):
+class Auto(Estimates, PlainRuns):
   """Cost-model-driven budget; see the module docstring.
 
   Attributes:
@@ -228,22 +229,21 @@ class Auto(Estimates, GammaPolicy):
                         first_draft_ms=new.first_draft_ms)
 
   @staticmethod
-  def draft_costs(costs: Any) -> dict[str, float]:
+  def draft_costs(costs: ForwardCosts) -> dict[str, float]:
     """`create`'s draft_ms and first_draft_ms from a draft model's
     `tuning.cost.ForwardCosts`."""
     return {"draft_ms": costs.at(1), "first_draft_ms": costs.drafting_ms(1)}
 
   def init(self, batch):
     shape = (batch, self.max_gamma)
-    return PolicyState(
-        budget=jnp.zeros((batch,), jnp.int32),
+    return AutoState(
         verified=jnp.broadcast_to(self.start_verified, shape),
         accepted=jnp.broadcast_to(self.start_accepted, shape),
         seen_verified=jnp.zeros(shape, jnp.float32),
         seen_accepted=jnp.zeros(shape, jnp.float32),
         idle=jnp.int32(0), wait=self.first_wait)
 
-  def warm(self, state: PolicyState) -> "Auto":
+  def warm(self, state: AutoState) -> "Auto":
     """This policy, with every row of the next generation starting from
     what an earlier one learned (`state`, e.g. `SpecOutput.policy_state`):
     a server keeps what it learned about its drafter on its workload
@@ -358,7 +358,7 @@ class Auto(Estimates, GammaPolicy):
     return (self.first_draft_ms + catch_up + self.target_ms[1]
             - self.target_ms[0])
 
-  def _due(self, state: PolicyState) -> jax.Array:
+  def _due(self, state: AutoState) -> jax.Array:
     """[] bool: enough plain steps for a probe: `wait` of them, stretched
     to `wait` times the probe's price in plain steps. The price is the
     catch-up on the steps idle so far, or on `wait` of them before that:
@@ -368,7 +368,7 @@ class Auto(Estimates, GammaPolicy):
     return state.idle * plain >= state.wait * jnp.maximum(
         plain, self.probe_ms(jnp.maximum(state.idle, state.wait)))
 
-  def _pays_back(self, state: PolicyState, active: jax.Array,
+  def _pays_back(self, state: AutoState, active: jax.Array,
                  remaining: jax.Array | None) -> jax.Array:
     """[] bool: drafting every step with certain acceptance would save
     more time over the tokens the active rows have left (`remaining` [B],
@@ -444,7 +444,7 @@ class Auto(Estimates, GammaPolicy):
                                            drafting)),
         lambda: rate)
 
-  def hoped(self, state: PolicyState, active: jax.Array,
+  def hoped(self, state: AutoState, active: jax.Array,
             available: jax.Array | None = None,
             remaining: jax.Array | None = None) -> jax.Array:
     """[] the budget K that `score` predicts best at an upper confidence
@@ -468,7 +468,7 @@ class Auto(Estimates, GammaPolicy):
                       active, remaining, available)  # [G+1]
     return self.choose(rate, jnp.where(evidence[0] > 0, self.max_gamma, 1))
 
-  def _bound(self, state: PolicyState, active: jax.Array
+  def _bound(self, state: AutoState, active: jax.Array
              ) -> tuple[jax.Array, jax.Array]:
     """[G] the batch's estimates with position 1 at `hoped`'s upper
     bound, and [G] the evidence behind them (`pooled`)."""
@@ -477,7 +477,7 @@ class Auto(Estimates, GammaPolicy):
     return pooled.at[0].set(jnp.minimum(pooled[0] + self.optimism * error,
                                         1.0)), evidence
 
-  def _probe(self, state: PolicyState, k: jax.Array, active: jax.Array,
+  def _probe(self, state: AutoState, k: jax.Array, active: jax.Array,
              available: jax.Array | None,
              remaining: jax.Array | None) -> jax.Array:
     """[] the budget `k`, or where it is 0 a probe: the budget `hoped`
@@ -494,7 +494,7 @@ class Auto(Estimates, GammaPolicy):
     allowed = self._may_probe(state, active, available, remaining)
     return jnp.where((k == 0) & allowed, probe, k)
 
-  def _may_probe(self, state: PolicyState, active: jax.Array,
+  def _may_probe(self, state: AutoState, active: jax.Array,
                  available: jax.Array | None,
                  remaining: jax.Array | None) -> jax.Array:
     """[] bool: some active row can use a draft (`available` [B], None
@@ -516,7 +516,7 @@ class Auto(Estimates, GammaPolicy):
     return jnp.where(active, k, 0).astype(jnp.int32)
 
   def plain_run(self, state, active, remaining=None):
-    """The plain steps a plain choice stands for (`GammaPolicy.plain_run`).
+    """The plain steps a plain choice stands for (`PlainRuns.plain_run`).
 
     The estimates learn only from drafted steps, so over plain steps
     three things move: `idle`, which makes a probe due (`_due`), at a

@@ -10,6 +10,15 @@ longest proposal. Every branch is the same exact verifier
 target's distribution whatever a policy chooses, and nothing recompiles
 when the choice changes.
 
+The protocol is a small core, `GammaPolicy` (what the step asks,
+`step_types.StepPolicy`, and a generation's `init`, `observe`, `warm`,
+`may_draft`), and one optional extension, `PlainRuns`: a policy whose
+plain choice stands for a run of plain steps, which the loop then takes at
+`generate`'s cost (`specjax.plain`). A policy declares it by subclassing
+`PlainRuns` (`plain_runs`); the loop never calls a policy to find out.
+Each policy has its own state: None for `Fixed`, `HeuristicState`,
+`estimates.AutoState`.
+
 - `Fixed`: γ drafts every step, one compiled width (a fixed γ is just this
   policy).
 - `Heuristic`: transformers' schedule for assisted generation (its
@@ -21,103 +30,54 @@ when the choice changes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from specjax.step_types import Proposal
+from specjax.step_types import StepPolicy
 from specjax.verify import verify_widths
 
-__all__ = ["Fixed", "GammaPolicy", "Heuristic", "LONGEST_PLAIN_RUN",
-           "PolicyState"]
+__all__ = ["Fixed", "GammaPolicy", "Heuristic", "HeuristicState",
+           "LONGEST_PLAIN_RUN", "PlainRuns", "PolicyState"]
 
-# The most plain steps one choice may stand for (`GammaPolicy.plain_run`).
+# The most plain steps one choice may stand for (`PlainRuns.plain_run`).
 LONGEST_PLAIN_RUN = 64
 
-
-@flax.struct.dataclass(kw_only=True)
-class PolicyState:
-  """What a policy carries between steps.
-
-  Attributes:
-    budget: [B] int32 the heuristic's current draft budget per row.
-    verified: [B, G] float32 decayed count of steps in which each draft
-      position was verified, per row (`Auto`).
-    accepted: [B, G] float32 the same count of acceptances (`Auto`).
-    seen_verified: [B, G] float32 the steps of this generation in which
-      each draft position was verified, not decayed (`Auto.warm`; position
-      1's are the evidence behind `Auto.hoped`'s confidence bound).
-    seen_accepted: [B, G] float32 the same count of acceptances.
-    idle: [] int32 consecutive steps without drafting (`Auto`).
-    wait: [] int32 steps without drafting before the next probe (`Auto`).
-  """
-
-  budget: jax.Array
-  verified: jax.Array
-  accepted: jax.Array
-  seen_verified: jax.Array
-  seen_accepted: jax.Array
-  idle: jax.Array
-  wait: jax.Array
+# A policy's state: the pytree its `init` returns, its own (None for
+# `Fixed`, `HeuristicState`, `estimates.AutoState`).
+PolicyState = Any
 
 
-class GammaPolicy:
+class GammaPolicy(StepPolicy):
   """Chooses each step's per-row draft budget: `init`, `budget`, `update`.
 
   Subclasses are `flax.struct.dataclass`es: `max_gamma` is static (it fixes
   the compiled shapes), the rest is traced. `widths` are the target pass
   widths the step compiles: all of `verify_widths(G)` by default (a budget
   of k verifies over the smallest width >= k + 1), one for `Fixed`.
+  `budget`, `trim` and `update` are the step's (`step_types.StepPolicy`).
+
+  Attributes:
+    plain_runs: declared by `PlainRuns`: a plain choice stands for a run
+      of plain steps (False here: the loop asks before every step).
   """
 
-  max_gamma: int
+  plain_runs: ClassVar[bool] = False
 
   @property
   def widths(self) -> tuple[int, ...]:
     return verify_widths(self.max_gamma)
 
-  def init(self, batch: int) -> Any:
+  def init(self, batch: int) -> PolicyState:
     """The policy's state for a generation of B rows (a pytree)."""
     raise NotImplementedError
 
-  def budget(self, state: PolicyState, active: jax.Array,
-             remaining: jax.Array | None = None) -> jax.Array:
-    """[B] int32 draft budget in [0, G] for the next step (0 where
-    inactive); `remaining` [B] is the tokens each row may still emit, or
-    None for no limit."""
-    raise NotImplementedError
-
-  def trim(self, state: PolicyState, num_drafted: jax.Array,
-           active: jax.Array, remaining: jax.Array | None = None
-           ) -> jax.Array:
-    """[B] int32 how many of the `num_drafted` [B] drafts to verify, once
-    drafted (default: all)."""
-    del state, active, remaining
-    return num_drafted
-
-  def plain_run(self, state: PolicyState, active: jax.Array,
-                remaining: jax.Array | None = None) -> jax.Array | None:
-    """Once `budget` chose a plain step for every row: [] int32 in
-    [1, `LONGEST_PLAIN_RUN`], the plain steps (this one included) after
-    which nothing the choice reads can have changed but the tokens the
-    rows emitted, so that the loop runs them at `generate`'s cost
-    (`specjax.plain`) and asks again after them (or once a row ends);
-    None (the default) to ask before every step."""
-    del state, active, remaining
-    return None
-
-  def after_plain(self, state: PolicyState, steps: jax.Array
-                  ) -> PolicyState:
-    """`state` after `steps` ([] int32) plain steps, as `update` would
-    leave it after each (default: unchanged)."""
-    del steps
-    return state
-
   def warm(self, state: PolicyState) -> "GammaPolicy":
-    """The policy for a next generation, given the `PolicyState` an
-    earlier one ended with (default: unchanged)."""
+    """The policy for a next generation, given the state an earlier one
+    ended with (default: unchanged)."""
     del state
     return self
 
@@ -125,13 +85,6 @@ class GammaPolicy:
     """Host-side, before compiling: False if no step of a generation would
     ever draft, whatever the acceptance (default: True)."""
     return True
-
-  def update(self, state: PolicyState, budget: jax.Array,
-             proposal: Proposal, num_accepted: jax.Array,
-             active: jax.Array) -> PolicyState:
-    """Learns from one step: `budget` [B] as chosen, the proposal, and
-    `num_accepted` [B] for rows where `active` [B]."""
-    raise NotImplementedError
 
   def observe(self, state: PolicyState, accepted: jax.Array,
               active: jax.Array) -> PolicyState:
@@ -141,6 +94,41 @@ class GammaPolicy:
     `active` [B] (default: ignored)."""
     del accepted, active
     return state
+
+
+class PlainRuns(GammaPolicy):
+  """A `GammaPolicy` whose plain choice stands for a run of plain steps:
+  once `budget` chose a plain step for every row, the loop asks
+  `plain_run` how many, takes them at `generate`'s cost (`specjax.plain`)
+  and tells the state (`after_plain`)."""
+
+  plain_runs: ClassVar[bool] = True
+
+  def plain_run(self, state: PolicyState, active: jax.Array,
+                remaining: jax.Array | None = None) -> jax.Array:
+    """Once `budget` chose a plain step for every row: [] int32 in
+    [1, `LONGEST_PLAIN_RUN`], the plain steps (this one included) after
+    which nothing the choice reads can have changed but the tokens the
+    rows emitted, so that the loop runs them and asks again after them
+    (or once a row ends)."""
+    raise NotImplementedError
+
+  def after_plain(self, state: PolicyState, steps: jax.Array
+                  ) -> PolicyState:
+    """`state` after `steps` ([] int32) plain steps, as `update` would
+    leave it after each."""
+    raise NotImplementedError
+
+
+@flax.struct.dataclass(kw_only=True)
+class HeuristicState:
+  """`Heuristic`'s state.
+
+  Attributes:
+    budget: [B] int32 each row's current draft budget.
+  """
+
+  budget: jax.Array
 
 
 def usable_drafts(remaining: jax.Array | None) -> jax.Array | None:
@@ -205,11 +193,7 @@ class Heuristic(GammaPolicy):
 
   def init(self, batch):
     start = self.initial or self.max_gamma
-    none = jnp.zeros((batch, 0), jnp.float32)
-    return PolicyState(budget=jnp.full((batch,), start, jnp.int32),
-                       verified=none, accepted=none,
-                       seen_verified=none, seen_accepted=none,
-                       idle=jnp.int32(0), wait=jnp.int32(0))
+    return HeuristicState(budget=jnp.full((batch,), start, jnp.int32))
 
   def budget(self, state, active, remaining=None):
     del remaining

@@ -67,6 +67,8 @@ import numpy as np
 
 from specjax import hardware
 from specjax import store
+from specjax.models.protocol import declared
+from specjax.models.protocol import LanguageModel
 from specjax.verify import verify_widths
 from specjax.verify import width_index
 
@@ -132,16 +134,12 @@ class ForwardCosts:
     return first + (num_drafts - 1) * self.at(1)
 
 
-def table_key(model: Any, batch: int, cache_size: int,
+def table_key(model: LanguageModel, batch: int, cache_size: int,
               chunks: Sequence[int]) -> str:
-  """The key of `model`'s cost table at B, S and chunk lengths T."""
-  # Models are a structural protocol: a foreign model has none of these.
-  config = getattr(model, "config", None)
-  plan = getattr(getattr(model, "plan", None), "name", "")
-  dtype = getattr(model, "dtype", "")
-  # A model that runs part of another (`LayerSubset`) says which part.
-  part = getattr(model, "cost_key", "")
-  return (f"{hardware.machine_key()}|{config}|{part}|{dtype}|{plan}|B={batch}|"
+  """The key of `model`'s cost table at B, S and chunk lengths T: this
+  machine's, then the model's own (`CostGeometry.key`)."""
+  geometry = declared(model).cost_geometry()
+  return (f"{hardware.machine_key()}|{geometry.key}|B={batch}|"
           f"S={cache_size}|T={','.join(map(str, chunks))}")
 
 
@@ -152,7 +150,7 @@ def check_entry(entry: Any) -> None:
       raise ValueError("non-positive time")
 
 
-def read_table(model: Any, *, batch: int, chunks: Sequence[int],
+def read_table(model: LanguageModel, *, batch: int, chunks: Sequence[int],
                cache_size: int,
                cache_dir: str | os.PathLike | None = None
                ) -> ForwardCosts | None:
@@ -230,17 +228,18 @@ class Roofline:
                float(entry.get("overhead_ms", cls.nominal().overhead_ms)),
                "measured")
 
-  def forward(self, model: Any, *, batch: int, chunks: Sequence[int],
-              cache_size: int) -> ForwardCosts:
-    """`model`'s forward times at B and S for each T in `chunks`."""
-    weight_bytes, itemsize, kv_bytes_per_slot, attn_flops = _geometry(model)
-    kv_bytes = kv_bytes_per_slot * batch * cache_size
+  def forward(self, model: LanguageModel, *, batch: int,
+              chunks: Sequence[int], cache_size: int) -> ForwardCosts:
+    """`model`'s forward times at B and S for each T in `chunks`, from its
+    declared geometry (`DeclaredModel.cost_geometry`)."""
+    g = declared(model).cost_geometry()
+    kv_bytes = g.kv_bytes_per_slot * batch * cache_size
     ms = {}
     for t in chunks:
       rows = batch * t
-      flops = (2.0 * weight_bytes / itemsize * rows
-               + attn_flops * rows * cache_size)
-      seconds = max((weight_bytes + kv_bytes) / self.bandwidth,
+      flops = (2.0 * g.weight_bytes / g.itemsize * rows
+               + g.attention_flops_per_slot * rows * cache_size)
+      seconds = max((g.weight_bytes + kv_bytes) / self.bandwidth,
                     flops / self.flops)
       ms[int(t)] = 1e3 * seconds + self.overhead_ms
     return ForwardCosts(batch, ms, "roofline")
@@ -249,25 +248,6 @@ class Roofline:
 def check_machine(entry: Any) -> None:
   if not (float(entry["bandwidth"]) > 0 and float(entry["flops"]) > 0):
     raise ValueError("non-positive bandwidth or FLOP rate")
-
-
-def _geometry(model: Any) -> tuple[float, int, float, float]:
-  """(weight bytes read per forward, bytes per weight, KV cache bytes per
-  row and slot, attention FLOPs per query row and slot) of a model."""
-  # Models are a structural protocol: specjax's declare their geometry
-  # (`Model`, `LayerSubset`); any other is priced by its array leaves.
-  weight_bytes = getattr(model, "weight_bytes_per_token", None)
-  leaves = [x for x in jax.tree.leaves(model) if hasattr(x, "nbytes")]
-  if weight_bytes is None:
-    weight_bytes = sum(x.nbytes for x in leaves)
-  itemsize = leaves[0].dtype.itemsize if leaves else 4
-  config = getattr(model, "config", None)
-  if config is None or not hasattr(config, "head_dim"):
-    return float(max(weight_bytes, 1)), itemsize, 0.0, 0.0
-  layers = getattr(model, "num_layers_run", config.num_layers)
-  kv = 2.0 * layers * config.num_kv_heads * config.head_dim * itemsize
-  attention = 4.0 * layers * config.num_heads * config.head_dim
-  return float(weight_bytes), itemsize, kv, attention
 
 
 def survival(acceptance: Sequence[float], gamma: int) -> np.ndarray:
@@ -405,8 +385,8 @@ class StepCosts:
     return cls.from_forwards(max(int(gamma), 1), target, draft)
 
   @classmethod
-  def for_call(cls, target: Any, cost_model: Any, *, batch: int,
-               cache_size: int, max_gamma: int,
+  def for_call(cls, target: LanguageModel, cost_model: LanguageModel | None,
+               *, batch: int, cache_size: int, max_gamma: int,
                cache_dir: str | os.PathLike | None = None) -> "StepCosts":
     """The costs of a call at B and S: the tuning step's tables where both
     models have one, else the roofline (`Roofline.cached`). `cost_model`

@@ -3,7 +3,7 @@
 Shape letters (`specjax.shapes`): B batch, G = γ_max.
 
 Per row and draft position, exponentially decayed counts of the steps that
-verified the position and of those that accepted it (`PolicyState`
+verified the position and of those that accepted it (`AutoState`
 `verified`, `accepted`), and the same undecayed (`seen_verified`,
 `seen_accepted`). The estimate is their ratio; position 1 starts from a
 prior (one decaying pseudo-observation) and a deeper position leans on the
@@ -19,18 +19,41 @@ a standard error, the confidence bound the policy hopes with.
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.policies.base import PolicyState
+__all__ = ["AutoState", "Estimates"]
 
-__all__ = ["Estimates"]
+
+@flax.struct.dataclass(kw_only=True)
+class AutoState:
+  """`Auto`'s state: the estimator's counts and the probe schedule.
+
+  Attributes:
+    verified: [B, G] float32 decayed count of steps in which each draft
+      position was verified, per row.
+    accepted: [B, G] float32 the same count of acceptances.
+    seen_verified: [B, G] float32 the steps of this generation in which
+      each draft position was verified, not decayed (`Auto.warm`; position
+      1's are the evidence behind `Auto.hoped`'s confidence bound).
+    seen_accepted: [B, G] float32 the same count of acceptances.
+    idle: [] int32 consecutive steps without drafting.
+    wait: [] int32 steps without drafting before the next probe.
+  """
+
+  verified: jax.Array
+  accepted: jax.Array
+  seen_verified: jax.Array
+  seen_accepted: jax.Array
+  idle: jax.Array
+  wait: jax.Array
 
 
 class Estimates:
-  """Acceptance estimates from a `PolicyState`'s counts."""
+  """Acceptance estimates from an `AutoState`'s counts."""
 
-  def acceptance(self, state: PolicyState) -> jax.Array:
+  def acceptance(self, state: AutoState) -> jax.Array:
     """[B, G] conditional acceptance estimates: position 1 accepted over
     verified; position j > 1 the same with the estimate of position j - 1
     added as one more observation."""
@@ -46,7 +69,7 @@ class Estimates:
                      / (verified[..., j] + 1.0))
     return jnp.stack(columns, axis=-1)
 
-  def pooled(self, state: PolicyState, active: jax.Array
+  def pooled(self, state: AutoState, active: jax.Array
              ) -> tuple[jax.Array, jax.Array]:
     """The batch's estimates, [G], from its rows' counts summed, and the
     verifications behind them, [G] (`evidence`; position 1's: the steps
@@ -86,7 +109,7 @@ class Estimates:
                                 pool(state.accepted, self.start_accepted))
     return jnp.clip(estimates, 0.0, 1.0), self.evidence(state, active)
 
-  def evidence(self, state: PolicyState, active: jax.Array) -> jax.Array:
+  def evidence(self, state: AutoState, active: jax.Array) -> jax.Array:
     """[G] the verifications behind each position's pooled estimate, not
     decayed: those of the batch's rows (active, or ended after verifying
     something, as in `pooled`) and the start counts', for each of the
@@ -98,8 +121,8 @@ class Estimates:
     return (jnp.sum(jnp.where(counts[:, None], seen, 0.0), 0)
             + start * self.start_rows * jnp.any(counts))
 
-  def _learn(self, state: PolicyState, judged: jax.Array,
-             accepted: jax.Array) -> PolicyState:
+  def _learn(self, state: AutoState, judged: jax.Array,
+             accepted: jax.Array) -> AutoState:
     """`state` with the decayed counts of the positions `judged` [B, G]
     (bool) each verified once and accepted by `accepted` ([B, G] or
     broadcastable, float32), the same in the undecayed counts of the

@@ -80,7 +80,7 @@ def _step(policy: policies.GammaPolicy, prices: _Prices, alpha: jax.Array,
           tokens: int, state: _State) -> _State:
   """One speculative step of every row, as `speculate_step` takes it, or
   the run of plain steps that a plain choice stands for, as the loop takes
-  it (`GammaPolicy.plain_run`)."""
+  it (`policies.PlainRuns`)."""
   max_gamma = alpha.shape[0]
   widths = policies.verify_widths(max_gamma)
   active = state.generated < tokens  # [B]
@@ -111,9 +111,9 @@ def _step(policy: policies.GammaPolicy, prices: _Prices, alpha: jax.Array,
       lag=jnp.where(drafting, 0, state.lag + 1),
       ms=state.ms + prices.target_ms[width]
       + jnp.where(drafting, draft_ms, 0.0))
-  run = policy.plain_run(state.policy, active, remaining)
-  if run is None:
+  if not policy.plain_runs:  # asked before every step
     return stepped
+  run = policy.plain_run(state.policy, active, remaining)
   # The loop's run of plain steps (`specjax.plain`), which ends early where
   # a row does.
   run = jnp.minimum(jnp.minimum(run, policies.LONGEST_PLAIN_RUN),
