@@ -102,7 +102,7 @@ PAIRS = {
         draft="qwen2.5-coder-0.5b-instruct",
         prompt_set="humaneval", chat_template=True,
         # The best drafter and fixed γ on this job (BENCHMARKS.md,
-        # "Drafters" and "Main job past 2.5x").
+        # "Drafters" and "Main job").
         drafter="lookup", gamma=8),
     "smollm2": dict(
         target="HuggingFaceTB/SmolLM2-1.7B-Instruct",

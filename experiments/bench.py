@@ -407,7 +407,8 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
             for i in range(0, len(encoded), batch_size)]
     batches = [[encoded[j] for j in r] for r in rows]
     bar.set_postfix_str(f"B={batch_size} cost")
-    # Verification at γ + 1 tokens, and at T + 1 for a tree of T nodes.
+    # Verification at γ + 1 tokens, and at T + 1 for a tree of T nodes;
+    # the draft's forward where the pair holds a draft model.
     cost = cost_lib.measure_cost(pair.target, pair.draft, batches[0],
                                  cache_size, sorted(set(gammas) | (
                                      set(node_counts) - {0})),
@@ -510,8 +511,10 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
       "memory": memory_info,
       "config": config.to_dict(),
       "device": hardware.machine(),
+      # "draft" is None where no drafter that ran drafts with a model.
       "models": {"target": model_info(config.target, pair.target),
-                 "draft": model_info(config.draft, pair.draft)},
+                 "draft": (None if pair.draft is None
+                           else model_info(config.draft, pair.draft))},
       "matmul": {"target": matmul_info(config, pair.target),
                  "draft": matmul_info(config, pair.draft)},
       "quantize": pair.quantize,

@@ -30,9 +30,9 @@ from specjax.tuning.cost import read_step
 __all__ = ["compiled_forward_hlo", "forward_step", "measure_cost",
            "read_step"]
 
-def measure_cost(target: Any, draft: Any, prompts: Sequence[Sequence[int]],
-                 cache_size: int, gammas: Sequence[int],
-                 repeats: int) -> dict[str, Any]:
+def measure_cost(target: Any, draft: Any | None,
+                 prompts: Sequence[Sequence[int]], cache_size: int,
+                 gammas: Sequence[int], repeats: int) -> dict[str, Any]:
   """Forward times of both models on the same B rows, and c.
 
   Returns:
@@ -41,9 +41,12 @@ def measure_cost(target: Any, draft: Any, prompts: Sequence[Sequence[int]],
     `draft_cost_ratio` (c) and `verify_cost_ratio` (the target's); for
     models that report `weight_bytes_per_token`, the read bandwidth and
     each model's roofline (`{m}_weight_gb`, `{m}_roofline_ms`, and
-    `{m}_forward_efficiency` = roofline / measured forward).
+    `{m}_forward_efficiency` = roofline / measured forward). With `draft`
+    None (no draft model loaded) the target is timed alone, and no
+    `draft_` key is returned.
   """
-  models = {"draft": draft, "target": target}
+  models = {"target": target} if draft is None else {"draft": draft,
+                                                      "target": target}
   steps = {}
   for name, model in models.items():
     steps[(name, 1)] = forward_step(model, prompts, cache_size, 1)
@@ -61,7 +64,9 @@ def measure_cost(target: Any, draft: Any, prompts: Sequence[Sequence[int]],
     out[f"{name}_forward_ms"] = forward
     out[f"{name}_verify_ms"] = verify
     out[f"{name}_verify_ratio"] = {g: v / forward for g, v in verify.items()}
-  out["draft_cost_ratio"] = out["draft_forward_ms"] / out["target_forward_ms"]
+  if draft is not None:
+    out["draft_cost_ratio"] = (out["draft_forward_ms"]
+                               / out["target_forward_ms"])
   out["verify_cost_ratio"] = out["target_verify_ratio"]  # the one c needs
   if "read" in ms:
     bandwidth = READ_BYTES / (ms["read"] / 1e3)  # bytes/s

@@ -1,7 +1,8 @@
 """Loading what an experiment config names: the pair, its drafters,
 tokenizer and prompts.
 
-`load_pair(config)` loads the target, the draft and their shared tokenizer
+`load_pair(config)` loads the target, the draft where a configured drafter
+drafts with it (`needs_draft`), and their shared tokenizer
 (`specjax.registry`, or random tiny models for `tiny`), `make_drafter`
 builds a named drafter from them (`configs/llama_pair.py`'s `drafter=`),
 and `encode_prompts` turns the config's prompt set into token ids. The
@@ -38,8 +39,10 @@ from specjax.tuning import matmul as tuning
 
 __all__ = ["Pair", "default_skip", "drafter_names", "encode_prompts",
            "load_pair", "make_drafter", "make_mesh", "matmul_info",
-           "memory_plan", "model_info", "tune_rows"]
+           "memory_plan", "model_info", "needs_draft", "tune_rows"]
 
+# Drafter kinds that draft with the pair's draft model (`config.draft`).
+MODEL_DRAFTERS = ("model", "fallback", "cascade")
 
 
 @dataclasses.dataclass
@@ -48,7 +51,8 @@ class Pair:
 
   Attributes:
     target: the verifying `LanguageModel`.
-    draft: the drafting `LanguageModel` (may be `target` itself).
+    draft: the drafting `LanguageModel` (may be `target` itself), or None
+      where no drafter the config runs drafts with a model (`needs_draft`).
     tokenizer: shared tokenizer (`specjax.tokenizer.Tokenizer`, or
       `prompts.ByteTokenizer` for tiny models).
     load_s: seconds spent loading.
@@ -69,7 +73,9 @@ def load_pair(config: Any) -> Pair:
   `tiny` builds random tiny models (`specjax.testing.tiny_pair`) with the
   byte-level stand-in tokenizer; anything else goes through
   `specjax.registry.load_pretrained` (registry names, local directories,
-  Hub ids).
+  Hub ids). The draft is loaded only where a drafter the config runs
+  drafts with it (`needs_draft`): prompt lookup, the target's own layers
+  and trained heads leave `Pair.draft` None.
 
   Raises:
     ConfigError: the draft's vocabulary differs from the target's.
@@ -80,18 +86,22 @@ def load_pair(config: Any) -> Pair:
   mesh = make_mesh(config)
   quantize = config.get("quantize") or None
   choice = None
+  wanted = needs_draft(config)
   if config.target == "tiny":
     tokenizer = prompts_lib.ByteTokenizer()
     target, draft = testing.tiny_pair(config.seed, tokenizer.vocab_size,
                                       dtype=dtype)
     if quantize and quantize != "auto":  # random weights: no GGUF blocks
       target = target.quantize(quantize)
-    if config.get("draft_quantize") and config.draft != "same":
-      draft = draft.quantize(config.draft_quantize)
     target, _ = tuning.apply(target, config.matmul, rows=rows,
                              cache_dir=config.cache_dir or None)
-    draft, _ = tuning.apply(draft, config.matmul, rows=rows,
-                            cache_dir=config.cache_dir or None)
+    if not wanted or config.draft == "same":
+      draft = None
+    else:
+      if config.get("draft_quantize"):
+        draft = draft.quantize(config.draft_quantize)
+      draft, _ = tuning.apply(draft, config.matmul, rows=rows,
+                              cache_dir=config.cache_dir or None)
   else:
     load = functools.partial(registry.load_pretrained, dtype=dtype,
                              cache_dir=config.cache_dir or None,
@@ -107,22 +117,33 @@ def load_pair(config: Any) -> Pair:
     logging.info("Loading target %s (%s)", config.target, dtype)
     target, tokenizer = load(config.target, quantize=quantize)
     draft = None
-    if config.draft != "same":
+    if wanted and config.draft != "same":
       logging.info("Loading draft %s (%s)", config.draft, dtype)
       draft, _ = load(config.draft, split=config.draft_split,
                       quantize=config.get("draft_quantize") or None)
   if config.draft == "same":
-    draft = _same(config, target, load if config.target != "tiny" else None)
+    draft = _same(config, target, load if config.target != "tiny"
+                  else None) if wanted else None
   elif mesh is not None:  # the tiny pair; loaders placed the others
     target = sharding.shard(target, mesh)
-    draft = sharding.shard(draft, mesh, split=config.draft_split)
-  if draft.vocab_size != target.vocab_size:
+    if draft is not None:
+      draft = sharding.shard(draft, mesh, split=config.draft_split)
+  if draft is not None and draft.vocab_size != target.vocab_size:
     raise ConfigError(
         f"config.draft {config.draft!r} has a vocabulary of "
         f"{draft.vocab_size} ids but config.target {config.target!r} has "
         f"{target.vocab_size}; speculative decoding needs a shared "
         "tokenizer.")
   return Pair(target, draft, tokenizer, time.perf_counter() - start, choice)
+
+
+def needs_draft(config: Any) -> bool:
+  """Whether a drafter the config runs (`drafter_names`) drafts with the
+  draft model: `model`, `fallback` and `cascade`, alone or after `jump+`.
+  The rest (lookup, the target's own layers, trained heads) need none, so
+  the default job, prompt lookup, loads no second model."""
+  return any(drafter_kind(name)[0] in MODEL_DRAFTERS
+             for name in drafter_names(config))
 
 
 def _same(config: Any, target: Any, load: Any) -> Any:
@@ -170,8 +191,11 @@ def memory_plan(config: Any, pair: Pair, cache_size: int,
     MemoryError: naming the sizes, when a device cannot hold them.
   """
   batch = max(tuple(config.batch_sizes) or (config.batch_size,))
-  plan = memory.plan({"target": pair.target, "draft": pair.draft},
-                     batch=batch, cache_size=cache_size, chunk=widest + 1)
+  models = {"target": pair.target}
+  if pair.draft is not None:
+    models["draft"] = pair.draft
+  plan = memory.plan(models, batch=batch, cache_size=cache_size,
+                     chunk=widest + 1)
   plan.check()
   return {"table": plan.table(), "per_device_bytes": plan.per_device,
           "limit_bytes": plan.limit, "devices": plan.devices,

@@ -10,11 +10,13 @@ import json
 import math
 import os
 import pathlib
+import textwrap
 from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["format_report", "save_plots", "to_json", "write_results"]
+__all__ = ["drafter_label", "format_report", "save_plots", "to_json",
+           "write_results"]
 
 RESULTS_FILE = "results.json"
 
@@ -51,6 +53,37 @@ def write_results(results: dict[str, Any],
 
 
 # ------------------------------------------------------------------ tables
+
+
+def drafter_label(name: str, config: dict[str, Any]) -> str:
+  """What the drafter `name` (a `configs/llama_pair.py` drafter) drafts
+  with, in words, for titles: a model drafter names `config["draft"]`,
+  the others what they are (prompt lookup has no model)."""
+  if name.startswith("jump+"):
+    return f"jump-forward, else {drafter_label(name[5:], config)}"
+  kind, _, layer = name.partition("@")
+  draft = config.get("draft", "draft")
+  if draft == "same":
+    quantized = config.get("draft_quantize")
+    draft = f"the target in {quantized}" if quantized else "the target"
+  return {
+      "model": draft,
+      "lookup": "prompt lookup",
+      "fallback": f"prompt lookup, else {draft}",
+      "cascade": f"{draft} over prompt lookup",
+      "early_exit": (f"the target's first {layer} layers" if layer
+                     else "early exit"),
+      "layer_skip": "layer skip",
+      "medusa": "Medusa heads",
+      "eagle": "EAGLE layer",
+  }.get(kind, name)
+
+
+def _drafted_by(results: dict[str, Any]) -> str:
+  """Every drafter that ran, in words (`drafter_label`), `/`-separated."""
+  names = (results.get("sweep", {}).get("drafters")
+           or [results.get("drafter", "model")])
+  return " / ".join(drafter_label(n, results["config"]) for n in names)
 
 
 def _f(x: Any, spec: str = ".2f", suffix: str = "") -> str:
@@ -206,7 +239,7 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
   prompts = results["prompts"]
   synthetic = " [SYNTHETIC acceptance]" if results.get("synthetic") else ""
   lines = [
-      f"specjax speculative decoding: draft {cfg['draft']} -> target "
+      f"specjax speculative decoding: {_drafted_by(results)} -> target "
       f"{cfg['target']}{synthetic}",
       f"device {dev['platform']} ({dev['device_kind']}, "
       f"{dev.get('cpu_model', '?')}, "
@@ -219,15 +252,15 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
       *_controls_line(results),
       "",
       "cost per forward (median of "
-      f"{cfg['cost_repeats']}; c = draft / target):",
+      f"{cfg['cost_repeats']}; c = draft / target; - : no draft model):",
   ]
   cost_rows = []
   for b, c in results["cost"].items():
     verify = ", ".join(f"{g}+1: {v:.1f} ms ({c['verify_cost_ratio'][g]:.2f}x)"
                        for g, v in c["target_verify_ms"].items())
-    cost_rows.append([b, _f(c["draft_forward_ms"], ".2f"),
+    cost_rows.append([b, _f(c.get("draft_forward_ms"), ".2f"),
                       _f(c["target_forward_ms"], ".2f"),
-                      _f(c["draft_cost_ratio"], ".3f"), verify])
+                      _f(c.get("draft_cost_ratio"), ".3f"), verify])
   lines.append(table(["B", "draft ms", "target ms", "c",
                       "target verify (γ+1, or nodes+1, tokens)"], cost_rows))
   if results.get("memory"):
@@ -354,9 +387,12 @@ def save_plots(results: dict[str, Any],
           and isinstance(r["gamma"], int) and same_rule(r)]
   chains = [r for r in runs if not r.get("num_nodes")]
   gammas, batches = results["sweep"]["gammas"], results["sweep"]["batch_sizes"]
-  title = f"{results['config']['draft']} → {results['config']['target']}"
-  if results.get("synthetic"):
-    title += " [synthetic]"
+  # Each plot is titled by what drafted: the headline drafter, or in the
+  # drafter comparison every one.
+  target = results["config"]["target"]
+  suffix = " [synthetic]" if results.get("synthetic") else ""
+  drafter = drafter_label(results.get("drafter", "model"), results["config"])
+  title = f"{drafter} → {target}{suffix}"
   written = []
 
   def save(fig, name):
@@ -449,7 +485,9 @@ def save_plots(results: dict[str, Any],
     ax.axhline(1.0, color="gray", lw=1)
     ax.set_xticks(x, [r["drafter"] for r in head])
     ax.set(ylabel="speedup vs autoregressive",
-           title=f"{title}\nB={results['batch_size']}, γ={results['gamma']}")
+           title=textwrap.fill(f"{_drafted_by(results)} → {target}{suffix}",
+                               55)
+           + f"\nB={results['batch_size']}, γ={results['gamma']}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     save(fig, "speedup_by_drafter.png")

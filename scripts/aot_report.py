@@ -27,8 +27,9 @@ _RUNS = flags.DEFINE_list(
     "runs", ["v5e:1:qwen1.5b:bf16:full", "v5e:1:qwen1.5b:bf16:unrolled",
              "v5e:1:qwen1.5b:int8", "v5e:1:llama8b:bf16",
              "v5e:1:llama8b:int8", "v5e:1:llama8b:int8:unrolled",
-             "v6e:1:qwen1.5b:bf16",
-             "v6e:1:llama8b:bf16", "v6e:8:llama70b:bf16",
+             "v6e:1:qwen1.5b:bf16", "v6e:1:qwen1.5b:int8",
+             "v6e:1:llama8b:bf16", "v6e:1:llama8b:int8",
+             "v6e:8:llama70b:bf16",
              "v5e:8:llama70b:int8"],
     "chip:chips:pair:weights[:full|:unrolled] runs.")
 _ONE = flags.DEFINE_string("one", "", "Internal: run one entry of --runs.")

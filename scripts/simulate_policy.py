@@ -4,7 +4,7 @@ For each cost set and α, `specjax.tuning.simulate.over_best`: `Auto`'s
 mean tokens/s over many draws of synthetic acceptance, priced by the cost
 model, over the best of autoregressive decoding and every fixed γ <= γ_max
 in hindsight. No timing noise: it scores a policy change on several
-machines' costs in seconds (BENCHMARKS.md, "Never slower, machine G").
+machines' costs in seconds (BENCHMARKS.md, "Never slower").
 
 COMMAND (BENCHMARKS.md, "Never slower": every committed cost table, cold,
 after a settled start and after one earlier generation):

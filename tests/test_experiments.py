@@ -43,6 +43,7 @@ from experiments import validation
 from specjax import decode
 from specjax import drafters
 from specjax import hardware
+from specjax import registry
 from specjax import testing
 from specjax.heads import train as heads_train
 
@@ -318,6 +319,113 @@ def test_batch_sweep_plot(tmp_path):
   names = report.save_plots(results, tmp_path)
   assert names == ["acceptance_by_position.png", "speedup_vs_batch.png"]
   assert (tmp_path / "speedup_vs_batch.png").stat().st_size > 1000
+
+
+def _record_loads(monkeypatch) -> list[str]:
+  """Stubs the registry's loaders (offline, instant) and returns the list
+  of model names `load_pair` loads, in order."""
+  loaded = []
+
+  def load_pretrained(name, **kwargs):
+    del kwargs
+    loaded.append(name)
+    return (types.SimpleNamespace(vocab_size=258),
+            prompts_lib.ByteTokenizer())
+
+  monkeypatch.setattr(registry, "load_pretrained", load_pretrained)
+  monkeypatch.setattr(registry, "auto_quantize", lambda *a, **k: (
+      types.SimpleNamespace(quantize=None, why="stub",
+                            to_json=lambda: {"why": "stub"})))
+  return loaded
+
+
+def test_the_default_job_loads_no_draft_model(monkeypatch):
+  # The main job drafts by prompt lookup: it loads the target alone. Every
+  # drafter that drafts with the 0.5B model loads it.
+  loaded = _record_loads(monkeypatch)
+  config = llama_pair.get_config()
+  assert config.drafter == "lookup" and not config.drafters
+  pair = pair_lib.load_pair(config)
+  assert loaded == [config.target] and pair.draft is None
+  for arg in ("drafters=lookup/early_exit@8/layer_skip", "drafter=eagle"):
+    loaded.clear()
+    assert pair_lib.load_pair(llama_pair.get_config(arg)).draft is None
+    assert loaded == [config.target], arg
+  for arg in ("drafters=model/lookup", "drafter=fallback",
+              "drafter=cascade", "drafter=model,nodes=16",
+              "drafters=lookup/jump+fallback"):
+    loaded.clear()
+    assert pair_lib.load_pair(llama_pair.get_config(arg)).draft is not None
+    assert loaded == [config.target, config.draft], arg
+
+
+def _plot_titles(monkeypatch) -> dict[str, list[str]]:
+  """Records each figure's axes titles (and suptitle) as it is saved."""
+  import matplotlib.figure  # pylint: disable=g-import-not-at-top
+  titles = {}
+  original = matplotlib.figure.Figure.savefig
+
+  def savefig(fig, path, *args, **kwargs):
+    suptitle = fig._suptitle  # pylint: disable=protected-access
+    titles[pathlib.Path(path).name] = [ax.get_title() for ax in fig.axes] + (
+        [suptitle.get_text()] if suptitle else [])
+    return original(fig, path, *args, **kwargs)
+
+  monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+  return titles
+
+
+def test_plot_titles_name_the_drafter_that_ran(tmp_path, monkeypatch):
+  titles = _plot_titles(monkeypatch)
+
+  def run(drafter, g, speedup):
+    return {"drafter": drafter, "gamma": g, "batch_size": 1,
+            "speedup": speedup, "decode_speedup": speedup,
+            "predicted_speedup": 1.5, "per_position_acceptance": [0.8] * g}
+
+  config = {"draft": "qwen2.5-coder-0.5b-instruct",
+            "target": "qwen2.5-coder-1.5b-instruct"}
+  results = {"runs": [run("lookup", 4, 2.0), run("lookup", 8, 2.5)],
+             "sweep": {"gammas": [4, 8], "batch_sizes": [1]},
+             "config": config, "batch_size": 1, "gamma": 8,
+             "drafter": "lookup"}
+  report.save_plots(results, tmp_path)
+  assert set(titles) == {"acceptance_by_position.png",
+                         "speedup_vs_gamma.png"}
+  for name, texts in titles.items():
+    assert any("prompt lookup → qwen2.5-coder-1.5b" in t for t in texts), name
+    assert not any(config["draft"] in t for t in texts), name
+
+  titles.clear()
+  results["runs"] += [run("model", 8, 1.4), run("cascade", 8, 1.6)]
+  results["sweep"]["drafters"] = ["lookup", "model", "cascade"]
+  report.save_plots(results, tmp_path)
+  by_drafter = " ".join(titles["speedup_by_drafter.png"])
+  assert "prompt lookup" in by_drafter and config["draft"] in by_drafter
+  assert report.drafter_label("jump+early_exit@8", config) == (
+      "jump-forward, else the target's first 8 layers")
+  assert report.drafter_label("model", {"draft": "same",
+                                        "draft_quantize": "int4"}) == (
+                                            "the target in int4")
+
+
+@pytest.mark.slow  # a tiny run: about 10 s on a 2-core CPU
+def test_lookup_run_without_a_draft_model(tmp_path):
+  # The tiny pair with prompt lookup: no draft model is built, timed or
+  # planned for, and the report says what drafted.
+  config = tiny_pair.get_config("n=2,tokens=6")
+  config.drafter = "lookup"
+  config.output_dir = str(tmp_path)
+  config.progress = False
+  config.plots = False
+  assert pair_lib.load_pair(config).draft is None
+  results = bench.run_and_save(config)
+  assert results["lossless"] is True and results["draft_cost_ratio"] == 0.0
+  assert results["models"]["draft"] is None
+  assert all("draft_forward_ms" not in c for c in results["cost"].values())
+  assert "draft" not in results["memory"]["table"]
+  text = report.format_report(results)
+  assert "prompt lookup -> target tiny" in text
 
 
 @pytest.mark.slow

@@ -248,7 +248,7 @@ def test_compact_then_decode_equals_a_fresh_prefill_of_the_path(model):
 
 class _RollbackOnly:
   """A cache that resumes from any length but cannot move slots (as the
-  README's GRU)."""
+  docs/api.md's GRU)."""
 
   def rollback(self, lengths):
     return self

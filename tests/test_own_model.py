@@ -1,8 +1,8 @@
-"""Runs the README's "Use from your own model" snippet, the drafter
+"""Runs docs/api.md's "Use from your own model" snippet, the drafter
 snippet of docs/drafters.md after it, and docs/nnx_gemma.md.
 
 The model snippet is the first fenced `python` block under the heading
-`## Use from your own model` in README.md. It wraps a Flax GRU language
+`## Use from your own model` in docs/api.md. It wraps a Flax GRU language
 model (not a specjax transformer) in a `LanguageModel` adapter, decodes with
 `speculative_generate` and asserts greedy equality with `generate`, so a
 protocol change that breaks user models fails here. The drafter snippet,
@@ -25,7 +25,7 @@ import pytest
 import specjax.drafters
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-MODEL = (ROOT / "README.md", "## Use from your own model")
+MODEL = (ROOT / "docs" / "api.md", "## Use from your own model")
 DRAFTER = (ROOT / "docs" / "drafters.md",
            "## The protocol: `specjax.drafters.Drafter`")
 NNX = (ROOT / "docs" / "nnx_gemma.md", "# Another JAX project's model: a "

@@ -63,7 +63,7 @@ class LanguageModel(Protocol):
   A cache may also support compaction, `compact(src_slots [B, T], lengths
   [B])`: copy chosen slots to consecutive positions after `lengths` (a
   commit that is not a prefix, as in token trees; `specjax.cache.KVCache`
-  does). `supports_compaction` tells; a recurrent cache (the README's GRU)
+  does). `supports_compaction` tells; a recurrent cache (docs/api.md's GRU)
   need not.
 
   These four members are all a model must have. What else the engine may
@@ -195,7 +195,7 @@ class _Defaults(DeclaredModel):
 def declared(model: LanguageModel) -> DeclaredModel:
   """What `model` declares: itself where it subclasses `DeclaredModel`,
   else the defaults. The one place a model's declarations are looked up,
-  so that a model written against `LanguageModel` alone (the README's
+  so that a model written against `LanguageModel` alone (docs/api.md's
   GRU) is priced and verified as the defaults say."""
   return model if isinstance(model, DeclaredModel) else _Defaults(model)
 
