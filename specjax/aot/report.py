@@ -209,33 +209,52 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-  """Two tables of `run`'s rows: the decoding steps, then every program's
-  compile time and memory. Figures are compiled for TPU, not run."""
+  """Two tables of `run`'s rows: the scanned decoding steps (one row per
+  step on the chips of one count; a step moves the same bytes on v5e and
+  v6e, which the roofline divides by their bandwidths), then the whole
+  programs' compile seconds and memory. Figures are compiled, not run."""
   gib = lambda x: "" if x is None else f"{x:.2f}"
-  steps = ["| chip | pair | weights | layout | step | GiB read / chip | "
-           "weights + KV / chip | ratio | roofline ms | collectives | "
-           "predicted speedup at α = 0.6 / 0.8 / 0.9 / CPU's α |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
-  progs = ["| chip | pair | weights | layout | program | compile s | HLO "
-           "instructions | while loops | HBM GiB / chip (XLA) | plan GiB | "
-           "fits |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+  pairs = list(dict.fromkeys(r["pair"] for r in rows))
+  rows = sorted(rows, key=lambda r: (
+      int(r["chip"].split("-")[1]), pairs.index(r["pair"]),
+      r["weights"] != "bfloat16", r["chip"]))
+  groups = {}  # (chips, pair, weights, step) -> rows
   for r in rows:
+    if "step_read_gib" in r and r["layout"] == "scan":
+      chips = r["chip"].split("-")[1]
+      groups.setdefault((chips, r["pair"], r["weights"], r["program"]),
+                        []).append(r)
+  steps = ["| chips | pair | weights | step | GiB read / chip | weights + "
+           "KV / chip | ratio | roofline ms | collectives | predicted "
+           "speedup at α = 0.6 / 0.8 / 0.9 / CPU's α |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for (_, pair, weights, step), rs in groups.items():
+    first = rs[0]
+    both = lambda key, f: " / ".join(f(r[key]) for r in rs)
+    speed = first.get("predicted_speedup")
+    speed = " / ".join(f"{v:.2f}" for v in speed.values()) if speed else ""
+    chips = " / ".join(r["chip"] for r in rs)
+    steps.append(
+        f"| {chips} | {pair} | {weights} | {step} | "
+        f"{both('step_read_gib', gib)} | {gib(first['step_expected_gib'])}"
+        f" | {both('step_ratio', lambda x: f'{x:.3f}')} | "
+        f"{both('step_ms_roofline', lambda x: f'{x:.2f}')} | "
+        f"{first['collectives']:.0f} | {speed} |")
+  progs = ["| chip | pair | weights | layout | program | compile s | HLO "
+           "instructions | HBM GiB / chip (XLA) | plan GiB | fits |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  order = {}
+  for r in rows:
+    order.setdefault((r["chip"], r["pair"], r["weights"]), len(order))
+  for r in sorted(rows, key=lambda r: (
+      order[r["chip"], r["pair"], r["weights"]], r["layout"] != "scan")):
     head = f"| {r['chip']} | {r['pair']} | {r['weights']} |"
     if "error" in r:
-      progs.append(f"{head} {r['layout']} | {r['program']} | | | | "
-                   f"{r['error'][:80]} | | **no** |")
-      continue
-    if "step_read_gib" in r:
-      speed = r.get("predicted_speedup")
-      speed = " / ".join(f"{v:.2f}" for v in speed.values()) if speed else ""
-      steps.append(
-          f"{head} {r['layout']} | {r['program']} | "
-          f"{gib(r['step_read_gib'])} | "
-          f"{gib(r['step_expected_gib'])} | {r['step_ratio']:.3f} | "
-          f"{r['step_ms_roofline']:.2f} | {r['collectives']:.0f} | {speed} |")
-    progs.append(
-        f"{head} {r['layout']} | {r['program']} | {r['compile_s']:.1f} | "
-        f"{r['instructions']} | {r['while_loops']} | "
-        f"{gib(r['peak_hbm_gib'])} | {gib(r['plan_gib'])} | "
-        f"{'yes' if r['fits'] else '**no**'} |")
+      progs.append(f"{head} {r['layout']} | {r['program']} | | | "
+                   f"{r['error'][:60]} | | **no** |")
+    elif "step_read_gib" not in r:
+      progs.append(
+          f"{head} {r['layout']} | {r['program']} | {r['compile_s']:.1f} | "
+          f"{r['instructions']} | {gib(r['peak_hbm_gib'])} | "
+          f"{gib(r['plan_gib'])} | {'yes' if r['fits'] else '**no**'} |")
   return "\n".join(steps) + "\n\n" + "\n".join(progs) + "\n"
