@@ -209,8 +209,8 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-  """Two tables of `run`'s rows: the scanned decoding steps (one row per
-  step on the chips of one count; a step moves the same bytes on v5e and
+  """Two tables of `run`'s rows: the decoding steps, scanned where they
+  were compiled both ways (one row per step on the chips of one count; a step moves the same bytes on v5e and
   v6e, which the roofline divides by their bandwidths), then the whole
   programs' compile seconds and memory. Figures are compiled, not run."""
   gib = lambda x: "" if x is None else f"{x:.2f}"
@@ -218,9 +218,14 @@ def markdown(rows: list[dict[str, Any]]) -> str:
   rows = sorted(rows, key=lambda r: (
       int(r["chip"].split("-")[1]), pairs.index(r["pair"]),
       r["weights"] != "bfloat16", r["chip"]))
+  scanned = {(r["chip"], r["pair"], r["weights"], r["program"])
+             for r in rows if r["layout"] == "scan"}
   groups = {}  # (chips, pair, weights, step) -> rows
   for r in rows:
-    if "step_read_gib" in r and r["layout"] == "scan":
+    # A step's row in the layout its backend runs: scanned where compiled
+    # both ways (accelerators), else as compiled (the CPU's own layout).
+    if "step_read_gib" in r and (r["layout"] == "scan" or (
+        r["chip"], r["pair"], r["weights"], r["program"]) not in scanned):
       chips = r["chip"].split("-")[1]
       groups.setdefault((chips, r["pair"], r["weights"], r["program"]),
                         []).append(r)
@@ -257,4 +262,5 @@ def markdown(rows: list[dict[str, Any]]) -> str:
           f"{head} {r['layout']} | {r['program']} | {r['compile_s']:.1f} | "
           f"{r['instructions']} | {gib(r['peak_hbm_gib'])} | "
           f"{gib(r['plan_gib'])} | {'yes' if r['fits'] else '**no**'} |")
-  return "\n".join(steps) + "\n\n" + "\n".join(progs) + "\n"
+  tables = [steps] + ([progs] if len(progs) > 2 else [])
+  return "\n\n".join("\n".join(t) for t in tables) + "\n"
