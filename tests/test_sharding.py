@@ -20,9 +20,11 @@ import jax
 import numpy as np
 import pytest
 
+from specjax import buffers
 from specjax import compilation
 from specjax import decode
 from specjax import loops
+from specjax import sampling
 from specjax import sharding
 from specjax import testing
 from specjax.checkpoints import native
@@ -182,8 +184,8 @@ def test_padding_rows_start_done_and_are_cut():
   assert list(np.asarray(budget)) == [5, 5, 5, 0]
   target, _ = testing.tiny_pair()
   out, counts = loops.generate_loop(  # pylint: disable=protected-access
-      target, t, l, decode.sampling.SamplingParams.create(),
-      decode.buffers.eos_array(None), jax.random.key(0), budget,
+      target, t, l, sampling.SamplingParams.create(),
+      buffers.eos_array(None), jax.random.key(0), budget,
       tokens_cap=64, cache_size=128, pad_id=0)
   assert list(np.asarray(counts)) == [5, 5, 5, 0]
   rows = padded.rows(out)
