@@ -25,6 +25,8 @@ from jax.sharding import PartitionSpec  # pylint: disable=g-import-not-at-top
 
 from specjax import policies  # pylint: disable=g-import-not-at-top
 from specjax import testing  # pylint: disable=g-import-not-at-top
+from specjax.drafters import DraftModel  # pylint: disable=g-import-not-at-top
+from specjax.drafters import PromptLookup  # pylint: disable=g-import-not-at-top
 from specjax.aot import hlo  # pylint: disable=g-import-not-at-top
 from specjax.aot import programs  # pylint: disable=g-import-not-at-top
 
@@ -105,8 +107,8 @@ def test_qwen_pair_compiles_for_v5e_in_the_scan_layout(mesh):
       testing.REAL_SHAPES["qwen2.5-coder-0.5b-instruct"], mesh, split=False)
   assert target.plan.scan_layers
   call = programs.Call(target)
-  lookup = programs.lookup(target.vocab_size)
-  fn, args, static = call.speculative(programs.DraftModel(draft),
+  lookup = PromptLookup(target.vocab_size)
+  fn, args, static = call.speculative(DraftModel(draft),
                                       policies.Fixed(4))
   whole = programs.compile_program("model γ=4", fn, *args, static=static)
   assert whole.peak_bytes <= chips.CHIPS["v5e"].hbm_bytes
@@ -116,11 +118,11 @@ def test_qwen_pair_compiles_for_v5e_in_the_scan_layout(mesh):
   step = programs.compile_program("lookup γ=8 step", fn, *args,
                                   static=static)
   size = call.speculative(lookup, policies.Fixed(8))[2]["cache_size"]
-  budget = programs.weight_bytes(target) + programs.kv_bytes(
+  budget = target.weight_bytes_per_token + programs.kv_bytes(
       target.config, jnp.bfloat16, call.batch, size)
   assert step.count.hbm_bytes <= 1.15 * budget, (step.count.hbm_bytes,
                                                  budget)
-  assert step.count.hbm_bytes >= programs.weight_bytes(target)
+  assert step.count.hbm_bytes >= target.weight_bytes_per_token
   # The layers' slices feed the dots where they lie: a step writes its
   # cache entries and buffers, never a copy of a weight.
-  assert step.count.hbm_written <= 0.05 * programs.weight_bytes(target)
+  assert step.count.hbm_written <= 0.05 * target.weight_bytes_per_token

@@ -295,3 +295,18 @@ def test_param_layout_declared_in_config_matches_the_module():
     made = jax.tree.map(lambda a: tuple(a.shape), made)
     assert made == jax.tree.map(tuple, declared,
                                 is_leaf=lambda x: isinstance(x, tuple))
+
+
+def test_a_quantized_untied_model_reads_its_packed_head_not_its_embedding():
+  """A decode step gathers T rows of a separate LM head's embedding, so
+  the bytes it reads leave out the embedding's packed arrays."""
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from specjax.models import init_random
+  from specjax.models import tiny
+  config = tiny.TINY_TARGET.replace(tie_embeddings=False)
+  model = init_random(config, jax.random.key(0)).quantize("int8")
+  assert "lm_head" in model.params
+  everything = sum(x.nbytes for x in jax.tree.leaves(model.params))
+  embedding = sum(x.nbytes for x in jax.tree.leaves(model.params["embed"]))
+  assert model.weight_bytes_per_token == everything - embedding

@@ -34,8 +34,6 @@ from specjax import policies
 from specjax import sampling
 from specjax import speculate
 from specjax.aot import hlo
-from specjax.drafters import DraftModel
-from specjax.drafters import PromptLookup
 from specjax.models import MatmulPlan
 from specjax.models import Model
 from specjax.models import ModelConfig
@@ -49,25 +47,12 @@ from specjax.sharding import rules
 from specjax.step_types import StepParams
 
 __all__ = ["Call", "Compiled", "abstract_model", "compile_program",
-           "kv_bytes", "make_mesh", "weight_bytes"]
+           "kv_bytes", "make_mesh"]
 
 
 def make_mesh(devices: list) -> Mesh:
   """A 1 x n (data x model) mesh: a tensor-parallel target."""
   return Mesh(np.asarray(devices).reshape(1, len(devices)), (DATA, MODEL))
-
-
-def _nbytes(x: Any) -> int:
-  return int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-
-
-def weight_bytes(model: Model) -> int:
-  """Bytes a decode step reads of `model`'s weights (all but a separate
-  LM head's input embedding, which is only gathered)."""
-  total = sum(_nbytes(x) for x in jax.tree.leaves(model.params))
-  if "lm_head" in model.params:
-    total -= sum(_nbytes(x) for x in jax.tree.leaves(model.params["embed"]))
-  return total
 
 
 def kv_bytes(config: ModelConfig, dtype: Any, batch: int, size: int) -> int:
@@ -265,8 +250,8 @@ class Call:
 
   def generate_step(self):
     """One autoregressive step after the prefill, on its own."""
-    fn, args, static = self.generate()
-    target, tokens, lengths, params, eos, key, budget = args
+    _, args, static = self.generate()
+    target, _, _, params, eos, key, budget = args
 
     def started(target, tokens, lengths, params, eos, key, budget):
       return loops.start(target, tokens, lengths, params, eos, key,
@@ -280,7 +265,6 @@ class Call:
                             s0.tokens, s0.counts, s0.done, eos, budget,
                             None, s0.stop_state)
       return e.tokens, e.cache
-    del fn, tokens, lengths
     return step, (target, s0, params, eos, key, budget), {}
 
   def speculative_step(self, drafter: Any, policy: policies.GammaPolicy,
@@ -303,11 +287,3 @@ class Call:
           num_nodes=num_nodes)
     return step, (target, drafter, state, params, budget, policy), {}
 
-
-def lookup(vocab_size: int) -> PromptLookup:
-  """The prompt-lookup drafter of the main job."""
-  return PromptLookup(vocab_size)
-
-
-def model_draft(draft: Model) -> DraftModel:
-  return DraftModel(draft)

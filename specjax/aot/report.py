@@ -19,6 +19,8 @@ from specjax import policies
 from specjax import testing
 from specjax.aot import chips as chips_lib
 from specjax.aot import programs as programs_lib
+from specjax.drafters import DraftModel
+from specjax.drafters import PromptLookup
 from specjax.models import MatmulPlan
 from specjax.policies.costs import expected_tokens
 from specjax.policies.costs import ForwardCosts
@@ -75,7 +77,7 @@ def _programs(call: programs_lib.Call, draft: Any, full: bool,
               auto: policies.Auto):
   """name -> (kind, γ, builder) of the programs to compile."""
   vocab = call.target.vocab_size
-  model, lookup = programs_lib.DraftModel(draft), programs_lib.lookup(vocab)
+  model, lookup = DraftModel(draft), PromptLookup(vocab)
   out = {
       "generate step": ("ar", 0, call.generate_step),
       "model γ=4 step": ("model", 4, lambda: call.speculative_step(
@@ -137,22 +139,19 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
   draft = programs_lib.abstract_model(testing.REAL_SHAPES[pair.draft],
                                       split=pair.split_draft, **shapes)
   call = programs_lib.Call(target)
-  size = call.speculative(programs_lib.DraftModel(draft),
+  size = call.speculative(DraftModel(draft),
                           policies.Fixed(8))[2]["cache_size"]
-  kv_t = programs_lib.kv_bytes(target.config, dtype, call.batch, size)
-  kv_d = programs_lib.kv_bytes(draft.config, dtype, call.batch, size)
-  w_t, w_d = programs_lib.weight_bytes(target), programs_lib.weight_bytes(
-      draft)
-  plan = None
-  try:
-    plan = memory.plan({"target": target, "draft": draft},
-                       batch=call.batch, cache_size=size, chunk=9,
-                       mesh=mesh, limit=None).per_device
-  except Exception:  # pylint: disable=broad-except
-    plan = None  # the plan needs placed arrays; reported as missing
+  # Bytes per chip of a target forward and of a draft forward.
+  target_bytes = (target.weight_bytes_per_token + programs_lib.kv_bytes(
+      target.config, dtype, call.batch, size)) / chips
+  draft_bytes = (draft.weight_bytes_per_token + programs_lib.kv_bytes(
+      draft.config, dtype, call.batch, size)) / (
+          chips if pair.split_draft else 1)
+  plan = memory.plan({"target": target, "draft": draft}, batch=call.batch,
+                     cache_size=size, chunk=9, mesh=mesh,
+                     limit=None).per_device
   rows, step_s = [], {}
-  auto = _auto(chip, (w_t + kv_t) / chips,
-               (w_d + kv_d) / (chips if pair.split_draft else 1))
+  auto = _auto(chip, target_bytes, draft_bytes)
   for name, (kind, gamma, build) in _programs(call, draft, full,
                                               auto).items():
     if only and name not in only:
@@ -172,9 +171,7 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
       continue
     # The compiled program is one device's: its shapes are shards.
     read = c.count.hbm_bytes
-    draft_chips = chips if pair.split_draft else 1
-    expect = (w_t + kv_t) / chips + (
-        gamma * (w_d + kv_d) / draft_chips if kind == "model" else 0)
+    expect = target_bytes + (gamma * draft_bytes if kind == "model" else 0)
     row.update(
         trace_s=round(c.trace_s, 2),
         lower_s=round(c.lower_s, 2), compile_s=round(c.compile_s, 2),
@@ -182,7 +179,7 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
         while_loops=c.count.while_loops,
         peak_hbm_gib=round(c.peak_bytes / 2**30, 3),
         fits=c.peak_bytes <= chip.hbm_bytes,
-        plan_gib=None if plan is None else round(plan / 2**30, 3),
+        plan_gib=round(plan / 2**30, 3),
         collectives=c.count.collectives,
         unknown_trips=c.count.unknown_trips,
         largest=[(round(b / 2**30, 3), op, where[-90:])
@@ -195,37 +192,45 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
                  step_ratio=round(read / expect, 3),
                  step_ms_roofline=round(1e3 * read / chip.bandwidth, 3),
                  gamma=gamma)
-    rows.append(row)
-  for row in rows:
-    kind = {"model γ=4 step": "model", "lookup γ=8 step": "lookup"}.get(
-        row["program"])
-    if kind in step_s and "ar" in step_s:
+    if kind in CPU_ALPHA and "ar" in step_s:  # compiled before the others
       ratio = step_s["ar"] / step_s[kind]
-      alphas = ALPHAS + (CPU_ALPHA[kind],)
       row["predicted_speedup"] = {
-          str(a): round(expected_tokens([a] * row["gamma"], row["gamma"])
-                        * ratio, 2) for a in alphas}
+          str(a): round(expected_tokens([a] * gamma, gamma) * ratio, 2)
+          for a in ALPHAS + (CPU_ALPHA[kind],)}
+    rows.append(row)
   return rows
-
 
 def markdown(rows: list[dict[str, Any]]) -> str:
   """Two tables of `run`'s rows: the decoding steps, scanned where they
-  were compiled both ways (one row per step on the chips of one count; a step moves the same bytes on v5e and
-  v6e, which the roofline divides by their bandwidths), then the whole
-  programs' compile seconds and memory. Figures are compiled, not run."""
+  were compiled both ways (one row per step on the chips of one count: a
+  step moves the same bytes on v5e and v6e, which the roofline divides by
+  their bandwidths), then the whole programs' compile seconds and memory.
+  Figures are compiled, not run."""
   gib = lambda x: "" if x is None else f"{x:.2f}"
   pairs = list(dict.fromkeys(r["pair"] for r in rows))
   rows = sorted(rows, key=lambda r: (
       int(r["chip"].split("-")[1]), pairs.index(r["pair"]),
-      r["weights"] != "bfloat16", r["chip"]))
+      r["weights"] != "bfloat16", r["chip"], r["layout"] != "scan"))
   scanned = {(r["chip"], r["pair"], r["weights"], r["program"])
              for r in rows if r["layout"] == "scan"}
   groups = {}  # (chips, pair, weights, step) -> rows
+  progs = ["| chip | pair | weights | layout | program | compile s | HLO "
+           "instructions | HBM GiB / chip (XLA) | plan GiB | fits |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
+    head = f"| {r['chip']} | {r['pair']} | {r['weights']} |"
+    if "error" in r:
+      progs.append(f"{head} {r['layout']} | {r['program']} | | | "
+                   f"{r['error'][:60]} | | **no** |")
+    elif "step_read_gib" not in r:
+      progs.append(
+          f"{head} {r['layout']} | {r['program']} | {r['compile_s']:.1f} | "
+          f"{r['instructions']} | {gib(r['peak_hbm_gib'])} | "
+          f"{gib(r['plan_gib'])} | {'yes' if r['fits'] else '**no**'} |")
     # A step's row in the layout its backend runs: scanned where compiled
     # both ways (accelerators), else as compiled (the CPU's own layout).
-    if "step_read_gib" in r and (r["layout"] == "scan" or (
-        r["chip"], r["pair"], r["weights"], r["program"]) not in scanned):
+    elif r["layout"] == "scan" or (
+        r["chip"], r["pair"], r["weights"], r["program"]) not in scanned:
       chips = r["chip"].split("-")[1]
       groups.setdefault((chips, r["pair"], r["weights"], r["program"]),
                         []).append(r)
@@ -238,29 +243,12 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     both = lambda key, f: " / ".join(f(r[key]) for r in rs)
     speed = first.get("predicted_speedup")
     speed = " / ".join(f"{v:.2f}" for v in speed.values()) if speed else ""
-    chips = " / ".join(r["chip"] for r in rs)
     steps.append(
-        f"| {chips} | {pair} | {weights} | {step} | "
-        f"{both('step_read_gib', gib)} | {gib(first['step_expected_gib'])}"
-        f" | {both('step_ratio', lambda x: f'{x:.3f}')} | "
+        f"| {' / '.join(r['chip'] for r in rs)} | {pair} | {weights} | "
+        f"{step} | {both('step_read_gib', gib)} | "
+        f"{gib(first['step_expected_gib'])} | "
+        f"{both('step_ratio', lambda x: f'{x:.3f}')} | "
         f"{both('step_ms_roofline', lambda x: f'{x:.2f}')} | "
         f"{first['collectives']:.0f} | {speed} |")
-  progs = ["| chip | pair | weights | layout | program | compile s | HLO "
-           "instructions | HBM GiB / chip (XLA) | plan GiB | fits |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-  order = {}
-  for r in rows:
-    order.setdefault((r["chip"], r["pair"], r["weights"]), len(order))
-  for r in sorted(rows, key=lambda r: (
-      order[r["chip"], r["pair"], r["weights"]], r["layout"] != "scan")):
-    head = f"| {r['chip']} | {r['pair']} | {r['weights']} |"
-    if "error" in r:
-      progs.append(f"{head} {r['layout']} | {r['program']} | | | "
-                   f"{r['error'][:60]} | | **no** |")
-    elif "step_read_gib" not in r:
-      progs.append(
-          f"{head} {r['layout']} | {r['program']} | {r['compile_s']:.1f} | "
-          f"{r['instructions']} | {gib(r['peak_hbm_gib'])} | "
-          f"{gib(r['plan_gib'])} | {'yes' if r['fits'] else '**no**'} |")
   tables = [steps] + ([progs] if len(progs) > 2 else [])
   return "\n\n".join("\n".join(t) for t in tables) + "\n"

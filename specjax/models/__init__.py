@@ -105,8 +105,8 @@ class Model(Decoder, DeclaredModel):
     and dtypes, so `jax.ShapeDtypeStruct` parameters count too."""
     total = sum(map(array_bytes, jax.tree.leaves(self.params)))
     # (A quantized matrix counts its packed arrays: they are the leaves.)
-    if "lm_head" in self.params:
-      total -= array_bytes(self.params["embed"])
+    if "lm_head" in self.params:  # (packed leaves, for a quantized one)
+      total -= sum(map(array_bytes, jax.tree.leaves(self.params["embed"])))
     return total
 
   def cost_geometry(self) -> CostGeometry:

@@ -30,6 +30,7 @@ from specjax.models import Model
 from specjax.models.config import flatten
 from specjax.models.config import matrix_paths
 from specjax.models.config import param_shapes
+from specjax.models.protocol import array_bytes
 from specjax.sharding import place
 from specjax.sharding import rules
 from specjax.shapes import DATA
@@ -168,8 +169,7 @@ def _weights(name: str, model: Model, mesh: Mesh | None,
   """A placed model's own shards, or else the shards `shard(model, mesh,
   split=split)` would make."""
   leaves = jax.tree.leaves(model.params)
-  stored = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
-               for x in leaves)
+  stored = sum(map(array_bytes, leaves))
   if model.mesh is not None:  # placed: its own shards, packed or not
     return Entry(name, "weights", stored,
                  sum(rules.per_device_bytes(x) for x in leaves))
@@ -197,7 +197,7 @@ def _cache(name: str, model: Model, batch: int, size: int,
       num_layers=c.num_layers, batch=batch, size=size,
       num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=model.dtype))
   leaves = jax.tree.leaves(shape)
-  total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves)
+  total = sum(map(array_bytes, leaves))
   if mesh is None:
     return Entry(name, "cache", total, total)
   specs = jax.tree.leaves(shape.partition_spec(mesh),
