@@ -14,7 +14,7 @@ statistics. Once a policy that declares plain runs (`policies.PlainRuns`)
 chooses a plain step it also says how many plain steps that choice stands
 for (`PlainRuns.plain_run`), and `plain_run` takes them in a loop of
 `target_step`s with the drafter's `commit`, at about `generate`'s
-operations per step (issue 54: on a GPU each operation is a kernel
+operations per step (on a GPU each operation is a kernel
 launch), counting them in the statistics and the policy's state once at
 the end. The tokens are those `speculate_step`
 would emit: a plain step's verification samples the next token from the
