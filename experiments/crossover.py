@@ -19,10 +19,10 @@ figure is the rounds' tokens over their time (`_policy_row`; the paired
 ratio is the median over rounds of `auto` over the best policy in the
 same round, which cancels a drift between rounds). Round r runs every
 policy with key r: with synthetic α the policies of one round decode the
-same synthetic text (`rejection.Synthetic`: the verdict on a draft is a
+same synthetic text (`acceptance.Synthetic`: the verdict on a draft is a
 property of its position, as in a real text), so a round's ratios
 compare their choices, not their luck, and the rounds decode
-different texts. Beside the measured ratios, those `specjax.tuning.simulate`
+different texts. Beside the measured ratios, those `specjax.policies.simulate`
 expects from the same policies and costs over many draws (the policy's
 own loss, without the machine's noise or the cost model's error). The
 forward costs are read as `gamma="auto"` reads them, before each round:
@@ -58,8 +58,8 @@ from specjax import hardware
 from specjax import policies as policies_lib
 from specjax import registry
 from specjax import testing
+from specjax.policies import simulate
 from specjax.tuning import cost
-from specjax.tuning import simulate
 
 __all__ = ["merge", "run", "table"]
 
@@ -117,12 +117,13 @@ class _Setup:
 
   cache_size: int
   widths: list[int]
-  measure: Callable[..., cost.ForwardCosts]
+  measure: Callable[..., policies_lib.ForwardCosts]
   target: Any
   draft: Any
   config: Any
 
-  def costs(self) -> tuple[cost.ForwardCosts, cost.ForwardCosts | None]:
+  def costs(self) -> tuple[policies_lib.ForwardCosts,
+                           policies_lib.ForwardCosts | None]:
     """The target's and the draft model's (None for prompt lookup) costs,
     as `gamma="auto"` would read them now: from the cache, timed again
     when due (`cost.measure`), so a table taken at a bad moment is
@@ -374,7 +375,7 @@ def _simulated(policies, rows, batch, alpha, tokens: int) -> dict:
   first round runs; later rounds start after more: at machine G's B = 4 costs
   and α = 0.8 the simulator expects 0.990 after one, 0.992 after two, 0.995
   after four), over the best of autoregressive and the fixed γ <= γ_max as
-  `specjax.tuning.simulate` expects it: the same policies and costs, the mean
+  `specjax.policies.simulate` expects it: the same policies and costs, the mean
   over many acceptance draws, no timing noise. With real weights the
   acceptance is the per-position rate the widest fixed γ measured, its last
   value repeated past its γ."""

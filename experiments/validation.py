@@ -16,10 +16,10 @@ import jsonschema
 import numpy as np
 
 from experiments import prompts as prompts_lib
-from specjax import controls as controls_lib
+from specjax import processors
 from specjax import stops as stops_lib
+from specjax.cpu import plans as tuning
 from specjax.models import quantized
-from specjax.tuning import matmul as tuning
 
 __all__ = ["ConfigError", "DTYPES", "acceptance_kwargs", "grammar_fields",
            "is_tree_drafter", "parse_acceptance", "parse_logit_bias",
@@ -39,7 +39,7 @@ TREE_DRAFTERS = ("model", "lookup", "early_exit", "layer_skip")
 # and falls back to the drafter NAME elsewhere (chains only).
 JUMP = "jump+"
 # `exact` keeps the target's distribution; the others are lossy
-# (`specjax.rejection.Lossy`), chains only.
+# (`specjax.acceptance.Typical`, `Relaxed`), chains only.
 ACCEPTANCE_RULES = ("exact", "typical", "relaxed")
 
 
@@ -254,7 +254,7 @@ def _control_errors(config: Any) -> list[str]:
     check(False, f"config.stop must be a tuple of non-empty strings: {e}")
   for name in ("repetition_penalty", "presence_penalty", "frequency_penalty",
                "min_p"):
-    low, high, open_low = controls_lib.RANGES[name]  # the library's ranges
+    low, high, open_low = processors.RANGES[name]  # the library's ranges
     value = config.get(name)
     ok = value is None or (_is_num(value) and (
         low < value if open_low else low <= value) and value <= high)

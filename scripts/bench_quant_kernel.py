@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import cpu
 from specjax import hardware
-from specjax import kernels
 from specjax.checkpoints import gguf_blocks
+from specjax.cpu import kernels
 from specjax.models import quantized
 from specjax.testing import random_blocks
 
@@ -55,7 +56,7 @@ def main() -> None:
         random_blocks(qtype, O, I // block), qtype, "bench", (I, O)))
   dense = jnp.asarray(np.random.default_rng(0).normal(
       size=(O, I)).astype(np.float32))
-  kernel = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=True))
+  kernel = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=cpu.SMALLM))
   xla = jax.jit(quantized.matmul)
   print(json.dumps({"cpu": hardware.cpu_id(), "jax": jax.__version__,
                     "shape": [O, I], "kernels": kernels.available()}))

@@ -1,6 +1,6 @@
 r"""Where a fixed-γ step's time goes: its stages against its forwards.
 
-The cost model (`specjax.tuning.cost`) prices a step as the drafter's
+The cost model (`specjax.policies.costs`) prices a step as the drafter's
 forwards (a two-token catch-up pass, then γ - 1 one-token forwards) plus
 the target's (γ+1)-token pass. This times, in one process and on random
 weights at the real pair's shapes, one whole `speculate_step` (fixed γ,
@@ -24,6 +24,7 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
+from specjax import acceptance
 from specjax import decode
 from specjax import loops
 from specjax import policies
@@ -56,7 +57,8 @@ def main(argv):
   tokens, lengths, _ = decode.prepare_prompts(
       prompts, target.vocab_size, max_new_tokens=_TOKENS.value,
       cache_size=size)
-  params = speculate.StepParams.create(synthetic_acceptance=_ALPHA.value)
+  params = speculate.StepParams.create(
+      acceptance=acceptance.Synthetic.create(_ALPHA.value))
   state = jax.jit(functools.partial(
       loops.init_spec_state, policy=policies.Fixed(gamma),
       max_new_tokens=_TOKENS.value,
@@ -69,8 +71,7 @@ def main(argv):
   def step(target, drafter, params, state):
     return speculate.speculate_step(
         state, target=target, drafter=drafter, params=params,
-        policy=policies.Fixed(gamma), max_new_tokens=_TOKENS.value,
-        synthetic=True)
+        policy=policies.Fixed(gamma), max_new_tokens=_TOKENS.value)
 
   @jax.jit
   def propose(drafter, params, drafter_state, key):
@@ -80,7 +81,7 @@ def main(argv):
   @jax.jit
   def check(target, params, cache, last_token, proposal, key):
     return verify(target, cache, last_token, proposal, params.sampling, key,
-                  synthetic=params.synthetic)
+                  acceptance=params.acceptance)
 
   for _ in range(2):
     state = step(target, drafter, params, state)
@@ -98,7 +99,7 @@ def main(argv):
   }
   ms = hardware.median_ms(parts, _REPEATS.value)
   # The drafter's forwards priced as the cost model prices them.
-  drafting = cost.ForwardCosts(batch, {
+  drafting = policies.ForwardCosts(batch, {
       1: ms["draft T=1"], 2: ms["draft T=2"]}).drafting_ms(gamma)
   passing = ms[f"target T={gamma + 1}"]
   print(f"B={batch}, γ={gamma}, S={size}; {hardware.machine()}")

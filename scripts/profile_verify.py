@@ -19,11 +19,12 @@ from absl import app
 from absl import flags
 import jax.numpy as jnp
 
-from specjax.tuning import cost
+from specjax import cpu
 from specjax import hardware
 from specjax import profiling
 from specjax import registry
 from specjax import testing
+from specjax.tuning import cost
 
 _MODEL = flags.DEFINE_string("model", "qwen2.5-coder-1.5b-instruct",
                              "Registry name, path, or 'tiny'.")
@@ -46,7 +47,7 @@ def main(argv):
   results = {"machine": hardware.machine(), "model": _MODEL.value,
              "gamma": _GAMMA.value, "plans": {}}
   for plan in _PLANS.value:
-    m = model.with_plan(plan)
+    m = model.with_plan(cpu.plan(plan))
     for tokens in (1, _GAMMA.value + 1):
       step = cost.forward_step(m, prompts, cache_size, tokens)
       step()

@@ -1,6 +1,6 @@
 r"""A γ policy's expected loss, by simulation, on measured cost sets.
 
-For each cost set and α, `specjax.tuning.simulate.over_best`: `Auto`'s
+For each cost set and α, `specjax.policies.simulate.over_best`: `Auto`'s
 mean tokens/s over many draws of synthetic acceptance, priced by the cost
 model, over the best of autoregressive decoding and every fixed γ <= γ_max
 in hindsight. No timing noise: it scores a policy change on several
@@ -54,7 +54,7 @@ from absl import flags
 import numpy as np
 
 from specjax import policies
-from specjax.tuning import simulate
+from specjax.policies import simulate
 
 _COSTS = flags.DEFINE_list("costs", [], "Cost sets, NAME=T/T/T/T:D/D.")
 _RUNS = flags.DEFINE_list(

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from specjax import policies
-from specjax import rejection
+from specjax.acceptance import Acceptance
 from specjax.drafters import Drafter
 from specjax.models import LanguageModel
 
@@ -91,7 +91,7 @@ def resolve_policy(gamma: int | str | policies.GammaPolicy, *,
 
 def check_tree(num_nodes: int | None, gamma: int,
                requested: int | str | policies.GammaPolicy,
-               drafter: Drafter, lossy: rejection.Lossy | None) -> None:
+               drafter: Drafter, acceptance: Acceptance) -> None:
   """Errors for `num_nodes` with G = `gamma` and the `gamma` argument as
   `requested` (an int, or an adaptive policy or its name)."""
   if num_nodes is None:
@@ -109,9 +109,10 @@ def check_tree(num_nodes: int | None, gamma: int,
     raise ValueError(f"{type(drafter).__name__} drafts chains only; token "
                      "trees (num_nodes) need a tree drafter: DraftModel or "
                      "PromptLookup.")
-  if lossy is not None:
-    raise ValueError(f"acceptance={lossy.rule!r} verifies chains only; "
-                     "token trees (num_nodes) use exact acceptance.")
+  if not acceptance.walks_trees:
+    raise ValueError(f"{type(acceptance).__name__} acceptance verifies "
+                     "chains only; token trees (num_nodes) use exact or "
+                     "synthetic acceptance.")
 
 
 def policy_name(policy: policies.GammaPolicy, prefix: str = "") -> str:

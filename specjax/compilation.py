@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import jax
 
-from specjax import weights
+from specjax import paths
 
 __all__ = ["Compiled", "call", "compiled", "enable_persistent_cache",
            "num_compiled"]
@@ -78,8 +78,7 @@ def enable_persistent_cache(directory: str | os.PathLike | None = None
   current = jax.config.jax_compilation_cache_dir
   if current or os.environ.get(OPT_OUT):
     return current or None
-  directory = os.fspath(directory or weights.resolve_cache_dir() /
-                        "xla_cache")
+  directory = os.fspath(directory or paths.cache_root() / "xla_cache")
   jax.config.update("jax_compilation_cache_dir", directory)
   return directory
 

@@ -15,8 +15,8 @@ Each generation is one compiled call (`specjax.loops`): prefill, then a
 `lax.while_loop` that runs until every row hit EOS or N tokens.
 
 Compile once per cache class: a program is fixed by B, γ, the models and
-the cache size S, whose default is a power of two >= 256 holding the
-longest prompt + N + γ + 1; the prompt buffer and the output buffer are
+the cache size S, whose default is a power of two holding the longest
+prompt + N + γ + 1 (at least 256 for up to 64 rows); the prompt buffer and the output buffer are
 derived from S (`specjax.padding`), and the prompt's length and N are
 traced. Prompts of 5 to 600 tokens with N <= 100 compile three programs per
 (B, γ), and a call compiles nothing else: inputs travel as numpy arrays
@@ -39,9 +39,9 @@ from typing import Any, Sequence
 
 import jax
 
+from specjax import acceptance as acceptance_lib
 from specjax import compilation
 from specjax import policies
-from specjax import rejection
 from specjax.arguments import check_model
 from specjax.arguments import resolve_policy
 from specjax.decoder import SamplingConfig
@@ -87,7 +87,8 @@ def generate(model: LanguageModel, prompts: Sequence[Sequence[int]], *,
     key: PRNG key or int seed (default seed 0: the same samples on every
       call; pass another to vary them).
     cache_size: S; default the class of the longest prompt + N + 1 (a
-      power of two >= 256; module doc). It fixes the program.
+      power of two, >= 256 for up to 64 rows; `specjax.padding`). It fixes
+      the program.
     pad_id: written after each row's end.
     tokens_cap: N_cap, the static output width (>= N); default S.
     mesh: run over this `specjax.sharding.make_mesh` mesh (the model is
@@ -128,16 +129,15 @@ def speculative_generate(
     tokens_cap: int | None = None, max_gamma: int = 8,
     num_nodes: int | None = None, mesh: jax.sharding.Mesh | None = None,
     on_tokens: Any = None, tokenizer: Any = None,
-    acceptance: str = "exact", typical_epsilon: float = 0.09,
+    acceptance: str | acceptance_lib.Acceptance = "exact",
+    typical_epsilon: float = 0.09,
     typical_delta: float = 0.3, acceptance_threshold: float = 0.5,
     **sampling: Any) -> SpecOutput:
   """Speculative decoding, compiled as one call.
 
-  `SpeculativeDecoder(target, drafter=draft, ...).generate(prompts, ...)`
-  for one call. The output is distributed exactly as `generate(target,
-  ...)` with the same sampling settings; with temperature 0 it equals it
-  token for token (up to floating-point near-ties between a one-token and
-  a (γ+1)-token pass).
+  `SpeculativeDecoder(target, drafter=draft, ...).generate(...)` for one
+  call. The output is distributed exactly as `generate(target, ...)`'s;
+  greedy, it equals it token for token (up to floating-point near-ties).
 
   Args:
     target: the `LanguageModel` whose distribution is sampled.
@@ -150,32 +150,31 @@ def speculative_generate(
     max_new_tokens: N.
     eos_id, key, on_tokens, **sampling: as in `generate` (no EOS and seed
       0 by default); every control keeps the output exact.
-    draft_stop_threshold, synthetic_acceptance, max_gamma, num_nodes,
-      cache_size, tokens_cap, pad_id, mesh, tokenizer: the
-      `SpeculativeDecoder` attributes of those names.
-    acceptance: "exact" (rejection sampling), or a lossy rule that is NOT
-      distribution-preserving and labels the output `lossless=False`:
-      "typical" (Medusa's, with `typical_epsilon` ε and `typical_delta`
-      δ) or "relaxed" (threshold λ = `acceptance_threshold`;
-      `rejection.Lossy`). Chains only.
+    draft_stop_threshold, max_gamma, num_nodes, cache_size, tokens_cap,
+      pad_id, mesh, tokenizer: the `SpeculativeDecoder` attributes.
+    acceptance: "exact", a lossy rule labelled `lossless=False` ("typical"
+      with `typical_epsilon` ε and `typical_delta` δ, "relaxed" with λ =
+      `acceptance_threshold`), or any `specjax.acceptance.Acceptance`.
+    synthetic_acceptance: keep each draft with this fixed probability
+      instead of verifying it (`acceptance.Synthetic`: timing random
+      weights only; the output is NOT the target's distribution).
 
   Returns:
     `SpecOutput`: tokens [B, N], lengths [B], finish reasons, statistics.
   """
   check_model(target, "target")
   check_model(draft, "draft", drafter_too=True)
-  if acceptance != "exact":
-    acceptance = rejection.Lossy.create(
-        acceptance, epsilon=typical_epsilon, delta=typical_delta,
-        threshold=acceptance_threshold)
+  acceptance = acceptance_lib.from_name(
+      acceptance, synthetic_acceptance=synthetic_acceptance,
+      typical_epsilon=typical_epsilon, typical_delta=typical_delta,
+      acceptance_threshold=acceptance_threshold)
   decoder = SpeculativeDecoder(
       target, drafter=draft, gamma=gamma, tokenizer=tokenizer,
       eos_id=() if eos_id is None else eos_id,
       sampling=SamplingConfig.from_keywords("speculative_generate",
                                             **sampling),
       acceptance=acceptance, num_nodes=num_nodes, max_gamma=max_gamma,
-      draft_stop_threshold=draft_stop_threshold,
-      synthetic_acceptance=synthetic_acceptance, cache_size=cache_size,
+      draft_stop_threshold=draft_stop_threshold, cache_size=cache_size,
       tokens_cap=tokens_cap, pad_id=pad_id, mesh=mesh)
   return _one_call(decoder, prompts, max_new_tokens, key, on_tokens)
 
@@ -209,7 +208,7 @@ def warmup(target: LanguageModel, draft: LanguageModel | Drafter | None = None,
   before = compilation.num_compiled()
   prompts = [[0] * prompt_len] * batch
   size = lambda reserve: cache_size or default_cache_size(
-      prompt_len, max_new_tokens, reserve)
+      prompt_len, max_new_tokens, reserve, batch=batch)
   generate(target, prompts, max_new_tokens=1, cache_size=size(1),
            eos_id=eos_id)
   if draft is not None and gamma is not None:

@@ -50,12 +50,13 @@ from typing import Any, Mapping, Protocol, Sequence
 import jax
 import numpy as np
 
+from specjax import acceptance as acceptance_lib
 from specjax import compilation
 from specjax import controls as controls_lib
 from specjax import policies
-from specjax import rejection
 from specjax import sampling
 from specjax import streaming
+from specjax.acceptance import Acceptance
 from specjax.arguments import check_eos
 from specjax.arguments import check_model
 from specjax.arguments import check_tree
@@ -74,6 +75,7 @@ from specjax.padding import check_max_new_tokens
 from specjax.padding import output_cap
 from specjax.padding import prepare_prompts
 from specjax.padding import prompt_rows
+from specjax.processors import Processor
 from specjax.sharding.batch import Placement
 from specjax.step_types import SpecStats
 from specjax.step_types import StepParams
@@ -126,6 +128,8 @@ class SamplingConfig:
       (`specjax.grammar`). Needs a tokenizer and EOS ids.
     json_schema: constrain the output to this JSON schema (a dict or a
       JSON string). Needs a tokenizer and EOS ids.
+    processors: your own `specjax.processors.Processor`s, applied after
+      the built-in controls and before a grammar's mask.
   """
 
   temperature: float = 0.0
@@ -139,6 +143,7 @@ class SamplingConfig:
   stop: Sequence[str] | None = None
   regex: str | None = None
   json_schema: Mapping[str, Any] | str | None = None
+  processors: Sequence[Processor] = ()
 
   @classmethod
   def from_keywords(cls, caller: str, **keywords: Any) -> "SamplingConfig":
@@ -238,19 +243,20 @@ class SpeculativeDecoder:
       greedy by default).
     eos_id: one id or several; a row stops after emitting one. None: the
       tokenizer's `eos_ids` (none without a tokenizer); (): none.
-    acceptance: "exact" (rejection sampling), or a lossy rule that is NOT
-      distribution-preserving and labels the output `lossless=False`:
-      "typical" or "relaxed" with Medusa's settings, or a
-      `rejection.Lossy` with your own. Chains only.
+    acceptance: the rule that judges drafts (`specjax.acceptance`):
+      "exact" (rejection sampling); a lossy rule, NOT
+      distribution-preserving, that labels the output `lossless=False`
+      ("typical" or "relaxed" with default settings, or `Typical.create`,
+      `Relaxed.create` with your own; chains only); or
+      `Synthetic.create(rate)`, which keeps each draft with a fixed
+      probability (timing random weights only; labels the output
+      `synthetic`).
     num_nodes: None drafts a chain of γ tokens per step; T makes a tree
       drafter (`DraftModel`, `PromptLookup`) propose a token tree of at
       most T nodes at depth at most γ, verified in one target pass.
     max_gamma: γ_max for "auto" and "heuristic".
     draft_stop_threshold: stop drafting a row early when the draft's top
       probability falls below this (0 never stops).
-    synthetic_acceptance: if set, accept each draft token with this fixed
-      probability instead of verifying it (system benchmarks on random
-      weights only: the output is then NOT the target's distribution).
     cache_size: S for every model; default the class of the longest
       prompt + N + γ + 1 (`specjax.padding`). It fixes the program.
     tokens_cap: N_cap, the static output width (>= N); default S.
@@ -267,11 +273,10 @@ class SpeculativeDecoder:
   tokenizer: TextTokenizer | None = None
   sampling: SamplingConfig = SamplingConfig()
   eos_id: int | Sequence[int] | None = None
-  acceptance: str | rejection.Lossy = "exact"
+  acceptance: str | Acceptance = "exact"
   num_nodes: int | None = None
   max_gamma: int = 8
   draft_stop_threshold: float = 0.0
-  synthetic_acceptance: float | None = None
   cache_size: int | None = None
   tokens_cap: int | None = None
   pad_id: int = 0
@@ -332,7 +337,7 @@ class SpeculativeDecoder:
     params = self._params(target.vocab_size, eos_id)
     if drafter is not None:
       check_tree(self.num_nodes, self._bound, self.gamma, drafter,
-                 params.lossy)
+                 params.acceptance)
     tokens, lengths, cache_size = self._pad(rows, target.vocab_size,
                                             max_new_tokens, drafter)
     cap = output_cap(max_new_tokens, self.tokens_cap, cache_size)
@@ -407,15 +412,12 @@ class SpeculativeDecoder:
     controls, stops = controls_lib.resolve(
         vocab_size, tokenizer=self.tokenizer, eos_id=eos_id,
         **self.sampling.controls())
-    lossy = self.acceptance
-    if isinstance(lossy, str):
-      lossy = None if lossy == "exact" else rejection.Lossy.create(lossy)
     s = self.sampling
     return StepParams.create(
         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
         eos_id=eos_id, draft_stop_threshold=self.draft_stop_threshold,
-        synthetic_acceptance=self.synthetic_acceptance, min_p=s.min_p,
-        controls=controls, stops=stops, lossy=lossy)
+        acceptance=acceptance_lib.from_name(self.acceptance), min_p=s.min_p,
+        controls=controls, stops=stops)
 
   def _pad(self, rows: list[np.ndarray], vocab_size: int,
            max_new_tokens: int, drafter: Drafter | None
@@ -465,7 +467,7 @@ class SpeculativeDecoder:
         stats=SpecStats.autoregressive(counts, gamma,
                                        max(call.tokens_cap - 1, 1),
                                        call.drafter.components),
-        synthetic=self.synthetic_acceptance is not None,
+        synthetic=call.params.acceptance.synthetic,
         policy_state=jax.device_get(call.policy.init(call.where.batch)))
 
   def _speculative(self, call: Prepared, on_tokens: Any) -> SpecOutput:
@@ -481,7 +483,6 @@ class SpeculativeDecoder:
           call.tokens, call.lengths, call.params, call.key, call.budget,
           policy, stream_id, tokens_cap=call.tokens_cap,
           cache_size=call.cache_size, pad_id=self.pad_id,
-          synthetic=self.synthetic_acceptance is not None,
           num_nodes=self.num_nodes)
     where = call.where
     out, counts, policy_state = where.rows((out, counts, policy_state))
@@ -492,8 +493,8 @@ class SpeculativeDecoder:
         tokens=out[:, :call.max_new_tokens], lengths=counts,
         finish_reason=finish_reasons(out, counts, call.params.eos_ids,
                                      call.params.stops),
-        lossless=call.params.lossy is None,
+        lossless=call.params.acceptance.lossless,
         stop=tuple(self.sampling.stop or ()), seed=call.seed,
         stats=where.totals(stats), gamma=int(gamma),
-        synthetic=self.synthetic_acceptance is not None,
+        synthetic=call.params.acceptance.synthetic,
         policy=policy_name(policy), policy_state=policy_state)

@@ -26,13 +26,10 @@ row has emitted after s steps, in one of two ways (`serial`):
   1): log2(horizon) products of a [.., 2^j, horizon] table by a
   [horizon, horizon] Toeplitz matrix, with no loop.
 
-On the CPU an executed operation costs about a microsecond, and the
-loop's ~16 small operations an iteration cost less time than the dense
-products (jitted alone, rows alike, B = 1: 28-59 µs against 140-157,
-BENCHMARKS). On a GPU each operation is a kernel launch and each
-iteration reads the loop's condition back to the host: ~16 launches and
-a round trip per token left, for each of the two or three decisions of a
-step, where the doubling is ~40 launches in all.
+On the CPU an operation costs about a microsecond, so the loop's ~16
+small operations an iteration beat the dense products; on a GPU each
+operation is a kernel launch and each iteration reads the loop's
+condition back to the host, so the doubling's ~40 launches in all win.
 """
 
 from __future__ import annotations

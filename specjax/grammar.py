@@ -13,52 +13,29 @@ automaton state. A drafted token advances a speculative state and a
 rejection rolls it back as it rolls back a cache: the caller keeps one state
 per position.
 
-Library: outlines-core (the `structured` extra, imported at first use).
-Its `Index` is a token-level DFA built from a regex over a given
-`Vocabulary` (state x token -> state), and
-`outlines_core.json_schema.build_regex_from_schema` turns a JSON schema
-into such a regex; a finite token-level automaton is exactly what can
-become device tables, computed once on the host. xgrammar and llguidance
-are more general (recursive schemas, context-free grammars) but compute
-each token's mask on the host from a pushdown automaton / Earley parser
-state, a host round trip per token that a compiled loop cannot make. The
-price: only what a regex can say (no unbounded nesting).
+Library: outlines-core (the `structured` extra, imported at first use),
+whose `Index` is a token-level DFA over a `Vocabulary`: a finite automaton
+is exactly what can become device tables, computed once on the host.
+xgrammar and llguidance are more general (context-free grammars) but
+compute each token's mask on the host, a round trip per token that a
+compiled loop cannot make. The price: only what a regex can say (no
+unbounded nesting).
 
-Compressed form. A dense [Q, V] table is too big at V = 152k (a JSON
-schema of a few hundred states would take hundreds of MB), but tokens fall
-into few equivalence classes, tokens whose transition is the same in every
-state (all the string-content tokens without a quote or backslash, say).
-`Grammar` holds `token_class: [V] int32` and `transitions: [Q, A] int32`
-(next state, -1 = not allowed), so the mask of a state is
-`transitions[state][token_class] >= 0`. Classes are found on the host in
-O(transitions): each token carries a 64-bit hash of its (state, next
-state) pairs, updated state by state over the allowed tokens only; the
-classes it yields are then checked exactly, and on a collision computed
-again by partition refinement (state by state, tokens keep sharing a class
-while they go to the same next state: `np.unique` over the allowed
-tokens). Q and A are padded to powers of two, at least 16 (`_bucket`), so
-that grammars of similar size share one compiled program.
-
-Measured with Qwen2.5's tokenizer (V = 151,936 ids; a shared 2-core CPU)
-on the schema `{"type": "object", "properties": {"name": {"type":
-"string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items":
-{"type": "string"}}}, "required": ["name", "age"]}`: 78 states and 131
-classes, padded to Q = 128 and A = 256, 128 KiB of transitions plus 594
-KiB of token_class where a dense [Q, V] int32 table takes 45 MiB (74 MiB
-padded); outlines-core's index 0.4 s, the tables 0.1 s (the vocabulary,
-0.5 s, is built once per tokenizer and cached). Eight properties and a
-nested object: 254 states, 268 classes, [256, 512] (512 KiB against 147
-MiB dense), index 1.6 s, tables 0.2 s. With uuid, e-mail and date-time
-formats and a maxLength: 1,107 states, 783 classes, [2048, 1024] (8 MiB),
-index 11 s, tables 7.7 s, mostly outlines-core's per-token next-state
-queries (26M transitions). Gemma 3 (V = 262,144), first schema: 78 states,
-120 classes, [128, 128], index 1.4 s, tables 0.2 s.
+Compressed form. A dense [Q, V] table is too big at V = 152k, but tokens
+fall into few classes that every state treats alike. `Grammar` holds
+`token_class: [V] int32` and `transitions: [Q, A] int32` (next state, -1 =
+not allowed), so the mask of a state is
+`transitions[state][token_class] >= 0`. Classes are found on the host by
+hashing each token's (state, next state) pairs, checked exactly, with
+partition refinement as the fallback on a hash collision. Q and A are
+padded to powers of two, at least 16 (`_bucket`), so that grammars of
+similar size share one compiled program. Table sizes for a real schema:
+docs/controls.md, "Structured output".
 
 States are renumbered: the initial state is 0 (`START`), -1 is dead (an
 invalid token was taken; it stays -1 and allows nothing). Only states that
 are reachable from the start and from which an accepting state is reachable
-are kept (outlines-core 0.2.14 also lists states its own transitions never
-reach), and a transition into any other state is dropped, so a generation
+are kept, and a transition into any other state is dropped, so a generation
 that follows `allowed` can always still finish. EOS ids are allowed exactly
 in accepting (`final`) states, where they loop back to the same state, as
 outlines-core's EOS does; special tokens other than EOS are never allowed.
@@ -232,8 +209,8 @@ def _explore(index: outlines_core.Index, eos_ids: Sequence[int], what: str,
   """Walks outlines-core's index from its start, breadth first.
 
   Queried state by state (`get_allowed_tokens`, `get_next_state`):
-  `get_transitions` builds one Python dict entry per (state, token), 2.7
-  GB for 26M transitions. EOS ids are left out (see `_tables`).
+  `get_transitions` builds one Python dict entry per (state, token), GBs
+  for a large schema. EOS ids are left out (see `_tables`).
 
   Returns:
     The reachable outlines-core states (the start first), and per state

@@ -1,4 +1,4 @@
-"""What machine this is, and how to time code on it.
+"""What machine this is, what its devices can do, and how to time code.
 
 Speed figures and tuning decisions depend on the CPU: they are recorded and
 cached under `machine_key()`, which names the CPU (`cpu_id`: its model name,
@@ -6,7 +6,8 @@ and its family, model and SIMD extensions, since under a hypervisor one name
 such as "AMD EPYC" covers Zen 1 to Zen 4), the core count and the JAX
 version. `machine()` is the one record written next to every figure (CPU,
 cores, JAX, backend and devices, XLA flags, and the commit the code came
-from).
+from). `nominal_rates()` is what a device can do by its data sheet, for a
+machine nothing has measured.
 
 Timing, for every benchmark and tuning step: `median_ms` times steps
 interleaved round-robin, so load changes on a shared machine spread over
@@ -30,17 +31,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Call", "cpu_id", "cpu_model", "cpu_simd", "default_dtype",
-           "machine", "machine_key", "median_ms", "num_cores",
-           "resolve_dtype", "source_version", "timed_call", "warm_up"]
+__all__ = ["Call", "DATASHEETS", "cpu_id", "cpu_model", "cpu_simd",
+           "default_dtype", "machine", "machine_key", "median_ms",
+           "nominal_rates", "num_cores", "resolve_dtype", "source_version",
+           "timed_call", "warm_up"]
 
 # SIMD extensions that change which code is fastest, or which code runs.
 _SIMD = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
 
+# (device kind, memory bandwidth B/s, bf16 peak FLOP/s), from vendors'
+# data sheets.
+DATASHEETS = (
+    ("H200", 4.8e12, 989e12), ("H100", 3.35e12, 989e12),
+    ("A100", 2.0e12, 312e12), ("L4", 3.0e11, 121e12),
+    ("T4", 3.2e11, 65e12), ("V100", 9.0e11, 125e12),
+    ("v5 lite", 8.19e11, 197e12), ("v5e", 8.19e11, 197e12),
+    ("v5p", 2.76e12, 459e12), ("v6", 1.64e12, 918e12),
+    ("v4", 1.2e12, 275e12), ("v3", 9.0e11, 123e12), ("v2", 7.0e11, 46e12),
+)
+
 
 def default_dtype() -> jnp.dtype:
   """The parameter and cache dtype of `dtype="auto"`: bfloat16 on GPU and
-  TPU, float32 on CPU (XLA CPU bf16 matmuls ran ~25x slower than fp32).
+  TPU, float32 on CPU (XLA CPU's bf16 matmuls are far slower: DESIGN.md).
   Attention logits, softmax and the sampler's probabilities are fp32 in
   either (`specjax.models.transformer`, `specjax.sampling`)."""
   return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu"
@@ -151,6 +164,30 @@ def machine() -> dict[str, Any]:
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
       "source": source_version(),
   }
+
+
+def nominal_rates() -> dict[str, float]:
+  """This backend's device by nominal figures, needing no timing: memory
+  bandwidth (B/s), float32 FLOP/s and a fixed per-forward overhead (ms),
+  the keywords of `specjax.policies.Roofline`.
+
+  On GPU and TPU, `DATASHEETS` by device kind, float32 at half the bf16
+  peak (TF32); on CPU, below what machines measure (DESIGN.md), 10 GB/s
+  and, with AVX-512 (AVX2), 100 (50) GFLOP/s per core
+  (`specjax.tuning.machine` measures them).
+  """
+  if jax.default_backend() == "cpu":
+    cores = os.cpu_count() or 1
+    simd = cpu_simd()
+    per_core = 100e9 if "avx512f" in simd else (
+        50e9 if "avx2" in simd else 10e9)
+    return {"bandwidth": min(10e9 * cores, 200e9),
+            "flops": per_core * cores, "overhead_ms": 0.05}
+  kind = jax.devices()[0].device_kind
+  for name, bandwidth, peak in DATASHEETS:
+    if name.lower() in kind.lower():
+      return {"bandwidth": bandwidth, "flops": peak / 2, "overhead_ms": 0.2}
+  return {"bandwidth": 1e12, "flops": 50e12, "overhead_ms": 0.2}
 
 
 def machine_key() -> str:

@@ -173,8 +173,7 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
                     params: StepParams, key: jax.Array, *,
                     policy: GammaPolicy,
                     max_new_tokens: int | jax.Array, cache_size: int,
-                    tokens_cap: int | None = None,
-                    synthetic: bool = False) -> SpecState:
+                    tokens_cap: int | None = None) -> SpecState:
   """Prefills target and drafter and emits the target's first token.
 
   Where the drafter's prefill guesses the first token too (`init_guess`),
@@ -194,7 +193,6 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
     cache_size: S.
     tokens_cap: N_cap, the static output width (default N, which must then
       be an int).
-    synthetic: acceptance is synthetic (`params.synthetic`).
 
   Returns:
     The `SpecState` that `speculate.speculate_step` advances.
@@ -213,8 +211,9 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
   policy_state = policy.init(prompts.shape[0])
   if guess is not None:
     policy_state = policy.observe(
-        policy_state, first_acceptance(s0.probs, guess, params, lengths,
-                                       synthetic), ~s0.done)
+        policy_state, first_acceptance(
+            s0.probs, guess, params.replace(sampling=s0.params), lengths),
+        ~s0.done)
   return SpecState(
       tokens=s0.tokens, num_generated=s0.counts, done=s0.done,
       last_token=s0.first, target_cache=s0.cache,
@@ -226,50 +225,48 @@ def init_spec_state(target: LanguageModel, drafter: Drafter,
 
 
 def synthetic_text(key: jax.Array | int | None) -> jax.Array:
-  """The PRNG key of the synthetic text (`rejection.Synthetic`) that a
+  """The PRNG key of the synthetic text (`acceptance.Synthetic`) that a
   generation with `key` decodes: every policy, γ and drafter run with one
   key meets the same verdicts at each sequence position."""
   return jax.random.fold_in(prng_key(key), 2)
 
 
 def first_acceptance(probs: jax.Array, guess: jax.Array, params: StepParams,
-                     positions: jax.Array, synthetic: bool) -> jax.Array:
+                     positions: jax.Array) -> jax.Array:
   """[B] float32 how likely a first draft from the drafter's `guess`
   logits [B, V] was to be accepted against the target's first-token
   distribution `probs` [B, V] (`rejection.acceptance_probability`, 0 or 1
   under greedy decoding); with synthetic acceptance, the verdict of
-  `params.synthetic`'s text on the first token's sequence position
+  `params.acceptance`'s text on the first token's sequence position
   (`positions` [B], the prompts' lengths), as a verified draft there
   would get."""
-  if synthetic:
-    return params.synthetic.accepts(positions[:, None])[:, 0].astype(
+  if params.acceptance.synthetic:
+    return params.acceptance.accepts(positions[:, None])[:, 0].astype(
         jnp.float32)
   return rejection.acceptance_probability(
       probs, sampling.probabilities(guess, params.sampling))
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "tokens_cap", "cache_size", "pad_id", "synthetic", "num_nodes"))
+    "tokens_cap", "cache_size", "pad_id", "num_nodes"))
 def speculative_loop(target: LanguageModel, drafter: Drafter, prompts,
                      lengths, params, key, max_new_tokens,
                      policy: GammaPolicy, stream_id=None, *, tokens_cap,
-                     cache_size, pad_id, synthetic, num_nodes):
+                     cache_size, pad_id, num_nodes):
   """The whole speculative generation; returns tokens [B, N_cap],
   lengths [B], the `SpecStats` and the policy's final state.
   `stream_id`: a `specjax.streaming` stream or None."""
-  if synthetic:
+  if params.acceptance.synthetic:
     params = params.with_text(synthetic_text(key))
   state = init_spec_state(target, drafter, prompts, lengths, params, key,
                           policy=policy, max_new_tokens=max_new_tokens,
-                          cache_size=cache_size, tokens_cap=tokens_cap,
-                          synthetic=synthetic)
+                          cache_size=cache_size, tokens_cap=tokens_cap)
   streaming.deliver(stream_id, state.tokens,
                     jnp.zeros_like(state.num_generated), state.num_generated,
                     1)
   step = functools.partial(
       speculate.speculate_step, target=target, drafter=drafter, params=params,
-      policy=policy, max_new_tokens=max_new_tokens, synthetic=synthetic,
-      num_nodes=num_nodes)
+      policy=policy, max_new_tokens=max_new_tokens, num_nodes=num_nodes)
 
   def streamed(s: SpecState, **kw) -> SpecState:
     after = step(s, **kw)

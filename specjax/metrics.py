@@ -1,4 +1,4 @@
-"""Speculative-decoding metrics from `SpecStats` (DESIGN.md definitions).
+"""Speculative-decoding metrics from `SpecStats`.
 
 - α `acceptance_rate`: accepted draft tokens / proposed draft tokens.
 - τ `mean_accepted_tokens`: tokens emitted per target forward (accepted + 1),
@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from specjax.outputs import SpecOutput
-from specjax.tuning.cost import expected_tokens
+from specjax.policies.costs import expected_tokens
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:

@@ -7,10 +7,13 @@ A program is fixed by its static shapes, so the decoders derive every one of
 them from one value, the cache size S, and round S to few values:
 
 - the default S is a cache class: the positions a call needs (longest
-  prompt + N + reserve) rounded up to a power of two, at least 256. The
-  prompt's length and N are traced within a class, so prompts of 5 to 600
-  tokens with any N <= 100 compile three programs per (B, γ) (256, 512
-  and 1024 positions; `tests/test_compile.py`);
+  prompt + N + reserve) rounded up to a power of two, at least 256 for up
+  to 64 rows. The prompt's length and N are traced within a class, so
+  prompts of 5 to 600 tokens with any N <= 100 compile three programs per
+  (B, γ) (256, 512 and 1024 positions; `tests/test_compile.py`). Larger
+  batches keep B · S under `ROW_POSITIONS`, down to the positions the call
+  needs: their caches and prefill activations grow with B · S, and a
+  short call of many rows needs few positions;
 - the prompt buffer P: S rounded down to a multiple of `PROMPT_ALIGN` (the
   prefill chunk of `specjax.models.decoder`), or S when the prompt would
   not fit. `Model.prefill` runs the prompt in 64-token chunks up to the
@@ -35,6 +38,9 @@ __all__ = ["PROMPT_ALIGN", "cache_class", "check_max_new_tokens",
            "prompt_bucket", "prompt_rows"]
 
 MIN_CACHE = 256
+# Row positions (B · S) a batch may spend on the floor `MIN_CACHE` (64 rows
+# of 256): past it the floor shrinks with B, to the positions it needs.
+ROW_POSITIONS = 64 * MIN_CACHE
 PROMPT_ALIGN = 64  # specjax.models.decoder.PREFILL_CHUNK (a layer above)
 
 
@@ -42,11 +48,15 @@ def _pow2(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
-def cache_class(needed: int) -> int:
-  """S for a call that needs `needed` positions: a power of two >= 256."""
+def cache_class(needed: int, batch: int = 1) -> int:
+  """S for a call of B = `batch` rows that needs `needed` positions: a
+  power of two >= needed, and >= 256 while B · 256 <= `ROW_POSITIONS`
+  (module docstring)."""
   if needed < 1:
     raise ValueError(f"needed must be >= 1, got {needed}.")
-  return max(MIN_CACHE, _pow2(needed))
+  floor = min(MIN_CACHE, 1 << (max(ROW_POSITIONS // max(batch, 1), 1)
+                               .bit_length() - 1))
+  return max(floor, _pow2(needed))
 
 
 def prompt_bucket(longest: int, cache_size: int | None = None) -> int:
@@ -63,11 +73,11 @@ def prompt_bucket(longest: int, cache_size: int | None = None) -> int:
 
 
 def default_cache_size(longest: int, max_new_tokens: int, reserve: int = 1,
-                       tokens_cap: int | None = None) -> int:
+                       tokens_cap: int | None = None, batch: int = 1) -> int:
   """S when none is given: the class (`cache_class`) of the longest prompt
-  + max(N, `tokens_cap`) + `reserve` positions."""
+  + max(N, `tokens_cap`) + `reserve` positions, for B = `batch` rows."""
   return cache_class(longest + max(max_new_tokens, tokens_cap or 0)
-                     + reserve)
+                     + reserve, batch)
 
 
 def check_max_new_tokens(max_new_tokens: int) -> int:
@@ -178,7 +188,7 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *,
   needed = longest + max_new_tokens + reserve
   if cache_size is None:
     cache_size = default_cache_size(longest, max_new_tokens, reserve,
-                                    tokens_cap)
+                                    tokens_cap, batch=len(rows))
   elif needed > cache_size:
     raise ValueError(
         f"The cache is too short: the longest prompt has {longest} tokens, "

@@ -16,8 +16,9 @@ Resolution of `name_or_path`, in order:
    it, and fails with a clear error offline).
 
 Checkpoints hold matrices [in, out]; the loaded model then gets the matmul
-plan measured fastest on this machine (`specjax.tuning.matmul`), which may
-transpose them once. Nothing runs at import time.
+plan measured fastest on this machine (`specjax.cpu.plans`), which may
+transpose them once: the loader chooses the plan, and the model only runs
+it. Nothing runs at import time.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+from specjax import cpu
 from specjax import hardware
-from specjax import kernels
+from specjax import paths
 from specjax import sharding
-from specjax import tuning
 from specjax import weights
 from specjax.checkpoints import gguf as gguf_lib
 from specjax.checkpoints import hf as hf_lib
@@ -51,7 +52,7 @@ SOURCE_FILE = "source.json"  # provenance of a converted directory
 
 
 def default_dtype() -> jnp.dtype:
-  """float32 on CPU (XLA CPU bf16 matmuls are ~25x slower), else bfloat16
+  """float32 on CPU (XLA CPU's bf16 matmuls are far slower), else bfloat16
   (`hardware.default_dtype`: what `dtype="auto"` means)."""
   return hardware.default_dtype()
 
@@ -60,7 +61,7 @@ def converted_dir(name: str, dtype: Any = None,
                   cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
   """`<cache>/converted/<name>-<dtype>/`, where `convert` writes."""
   dtype = hardware.resolve_dtype(dtype)
-  return (weights.resolve_cache_dir(cache_dir) / "converted"
+  return (paths.cache_root(cache_dir) / "converted"
           / f"{name}-{dtype.name}")
 
 
@@ -137,7 +138,7 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
     cache_dir: cache root for registry models.
     progress: show progress bars.
     matmul: the model's `MatmulPlan`: "auto" measures the candidates on this
-      machine once and caches the choice (`specjax.tuning.matmul`); a plan
+      machine once and caches the choice (`specjax.cpu.plans`); a plan
       or its name ("in_out/xla", "out_in/xla", "out_in/kernel",
       "out_in/hybrid") forces one;
       None keeps the checkpoint layout ("in_out/xla").
@@ -189,10 +190,10 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
     # Nothing float to tune; the kernel reads every format's packed codes
     # once for all rows, where XLA's CPU backend dequantises each matrix
     # into a float32 temporary first (tests/test_quantized_kernel.py).
-    matmul = "out_in/kernel" if kernels.available() else None
+    matmul = "out_in/kernel" if cpu.SMALLM.available() else None
   if matmul is not None:
-    model, _ = tuning.matmul.apply(model, matmul, rows=tune_rows, donate=True,
-                                   cache_dir=cache_dir)
+    model, _ = cpu.plans.apply(model, matmul, rows=tune_rows, donate=True,
+                               cache_dir=cache_dir)
   if act_bits:
     model = model.with_activations(act_bits)
   if mesh is not None:
@@ -206,12 +207,12 @@ def auto_quantize(name_or_path: str | os.PathLike, dtype: Any = None, *,
                   matmul: str | MatmulPlan | None = "auto",
                   tune_rows: Sequence[int] = (1, 5),
                   mesh: jax.sharding.Mesh | None = None
-                  ) -> tuning.quantize.QuantizeChoice:
+                  ) -> cpu.quantize.QuantizeChoice:
   """What `load_pretrained(name_or_path, quantize="auto")` loads.
 
   A GGUF source (registry name or `.gguf` file) keeps its own blocks where
   a decode step and a verification pass of them cost less than of its
-  float weights on this machine (`specjax.tuning.quantize`: measured once,
+  float weights on this machine (`specjax.cpu.quantize`: measured once,
   cached); anything else, or a model placed on a mesh, gets float weights.
   Both are the same model, bit for bit. Arguments as `load_pretrained`.
   """
@@ -223,12 +224,12 @@ def _auto_quantize(name_or_path: str | os.PathLike, dtype: Any,
                    cache_dir: str | os.PathLike | None, progress: bool,
                    matmul: str | MatmulPlan | None, tune_rows: Sequence[int],
                    mesh: jax.sharding.Mesh | None
-                   ) -> tuple[tuning.quantize.QuantizeChoice,
+                   ) -> tuple[cpu.quantize.QuantizeChoice,
                               pathlib.Path | None]:
   """`auto_quantize`, and the GGUF file it read (None if none), so that
   loading the blocks does not fetch and verify the file again."""
   rows = tuple(int(m) for m in tune_rows)
-  fixed = tuning.quantize.QuantizeChoice.fixed
+  fixed = cpu.quantize.QuantizeChoice.fixed
   if mesh is not None:
     return fixed("quantized matrices are not placed on a mesh", rows), None
   path = _gguf_path(name_or_path, cache_dir, progress)
@@ -236,7 +237,7 @@ def _auto_quantize(name_or_path: str | os.PathLike, dtype: Any,
     return fixed(f"{os.fspath(name_or_path)!r} is not a GGUF file or a "
                  "registry model", rows), None
   dtype = hardware.resolve_dtype(dtype)
-  return tuning.quantize.choose_for_file(
+  return cpu.quantize.choose_for_file(
       path, dtype, lambda: gguf_lib.load_gguf(path, dtype, progress=progress,
                                               quantize="gguf"),
       matmul_plan=matmul, rows=rows, cache_dir=cache_dir), path
@@ -317,7 +318,7 @@ def load_tokenizer(name_or_path: str | os.PathLike,
   """
   key = os.fspath(name_or_path)
   if key in weights.SOURCES:
-    for directory in sorted((weights.resolve_cache_dir(cache_dir)
+    for directory in sorted((paths.cache_root(cache_dir)
                              / "converted").glob(f"{key}-*")):
       if is_converted(directory):
         return Tokenizer.from_pretrained_dir(directory)

@@ -22,10 +22,8 @@ renormalised. Nothing of shape [B, G, V] is built for it.
 
 from __future__ import annotations
 
-import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax import sampling
 
@@ -34,18 +32,18 @@ from specjax import sampling
 _RESIDUAL_EPS = 1e-9
 
 
-def _gather(probs: jax.Array, tokens: jax.Array) -> jax.Array:
+def gather(probs: jax.Array, tokens: jax.Array) -> jax.Array:
   """probs [B, G, V], tokens [B, G] -> [B, G]."""
   return jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
 
 
-def _at(probs: jax.Array, index: jax.Array) -> jax.Array:
+def at_position(probs: jax.Array, index: jax.Array) -> jax.Array:
   """probs [B, G', V] at per-row position index [B] -> [B, V]."""
   return jnp.take_along_axis(probs, index[:, None, None], axis=1)[:, 0]
 
 
-def _proposed(num_drafted: jax.Array | None, batch: int,
-              gamma: int) -> jax.Array:
+def proposed_mask(num_drafted: jax.Array | None, batch: int,
+                  gamma: int) -> jax.Array:
   """[B, G] bool: which positions were proposed."""
   if num_drafted is None:
     return jnp.ones((batch, gamma), bool)
@@ -57,8 +55,8 @@ def leading_true(accept: jax.Array) -> jax.Array:
   return jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=-1), axis=-1)
 
 
-def _q_at(q: jax.Array | None, draft_tokens: jax.Array, proposed: jax.Array,
-          index: jax.Array, vocab: int) -> jax.Array:
+def q_at(q: jax.Array | None, draft_tokens: jax.Array, proposed: jax.Array,
+         index: jax.Array, vocab: int) -> jax.Array:
   """The draft distribution at per-row position `index` [B] -> [B, V].
 
   Zero where `index` is G or the position was not proposed; one-hot at the
@@ -72,14 +70,14 @@ def _q_at(q: jax.Array | None, draft_tokens: jax.Array, proposed: jax.Array,
     token = jnp.take_along_axis(draft_tokens, clipped[:, None], axis=1)
     q_n = jax.nn.one_hot(token[:, 0], vocab, dtype=jnp.float32)
   else:
-    q_n = _at(q, clipped)
+    q_n = at_position(q, clipped)
   return jnp.where(live[:, None], q_n, 0.0)
 
 
-def _next_token(key: jax.Array, num_accepted: jax.Array, q: jax.Array | None,
-                p: jax.Array, draft_tokens: jax.Array,
-                proposed: jax.Array, scale: jax.Array | float = 1.0
-                ) -> jax.Array:
+def next_token(key: jax.Array, num_accepted: jax.Array, q: jax.Array | None,
+               p: jax.Array, draft_tokens: jax.Array,
+               proposed: jax.Array, scale: jax.Array | float = 1.0
+               ) -> jax.Array:
   """Samples the token after the accepted prefix.
 
   Args:
@@ -89,14 +87,14 @@ def _next_token(key: jax.Array, num_accepted: jax.Array, q: jax.Array | None,
     p: [B, G+1, V] target probabilities.
     draft_tokens: [B, G] int32.
     proposed: [B, G] bool.
-    scale: λ, q's weight in the residual (1: exact; `Lossy`).
+    scale: λ, q's weight in the residual (1: exact; `acceptance.Relaxed`).
 
   Returns:
     [B] int32 drawn from norm(max(0, p_n - λ q_n)), with q_n = 0 when n =
     G or position n was not proposed.
   """
-  p_n = _at(p, num_accepted)  # [B, V]
-  q_n = scale * _q_at(q, draft_tokens, proposed, num_accepted, p.shape[-1])
+  p_n = at_position(p, num_accepted)  # [B, V]
+  q_n = scale * q_at(q, draft_tokens, proposed, num_accepted, p.shape[-1])
   residual = jnp.maximum(p_n - q_n, 0.0)
   mass = jnp.sum(residual, axis=-1, keepdims=True)
   dist = jnp.where(mass > _RESIDUAL_EPS, residual / jnp.maximum(mass, 1e-30),
@@ -104,7 +102,7 @@ def _next_token(key: jax.Array, num_accepted: jax.Array, q: jax.Array | None,
   return sampling.sample(key, dist)
 
 
-def _no_drafts(key: jax.Array, p: jax.Array) -> tuple[jax.Array, jax.Array]:
+def no_drafts(key: jax.Array, p: jax.Array) -> tuple[jax.Array, jax.Array]:
   """G = 0 (an autoregressive step): nothing accepted, the next token drawn
   from p [B, 1, V]."""
   _, next_key = jax.random.split(key)
@@ -143,153 +141,13 @@ def rejection_sample(
   """
   batch, gamma = draft_tokens.shape
   if gamma == 0:
-    return _no_drafts(key, p)
+    return no_drafts(key, p)
   accept_key, next_key = jax.random.split(key)
-  p_x = _gather(p[:, :gamma], draft_tokens)  # [B, G]
-  q_x = 1.0 if q is None else _gather(q, draft_tokens)  # [B, G]
+  p_x = gather(p[:, :gamma], draft_tokens)  # [B, G]
+  q_x = 1.0 if q is None else gather(q, draft_tokens)  # [B, G]
   u = jax.random.uniform(accept_key, (batch, gamma))
-  proposed = _proposed(num_drafted, batch, gamma)
+  proposed = proposed_mask(num_drafted, batch, gamma)
   # u < p/q without dividing: q = 0 accepts iff p > 0 (ratio +inf).
   num_accepted = leading_true((u * q_x < p_x) & proposed)
-  return num_accepted, _next_token(next_key, num_accepted, q, p,
-                                   draft_tokens, proposed)
-
-
-@flax.struct.dataclass
-class Synthetic:
-  """Synthetic acceptance for system benchmarks: NOT distribution-preserving.
-
-  Each proposed token is accepted with fixed probability `rate` regardless
-  of p and q (like vLLM's synthetic rejection sampler), so random-weight
-  models can be timed at a realistic acceptance rate. The verdicts form a
-  synthetic text: the draft of row b's token at sequence position n is
-  accepted iff one uniform draw u(text, b, n) < rate, whichever step, γ or
-  policy judges it, as in real decoding a text decides which tokens a
-  drafter gets right. A position is judged at most once (a verdict emits
-  the token there), so each policy still sees independent Bernoulli(rate)
-  verdicts, while policies run with one key decode the same text and
-  their throughputs differ by their choices, not by their luck. (A token
-  tree's walk draws each tried child afresh at its rate: siblings at one
-  depth would otherwise share a verdict.) Outputs that used it must be
-  labelled synthetic.
-
-  Attributes:
-    rate: [] float32 acceptance probability per token.
-    text: PRNG key of the text.
-  """
-
-  rate: jax.Array
-  text: jax.Array
-
-  def accepts(self, positions: jax.Array) -> jax.Array:
-    """[B, K] bool: the verdicts on drafts at sequence `positions` [B, K]
-    (int32) of rows 0..B-1."""
-    rows = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None],
-                            positions.shape)
-    draw = lambda b, n: jax.random.uniform(
-        jax.random.fold_in(jax.random.fold_in(self.text, b), n))
-    return jax.vmap(jax.vmap(draw))(rows, positions) < self.rate
-
-
-def synthetic_sample(
-    key: jax.Array,
-    synthetic: Synthetic,
-    positions: jax.Array,
-    draft_tokens: jax.Array,
-    p: jax.Array,
-    num_drafted: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-  """`rejection_sample` with `Synthetic` verdicts: the leading drafts the
-  text accepts, then the next token drawn from p at the first rejected
-  position.
-
-  Args:
-    key: PRNG key (the next token's draw).
-    synthetic: the rate and text.
-    positions: [B] int32 sequence position of each row's first draft.
-    draft_tokens: [B, G] int32.
-    p: [B, G+1, V] target probabilities.
-    num_drafted: optional [B] int32, as in `rejection_sample`.
-
-  Returns:
-    num_accepted [B] int32 and next_token [B] int32.
-  """
-  batch, gamma = draft_tokens.shape
-  if gamma == 0:
-    return _no_drafts(key, p)
-  accept = synthetic.accepts(positions[:, None] + jnp.arange(gamma)[None])
-  accept &= _proposed(num_drafted, batch, gamma)
-  num_accepted = leading_true(accept)
-  return num_accepted, sampling.sample(key, _at(p, num_accepted))
-
-
-LOSSY_RULES = ("typical", "relaxed")
-
-
-@flax.struct.dataclass(kw_only=True)
-class Lossy:
-  """Opt-in lossy acceptance: NOT distribution-preserving.
-
-  Two rules trade fidelity to the target's distribution for longer
-  accepted blocks; outputs that used either are labelled `lossless=False`.
-
-  - "typical", Medusa's typical acceptance (Cai et al. 2024): draft x at
-    position i is accepted iff p_i(x) > min(ε, δ · exp(-H(p_i))), H the
-    entropy of the target's processed distribution; after the accepted
-    prefix the next token is drawn from p. Under greedy decoding (one-hot
-    p) it accepts exactly the argmax, as exact verification does.
-  - "relaxed", a tunable acceptance threshold λ in (0, 1]: x is accepted
-    with probability min(1, p_i(x) / (λ q_i(x))), and on a rejection the
-    next token is drawn from norm(max(0, p - λ q)). λ = 1 is the exact
-    rule; a smaller λ accepts more.
-
-  Attributes:
-    rule: "typical" or "relaxed" (static).
-    epsilon: [] float32 ε, typical's hard threshold.
-    delta: [] float32 δ, typical's entropy-scaled threshold.
-    threshold: [] float32 λ, relaxed's.
-  """
-
-  epsilon: jax.Array
-  delta: jax.Array
-  threshold: jax.Array
-  rule: str = flax.struct.field(pytree_node=False, default="typical")
-
-  @classmethod
-  def create(cls, rule: str, *, epsilon: float = 0.09, delta: float = 0.3,
-             threshold: float = 0.5) -> "Lossy":
-    """Validated settings (Medusa's defaults ε = 0.09, δ = 0.3)."""
-    if rule not in LOSSY_RULES:
-      raise ValueError(f"acceptance must be 'exact' or one of {LOSSY_RULES},"
-                       f" got {rule!r}.")
-    for name, value in (("typical_epsilon", epsilon),
-                        ("typical_delta", delta),
-                        ("acceptance_threshold", threshold)):
-      if not 0.0 < float(value) <= 1.0:
-        raise ValueError(f"{name} must be in (0, 1], got {value}.")
-    return cls(epsilon=np.float32(epsilon), delta=np.float32(delta),
-               threshold=np.float32(threshold), rule=rule)
-
-  def sample(self, key: jax.Array, draft_tokens: jax.Array,
-             q: jax.Array | None, p: jax.Array,
-             num_drafted: jax.Array | None = None
-             ) -> tuple[jax.Array, jax.Array]:
-    """`rejection_sample`'s arguments and results, under this rule."""
-    batch, gamma = draft_tokens.shape
-    if gamma == 0:
-      return _no_drafts(key, p)
-    accept_key, next_key = jax.random.split(key)
-    proposed = _proposed(num_drafted, batch, gamma)
-    p_x = _gather(p[:, :gamma], draft_tokens)  # [B, G]
-    if self.rule == "typical":
-      probs = p[:, :gamma]
-      entropy = -jnp.sum(jnp.where(probs > 0, probs * jnp.log(probs), 0.0),
-                         axis=-1)  # [B, G]
-      bar = jnp.minimum(self.epsilon, self.delta * jnp.exp(-entropy))
-      num_accepted = leading_true((p_x > bar) & proposed)
-      return num_accepted, sampling.sample(next_key, _at(p, num_accepted))
-    q_x = 1.0 if q is None else _gather(q, draft_tokens)
-    u = jax.random.uniform(accept_key, (batch, gamma))
-    num_accepted = leading_true((u * self.threshold * q_x < p_x) & proposed)
-    return num_accepted, _next_token(next_key, num_accepted, q, p,
-                                     draft_tokens, proposed, self.threshold)
+  return num_accepted, next_token(next_key, num_accepted, q, p,
+                                  draft_tokens, proposed)

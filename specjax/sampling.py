@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import controls as controls_lib
+from specjax import processors
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -66,7 +67,7 @@ class SamplingParams:
     # anything (`jnp.float32(x)` compiles a conversion program).
     return cls(temperature=np.float32(temperature),
                top_k=np.int32(top_k), top_p=np.float32(top_p),
-               min_p=controls_lib.setting("min_p", min_p),
+               min_p=processors.setting("min_p", min_p),
                controls=controls)
 
   def advance(self, tokens: jax.Array,
@@ -116,10 +117,9 @@ def host_key(seed: int) -> jax.Array:
   return jax.random.key(seed)
 
 
-# Vocabulary blocks of the two-level searches (`argmax`, `sample`). XLA's CPU
-# argmax and cumsum over a whole row are serial: at V = 152k and B = 32 on
-# machine G, 9.4 and 16.1 ms against 0.70 and 0.76 ms by blocks
-# (`scripts/bench_sampling.py`).
+# Vocabulary blocks of the two-level searches (`argmax`, `sample`): XLA's CPU
+# argmax and cumsum over a whole row are serial, and blocks of 128 are an
+# order of magnitude faster at V = 152k (`scripts/bench_sampling.py`).
 BLOCK = 128
 
 
@@ -256,13 +256,12 @@ def _first(mask: jax.Array) -> jax.Array:
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
   """Draws one token per distribution by inverting its CDF.
 
-  One uniform u per row instead of Gumbel noise over the whole vocabulary
-  (3x faster at V = 152k on CPU), found in two levels: the first block of
-  `BLOCK` tokens whose cumulative mass exceeds u, then the first token in
-  it whose cumulative mass exceeds what is left of u (at V = 152k on
-  machine G, 0.76 ms at B = 32 against 16.1 ms for one cumsum over the
-  row: `scripts/bench_sampling.py`). A vocabulary of one block (V <=
-  `BLOCK`) is searched in one level.
+  One uniform u per row instead of Gumbel noise over the whole vocabulary,
+  found in two levels: the first block of `BLOCK` tokens whose cumulative
+  mass exceeds u, then the first token in it whose cumulative mass exceeds
+  what is left of u (one serial cumsum over a row is slow on CPU:
+  `scripts/bench_sampling.py`). A vocabulary of one block (V <= `BLOCK`)
+  is searched in one level.
   Zero-probability tokens have empty CDF intervals and are never drawn, so
   one-hot (greedy) distributions return their hot index exactly.
 

@@ -50,7 +50,6 @@ __all__ = ["Proposal", "SpecState", "SpecStats", "StepParams",
 def speculate_step(state: SpecState, *, target: LanguageModel,
                    drafter: Drafter, params: StepParams, policy: StepPolicy,
                    max_new_tokens: int | jax.Array,
-                   synthetic: bool = False,
                    num_nodes: int | None = None,
                    budget: jax.Array | None = None) -> SpecState:
   """Drafts up to G tokens, verifies them in one target pass, and commits.
@@ -63,8 +62,6 @@ def speculate_step(state: SpecState, *, target: LanguageModel,
     policy: a `StepPolicy`, e.g. a `specjax.policies.GammaPolicy` (G is
       its `max_gamma`; a fixed γ is `policies.Fixed(γ)`).
     max_new_tokens: N, an int or a traced [] int32.
-    synthetic: accept by `params.synthetic` instead of p/q (for system
-      benchmarks on random weights; not distribution-preserving).
     num_nodes: None for a chain; T for a token tree of at most T nodes at
       depth at most G (`specjax.tree`, under `Fixed(G, num_nodes=T)`).
     budget: [B] int32 the policy's budget for this state, where the caller
@@ -95,8 +92,7 @@ def speculate_step(state: SpecState, *, target: LanguageModel,
   start = state.target_cache.lengths
   verification, target_cache, scored = verify_within(
       policy.widths, target, state.target_cache, state.last_token, proposal,
-      sampling, verify_key,
-      synthetic=params.synthetic if synthetic else None, lossy=params.lossy)
+      sampling, verify_key, acceptance=params.acceptance)
 
   num_accepted = jnp.where(active, verification.num_accepted, 0)
   verification = verification.replace(num_accepted=num_accepted)

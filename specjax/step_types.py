@@ -25,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import buffers
-from specjax import rejection
 from specjax import sampling
 from specjax import tree
+from specjax.acceptance import Acceptance
+from specjax.acceptance import Exact
 
 __all__ = ["Proposal", "SpecState", "SpecStats", "StepParams",
            "StepPolicy", "Verification", "emitted_tokens"]
@@ -282,33 +283,24 @@ class StepParams:
     eos_ids: [Y] int32 end-of-sequence ids (-1 for none).
     stop_threshold: [] float32, drafting stops when the draft's top
       probability falls below it (0 never stops).
-    synthetic: the rate and text of synthetic verification
-      (`rejection.Synthetic`), used only when a step is told to; the text
-      is key 0's until `with_text`.
+    acceptance: the rule that judges drafts (`specjax.acceptance`; a
+      `Synthetic` one reads key 0's text until `with_text`).
     stops: stop strings (`specjax.stops.StopStrings`), or None.
-    lossy: a lossy acceptance rule (`rejection.Lossy`; NOT
-      distribution-preserving), or None for exact rejection sampling.
   """
 
   sampling: sampling.SamplingParams
   eos_ids: jax.Array
   stop_threshold: jax.Array
-  synthetic: rejection.Synthetic
+  acceptance: Acceptance = Exact()
   stops: Any = None
-  lossy: rejection.Lossy | None = None
 
   @classmethod
   def create(cls, *, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, eos_id=None, draft_stop_threshold: float = 0.0,
-             synthetic_acceptance: float | None = None,
+             acceptance: Acceptance = Exact(),
              min_p: float | None = None, controls: Any = None,
-             stops: Any = None, lossy: rejection.Lossy | None = None
-             ) -> "StepParams":
+             stops: Any = None) -> "StepParams":
     """Validates host values (see `decode.speculative_generate`)."""
-    rate = 0.0 if synthetic_acceptance is None else float(synthetic_acceptance)
-    if not 0.0 <= rate <= 1.0:
-      raise ValueError("synthetic_acceptance must be in [0, 1], got "
-                       f"{synthetic_acceptance}.")
     if not 0.0 <= draft_stop_threshold <= 1.0:
       raise ValueError("draft_stop_threshold must be in [0, 1], got "
                        f"{draft_stop_threshold}.")
@@ -317,14 +309,13 @@ class StepParams:
             temperature, top_k, top_p, min_p=min_p, controls=controls),
         eos_ids=buffers.eos_array(eos_id),
         stop_threshold=np.float32(draft_stop_threshold),
-        synthetic=rejection.Synthetic(rate=np.float32(rate),
-                                      text=sampling.host_key(0)),
-        stops=stops, lossy=lossy)
+        acceptance=acceptance, stops=stops)
 
   def with_text(self, key: jax.Array) -> "StepParams":
     """These settings with the synthetic text of PRNG `key` (one per
-    generation: the policies run with one key decode the same text)."""
-    return self.replace(synthetic=self.synthetic.replace(text=key))
+    generation: the policies run with one key decode the same text); for a
+    `Synthetic` acceptance only."""
+    return self.replace(acceptance=self.acceptance.with_text(key))
 
 
 @flax.struct.dataclass(kw_only=True)

@@ -16,7 +16,7 @@ import tempfile
 import warnings
 from typing import Any, Callable
 
-from specjax import weights
+from specjax import paths
 
 __all__ = ["path_for", "read", "write"]
 
@@ -24,7 +24,7 @@ __all__ = ["path_for", "read", "write"]
 def path_for(name: str,
              cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
   """`<cache>/tuning/<name>.json`."""
-  return weights.resolve_cache_dir(cache_dir) / "tuning" / f"{name}.json"
+  return paths.cache_root(cache_dir) / "tuning" / f"{name}.json"
 
 
 def read(path: pathlib.Path,

@@ -33,7 +33,7 @@ from specjax.models.tiny import TINY_GEMMA3_TARGET
 from specjax.models.tiny import TINY_DRAFT
 from specjax.models.tiny import TINY_TARGET
 from specjax.models.tiny import tiny_pair
-from specjax.tuning import matmul
+from specjax.cpu import plans
 
 # Real models' shapes, for random weights where no checkpoint is at hand
 # (from their config.json): the Qwen pair (Qwen2.5-Coder-1.5B/0.5B-Instruct)
@@ -77,8 +77,8 @@ def random_model(name: str, seed: int, num_layers: int = 0,
   config = REAL_SHAPES[name]
   if num_layers:
     config = dataclasses.replace(config, num_layers=num_layers)
-  return matmul.apply(init_random(config, jax.random.key(seed), dtype),
-                      "auto")[0]
+  return plans.apply(init_random(config, jax.random.key(seed), dtype),
+                     "auto")[0]
 
 
 def random_prompts(batch: int, vocab: int, length: int) -> list[list[int]]:

@@ -9,13 +9,11 @@ saved with `save` next to a converted checkpoint.
 GGUF files carry a byte-level BPE as `tokenizer.ggml.tokens`, `.merges` and
 `.token_type`, plus the name of llama.cpp's pre-tokenizer (`.pre`), or (Gemma,
 `tokenizer.ggml.model` 'llama') a SentencePiece BPE with byte fallback and no
-merges, which `sentencepiece_bpe` rebuilds. The
-pre-tokenizer splits follow llama.cpp (`llama-vocab.cpp`), which for `qwen2`
-and GPT-2 style files agrees with transformers' GGUF tokenizer. One known
-difference: for `smollm` (SmolLM, StarCoder) llama.cpp, like the original
-SmolLM tokenizer.json, splits every digit on its own, while transformers'
-GGUF converter falls back to the plain GPT-2 split, so the two differ on
-multi-digit numbers; specjax follows the model's own tokenizer.
+merges, which `sentencepiece_bpe` rebuilds. The pre-tokenizer splits
+follow llama.cpp (`llama-vocab.cpp`), as the model's own tokenizer does:
+for `smollm` (SmolLM, StarCoder) every digit is split on its own, where
+transformers' GGUF converter falls back to the GPT-2 split and so differs
+on multi-digit numbers.
 """
 
 from __future__ import annotations
@@ -250,8 +248,8 @@ class Tokenizer:
     UTF-8 decoding replaces only the invalid bytes.
 
     Returns:
-      [V] bytes, indexed by id (built once, then copied: about 0.4 s for
-      Qwen's 152k ids).
+      [V] bytes, indexed by id (built once and kept; each call returns a
+      copy).
 
     Raises:
       ValueError: the decoder is neither byte-level nor SentencePiece-style

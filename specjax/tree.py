@@ -42,6 +42,8 @@ argmax at each node: the longest greedy-matching path.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -116,7 +118,8 @@ class TreeWalk:
 
 def walk(key: jax.Array, tokens: jax.Array, parents: jax.Array,
          valid: jax.Array, q: jax.Array | None, p: jax.Array, gamma: int,
-         synthetic_rate: jax.Array | None = None) -> TreeWalk:
+         child: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+         | None = None) -> TreeWalk:
   """Multi-candidate speculative sampling down a tree (module docstring).
 
   Args:
@@ -128,12 +131,14 @@ def walk(key: jax.Array, tokens: jax.Array, parents: jax.Array,
       siblings, or None for deterministic nodes (one-hot).
     p: [B, T+1, V] the target's distributions after the root and each node.
     gamma: G, the deepest node (static; sizes `path`).
-    synthetic_rate: if given, accept each tried child with this fixed
-      probability instead (system benchmarks only; not exact).
+    child: the verdict on a tried child from uniform u [B], its draft law's
+      q_x [B] and the residual's r_x [B] at its token ([B] bool; an
+      `Acceptance`'s `child`); default exact, u q_x < r_x.
 
   Returns:
     The `TreeWalk`.
   """
+  verdict = child or (lambda u, q_x, r_x: u * q_x < r_x)
   batch, size = tokens.shape
   accept_key, next_key = jax.random.split(key)
   u = jax.random.uniform(accept_key, (batch, size))
@@ -141,7 +146,7 @@ def walk(key: jax.Array, tokens: jax.Array, parents: jax.Array,
 
   def body(i, carry):
     current, residual, path, count = carry
-    child = valid[:, i] & (parents[:, i] + 1 == current)  # [B]
+    tried = valid[:, i] & (parents[:, i] + 1 == current)  # [B]
     x = tokens[:, i]
     r_x = residual[rows, x]
     if q is None:
@@ -150,11 +155,8 @@ def walk(key: jax.Array, tokens: jax.Array, parents: jax.Array,
     else:
       q_x = q[rows, i, x]
       drop = q[:, i]
-    if synthetic_rate is None:
-      accept = child & (u[:, i] * q_x < r_x)
-    else:
-      accept = child & (u[:, i] < synthetic_rate)
-    reject = child & ~accept
+    accept = tried & verdict(u[:, i], q_x, r_x)
+    reject = tried & ~accept
     residual = jnp.where(accept[:, None], p[:, i + 1],
                          jnp.where(reject[:, None],
                                    residual_after(residual, drop), residual))

@@ -18,8 +18,10 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from specjax import rejection
 from specjax import sampling
+from specjax.acceptance import Acceptance
+from specjax.acceptance import Drafts
+from specjax.acceptance import Exact
 from specjax import tree
 from specjax.models.protocol import declared
 from specjax.models.protocol import LanguageModel
@@ -55,8 +57,7 @@ def width_index(widths: Sequence[int], num_tokens: jax.Array) -> jax.Array:
 
 def verify(target: LanguageModel, cache: Any, last_token: jax.Array,
            proposal: Proposal, params: sampling.SamplingParams,
-           key: jax.Array, *, synthetic: rejection.Synthetic | None = None,
-           lossy: rejection.Lossy | None = None
+           key: jax.Array, *, acceptance: Acceptance = Exact()
            ) -> tuple[Verification, Any]:
   """Scores a proposal in one target pass and rejection-samples it.
 
@@ -68,11 +69,8 @@ def verify(target: LanguageModel, cache: Any, last_token: jax.Array,
     proposal: G drafts per row (a chain: `parents` None).
     params: sampling settings (the same the drafter used for q).
     key: PRNG key.
-    synthetic: if given, its text's verdicts instead of p/q
-      (`rejection.Synthetic`: system benchmarks on random weights only;
-      not distribution-preserving).
-    lossy: if given, this lossy acceptance rule instead of exact rejection
-      sampling (`rejection.Lossy`, chains only; not distribution-preserving).
+    acceptance: the rule that judges the drafts (`specjax.acceptance`;
+      default exact rejection sampling).
 
   Returns:
     The `Verification`, and the target's cache holding the last token and
@@ -81,21 +79,17 @@ def verify(target: LanguageModel, cache: Any, last_token: jax.Array,
   A tree proposal (`parents` set) goes to `verify_tree`.
   """
   if proposal.parents is not None:
-    if lossy is not None:
-      raise ValueError("Lossy acceptance verifies chains only, not token "
-                       "trees.")
     return verify_tree(target, cache, last_token, proposal, params, key,
-                       synthetic=synthetic)
+                       acceptance=acceptance)
   start = cache.lengths
   verification, _, cache = _score(target, cache, last_token, proposal,
-                                  params, key, synthetic, lossy=lossy)
+                                  params, key, acceptance)
   return verification, cache.rollback(start + 1 + verification.num_accepted)
 
 
 def _score(target: LanguageModel, cache: Any, last_token: jax.Array,
            proposal: Proposal, params: sampling.SamplingParams,
-           key: jax.Array, synthetic: rejection.Synthetic | None, *,
-           lossy: rejection.Lossy | None = None, **model_kw
+           key: jax.Array, acceptance: Acceptance, **model_kw
            ) -> tuple[Verification, ModelOutput, Any]:
   """`verify`'s target pass over a chain and its rejection sampling.
 
@@ -110,15 +104,9 @@ def _score(target: LanguageModel, cache: Any, last_token: jax.Array,
   # Position i's distribution reads the history through draft i - 1.
   p = sampling.probabilities(
       out.logits, params.along_chain(proposal.tokens))  # [B, G+1, V]
-  if lossy is not None and synthetic is None:
-    num_accepted, next_token = lossy.sample(
-        key, proposal.tokens, proposal.q, p, proposal.num_drafted)
-  elif synthetic is None:
-    num_accepted, next_token = rejection.rejection_sample(
-        key, proposal.tokens, proposal.q, p, proposal.num_drafted)
-  else:
-    num_accepted, next_token = rejection.synthetic_sample(
-        key, synthetic, first, proposal.tokens, p, proposal.num_drafted)
+  num_accepted, next_token = acceptance.judge(key, Drafts(
+      tokens=proposal.tokens, q=proposal.q, p=p,
+      num_drafted=proposal.num_drafted, positions=first))
   verification = Verification(
       num_accepted=num_accepted, next_token=next_token,
       emitted=emitted_tokens(proposal.tokens, num_accepted, next_token),
@@ -128,7 +116,7 @@ def _score(target: LanguageModel, cache: Any, last_token: jax.Array,
 
 def verify_tree(target: LanguageModel, cache: Any, last_token: jax.Array,
                 proposal: Proposal, params: sampling.SamplingParams,
-                key: jax.Array, *, synthetic: rejection.Synthetic | None = None
+                key: jax.Array, *, acceptance: Acceptance = Exact()
                 ) -> tuple[Verification, Any]:
   """Scores a token tree in one target pass and walks it (`specjax.tree`).
 
@@ -149,6 +137,9 @@ def verify_tree(target: LanguageModel, cache: Any, last_token: jax.Array,
     `probs`, `hidden` at the root and the G deepest positions), and the
     cache.
   """
+  if not acceptance.walks_trees:
+    raise ValueError(f"{type(acceptance).__name__} acceptance verifies "
+                     "chains only, not token trees.")
   start = cache.lengths
   valid = proposal.node_mask()
   depth = proposal.node_depths()  # [B, T]
@@ -163,8 +154,7 @@ def verify_tree(target: LanguageModel, cache: Any, last_token: jax.Array,
   p = sampling.probabilities(out.logits, params.along_tree(
       proposal.tokens, proposal.parents, mask[:, 1:, 1:]))
   result = tree.walk(key, proposal.tokens, proposal.parents, valid,
-                     proposal.q, p, gamma,
-                     None if synthetic is None else synthetic.rate)
+                     proposal.q, p, gamma, acceptance.child)
   slots = tree.path_slots(result.path, result.num_accepted)  # [B, G]
   along = jnp.concatenate([jnp.zeros_like(slots[:, :1]), slots], 1)
   take = lambda x: None if x is None else jnp.take_along_axis(
@@ -195,8 +185,7 @@ def _pad_steps(x: jax.Array | None, width: int,
 def verify_within(widths: Sequence[int], target: LanguageModel,
                   cache: Any, last_token: jax.Array, proposal: Proposal,
                   params: sampling.SamplingParams, key: jax.Array, *,
-                  synthetic: rejection.Synthetic | None = None,
-                  lossy: rejection.Lossy | None = None
+                  acceptance: Acceptance = Exact()
                   ) -> tuple[Verification, Any, jax.Array]:
   """`verify` over the smallest of several compiled widths that holds the
   proposal (`lax.switch`), so a short proposal costs a short pass.
@@ -205,8 +194,7 @@ def verify_within(widths: Sequence[int], target: LanguageModel,
     widths: T values compiled, ascending: one width (a fixed γ: plain
       `verify` over all G drafts, chains and trees alike), or from 1 (a plain
       autoregressive step) to G + 1 (`verify_widths`; chains only).
-    target, cache, last_token, params, key, synthetic, lossy: as in
-      `verify`.
+    target, cache, last_token, params, key, acceptance: as in `verify`.
     proposal: G drafts (a tree: G = T nodes); rows propose `num_drafted`
       of them.
 
@@ -226,7 +214,7 @@ def verify_within(widths: Sequence[int], target: LanguageModel,
   gamma = proposal.tokens.shape[1]
   if len(widths) == 1:  # every step verifies all it drafted
     verification, cache = verify(target, cache, last_token, proposal, params,
-                                 key, synthetic=synthetic, lossy=lossy)
+                                 key, acceptance=acceptance)
     return verification, cache, jnp.int32(gamma)
   if widths[0] != 1 or widths[-1] != gamma + 1:
     raise ValueError(f"widths must run from 1 to G + 1 = {gamma + 1}, got "
@@ -244,13 +232,13 @@ def verify_within(widths: Sequence[int], target: LanguageModel,
           num_drafted=jnp.minimum(proposal.num_drafted, width - 1))
       if deferred:
         v, out, _ = _score(target, cache, last_token, sub, params, key,
-                           synthetic, lossy=lossy, write_cache=False)
+                           acceptance, write_cache=False)
         # [L, B, T, K, D] -> [L, B, G+1, K, D].
         cache = (_pad_steps(out.keys, gamma + 1, axis=2),
                  _pad_steps(out.values, gamma + 1, axis=2))
       else:
         v, cache = verify(target, cache, last_token, sub, params, key,
-                          synthetic=synthetic, lossy=lossy)
+                          acceptance=acceptance)
       return (v.num_accepted, v.next_token,
               _pad_steps(v.logits, gamma + 1), _pad_steps(v.probs, gamma + 1),
               _pad_steps(v.hidden, gamma + 1), cache)

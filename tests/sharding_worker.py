@@ -89,7 +89,7 @@ def _vocab_gathers(target, draft, mesh):
       target, drafters.DraftModel(draft), tokens, lengths,
       speculate.StepParams.create(temperature=1.0), jax.random.key(0),
       budget, policies.Fixed(3), tokens_cap=64, cache_size=128, pad_id=0,
-      synthetic=False, num_nodes=None)
+      num_nodes=None)
   vocab = target.vocab_size
   gathers, seen = [], 0
   for line in lowered.compile().as_text().splitlines():

@@ -5,6 +5,7 @@ on the same target, the cost model's own `StepCosts.tokens_per_s`, and
 transformers' schedule written out by hand.
 """
 
+import dataclasses
 import functools
 import json
 
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax import acceptance
 from specjax import policies
 from specjax import decode
 from specjax import drafters
@@ -23,7 +25,7 @@ from specjax import speculate
 from specjax import testing
 from specjax.drafters.base import Proposal
 from specjax import tuning
-from specjax.tuning import cost
+from specjax.policies import simulate
 
 PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
 MAX_NEW = 48
@@ -110,6 +112,40 @@ def test_greedy_equals_autoregressive(pair, baseline, policy, kind):
   scored = out.stats.scored
   assert np.all((scored >= 0) == (out.stats.accepted >= 0))
   assert scored.max() <= GAMMA
+
+
+def test_auto_compiles_only_the_widths_worth_a_pass(pair, baseline):
+  # G = 8: widths 1, 2, 3, 5, 9. Passes that cost within 5% of the next
+  # larger width kept are dropped; a compute-bound table keeps them all.
+  flat = policies.StepCosts(max_gamma=8, target_ms=(10.0, 10.2, 10.3, 10.4,
+                                                    10.5))
+  assert flat.worth_compiling().widths == (1, 9)
+  assert flat.worth_compiling().target_ms == (10.0, 10.5)
+  steep = policies.StepCosts(max_gamma=8, target_ms=(10.0, 14.0, 18.0, 26.0,
+                                                     42.0))
+  assert steep.worth_compiling() == steep
+  mixed = policies.StepCosts(max_gamma=8, target_ms=(10.0, 12.0, 12.1, 20.0,
+                                                     20.5))
+  assert mixed.worth_compiling().widths == (1, 3, 9)
+  # A policy over (1, G + 1) prices a 2-token proposal at the wide pass
+  # and still decodes exactly.
+  target, draft = pair
+  costs = policies.StepCosts(max_gamma=GAMMA, **{
+      k: v for k, v in COSTS.items() if k != "max_gamma"})
+  pruned = dataclasses.replace(
+      costs, widths=(1, GAMMA + 1),
+      target_ms=(costs.target_ms[0], costs.target_ms[-1]))
+  policy = policies.Auto.from_costs(pruned)
+  assert policy.widths == policy.costs().widths == (1, GAMMA + 1)
+  np.testing.assert_allclose(policy.costs().target_ms, pruned.target_ms,
+                             rtol=1e-6)
+  out = decode.speculative_generate(target, drafters.DraftModel(draft),
+                                    PROMPTS, gamma=policy,
+                                    max_new_tokens=MAX_NEW)
+  np.testing.assert_array_equal(out.tokens, baseline.tokens)
+  with pytest.raises(ValueError, match="widths must ascend from 1"):
+    policies.Auto.create(max_gamma=GAMMA, target_ms=[1.0, 2.0],
+                         widths=(2, GAMMA + 1))
 
 
 @pytest.mark.slow  # a whole generation per regime; the slow step
@@ -220,8 +256,8 @@ def test_auto_budget_maximises_the_cost_models_prediction():
   for acceptance, draft_ms in [(0.9, 5.0), (0.6, 5.0), (0.2, 0.0),
                                (0.97, 0.0), (0.75, 30.0)]:
     # A step's first draft token is a dearer two-token catch-up pass.
-    draft = cost.ForwardCosts(batch=2, forward_ms={1: draft_ms,
-                                                   2: 1.6 * draft_ms})
+    draft = policies.ForwardCosts(batch=2, forward_ms={1: draft_ms,
+                                                       2: 1.6 * draft_ms})
     policy = policies.Auto.create(max_gamma=8, target_ms=target_ms,
                                   prior=acceptance,
                                   **policies.Auto.draft_costs(draft))
@@ -241,7 +277,7 @@ def test_auto_budget_maximises_the_cost_models_prediction():
       chosen = int(_trim(policy, state, jnp.array([8, 8]), active)[0])
 
     costs = policies.StepCosts.from_forwards(
-        8, cost.ForwardCosts(2, dict(zip(widths, target_ms))),
+        8, policies.ForwardCosts(2, dict(zip(widths, target_ms))),
         draft if draft_ms else None)
     predicted = lambda g: costs.tokens_per_s([acceptance] * g, g, batch=2)
 
@@ -296,7 +332,7 @@ def test_near_the_end_auto_chooses_by_when_the_batch_ends():
   # (ms; widths 1, 2, 3, 5): at α = 0.5 one draft is 1.06x a plain step
   # in the steady state but not over 31 tokens; at 0.8 it pays both ways.
   target_ms = [1063.5, 1107.4, 1500.4, 2131.2]
-  draft = cost.ForwardCosts(batch=32, forward_ms={1: 367.5, 2: 392.9})
+  draft = policies.ForwardCosts(batch=32, forward_ms={1: 367.5, 2: 392.9})
   widths = policies.verify_widths(GAMMA)
   batch, left = 32, 31
   active = jnp.ones((batch,), bool)
@@ -320,7 +356,8 @@ def test_near_the_end_auto_chooses_by_when_the_batch_ends():
           state, active, jnp.full((batch,), left))[0])
 
     costs = policies.StepCosts.from_forwards(
-        GAMMA, cost.ForwardCosts(batch, dict(zip(widths, target_ms))), draft)
+        GAMMA, policies.ForwardCosts(batch, dict(zip(widths, target_ms))),
+        draft)
     predicted = lambda g, tokens: costs.tokens_per_s(
         [acceptance] * g, g, batch=batch, tokens=tokens)
 
@@ -476,7 +513,7 @@ def test_draft_prefill_observes_the_first_acceptance(pair, temperature):
   start = lambda drafter, **kw: _policy_at_start(
       target, drafter, jnp.asarray(prompts), jnp.asarray(lengths),
       speculate.StepParams.create(temperature=temperature, **kw), policy,
-      cache_size=size, synthetic="synthetic_acceptance" in kw)
+      cache_size=size)
 
   def next_probs(model, prompt):
     out, _ = testing.Jitted(model)(jnp.asarray([prompt], jnp.int32),
@@ -500,7 +537,8 @@ def test_draft_prefill_observes_the_first_acceptance(pair, temperature):
   np.testing.assert_allclose(seen, 1.0, rtol=1e-5)
   # Synthetic acceptance draws the observation at its rate.
   for rate in (0.0, 1.0):
-    state = start(drafters.DraftModel(draft), synthetic_acceptance=rate)
+    state = start(drafters.DraftModel(draft),
+                  acceptance=acceptance.Synthetic.create(rate))
     np.testing.assert_allclose(state.accepted[:, 0], 0.665 + rate,
                                rtol=1e-6)
   # A drafter whose prefill guesses nothing (prompt lookup) observes
@@ -511,14 +549,14 @@ def test_draft_prefill_observes_the_first_acceptance(pair, temperature):
 
 
 # Jitted once per drafter kind: op by op, a prefill takes seconds here.
-@functools.partial(jax.jit, static_argnames=("cache_size", "synthetic"))
+@functools.partial(jax.jit, static_argnames=("cache_size",))
 def _policy_at_start(target, drafter, prompts, lengths, params, policy, *,
-                     cache_size, synthetic):
+                     cache_size):
   """The policy state `loops.init_spec_state` starts from (N = 8)."""
   return loops.init_spec_state(
       target, drafter, prompts, lengths, params, jax.random.key(0),
-      policy=policy, max_new_tokens=8, cache_size=cache_size,
-      synthetic=synthetic).policy_state
+      policy=policy, max_new_tokens=8,
+      cache_size=cache_size).policy_state
 
 
 # Costs measured on machine F at B = 1 (ms; targets at T = 1, 2, 3, 5).
@@ -549,7 +587,7 @@ def test_auto_loses_little_to_the_best_fixed_gamma(batch, costs):
   and at two where it pays. A fixed γ fails this at one α or another:
   the check below keeps the bound meaningful."""
   policy = policies.Auto.from_costs(costs)
-  ratio = lambda p, alpha, **kw: tuning.simulate.over_best(
+  ratio = lambda p, alpha, **kw: simulate.over_best(
       p, costs, alpha=alpha, batch=batch, tokens=32, samples=128, **kw)
   for alpha in (0.05, 0.8, 0.95):
     assert ratio(policy, alpha) >= 0.95, alpha

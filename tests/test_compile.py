@@ -11,10 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax import acceptance
 from specjax import policies
 from specjax import compilation
 from specjax import decode
 from specjax import loops
+from specjax import padding
 from specjax import drafters
 from specjax import testing
 
@@ -96,6 +98,23 @@ def test_call_mix_compiles_at_most_four_programs_per_api():
   assert speculated <= 4, speculated
 
 
+def test_a_large_batch_gets_the_cache_its_call_needs():
+  # Up to 64 rows the class floor is 256 positions; past it, B * S stays
+  # under 64 * 256 down to what the call needs, and the tokens are those
+  # of the same call in a 256-position cache.
+  assert [padding.cache_class(9, b) for b in (1, 64, 65, 1000, 24000)] == [
+      256, 256, 128, 16, 16]
+  assert padding.cache_class(300, 24000) == 512
+  target, draft = testing.tiny_pair(seed=5)
+  prompts = [[1, 2, 3, 4, 5], [7, 8]] * 100  # B = 200: S = 64
+  kw = dict(gamma=3, max_new_tokens=6, temperature=1.0, key=2)
+  small = decode.speculative_generate(target, draft, prompts, **kw)
+  full = decode.speculative_generate(target, draft, prompts,
+                                     cache_size=256, **kw)
+  assert small.tokens.shape[1] == 6
+  np.testing.assert_array_equal(small.tokens, full.tokens)
+
+
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_warmup_compiles_what_a_later_call_uses():
   # B = 3: no other test here compiles for it, so the programs are new.
@@ -139,16 +158,18 @@ _LOOP = dict(batch=3, size=64, gamma=4)
 
 
 def _speculative_hlo(target, drafter, policy, synthetic: bool) -> str:
+  params = decode.StepParams.create(
+      acceptance=acceptance.Synthetic.create(0.5) if synthetic
+      else acceptance.Exact())
   """The optimized HLO of `_speculative_generate` at `_LOOP`'s shapes,
   greedy, 16 new tokens from 8-token prompts."""
   batch, size, gamma = _LOOP["batch"], _LOOP["size"], _LOOP["gamma"]
   return loops.speculative_loop.lower(
       target, drafter, jnp.ones((batch, 8), jnp.int32),
-      jnp.full((batch,), 8, jnp.int32), decode.StepParams.create(),
-      jax.random.key(0),
+      jnp.full((batch,), 8, jnp.int32), params, jax.random.key(0),
       jnp.int32(16), policies.Fixed(gamma) if policy is None else policy,
       tokens_cap=16, cache_size=size,
-      pad_id=0, synthetic=synthetic, num_nodes=None).compile().as_text()
+      pad_id=0, num_nodes=None).compile().as_text()
 
 
 def _auto() -> policies.Auto:

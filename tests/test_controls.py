@@ -16,9 +16,10 @@ import torch
 from transformers import generation as hf
 
 from specjax import controls as controls_lib
+from specjax import acceptance
+from specjax import processors
 from specjax import decode
 from specjax import drafters
-from specjax import rejection
 from specjax import sampling
 from specjax import streaming
 from specjax import testing
@@ -106,7 +107,8 @@ def test_along_chain_counts_the_drafted_prefix():
   state = controls.start(jnp.asarray([[1]]), jnp.asarray([1]), VOCAB)
   state = state.advance(jnp.asarray([4]))
   along = state.along_chain(jnp.asarray([[4, 7, 4]]))
-  counts = np.asarray(along.counts)[0]  # [G+1, V]
+  counts = np.asarray(along.find(processors.FrequencyPenalty).state)[0]
+  # [G+1, V]
   np.testing.assert_array_equal(counts[:, 4], [1, 2, 2, 3])
   np.testing.assert_array_equal(counts[:, 7], [0, 0, 1, 1])
 
@@ -118,8 +120,8 @@ def test_along_tree_counts_each_nodes_own_path():
   tokens = jnp.asarray([[4, 5, 4, 5]])
   parents = jnp.asarray([[-1, -1, 0, 1]])  # two branches of depth 2
   mask = tree.ancestor_mask(parents, jnp.ones((1, 4), bool))
-  counts = np.asarray(state.along_tree(tokens, parents,
-                                       mask[:, 1:, 1:]).counts)[0]
+  along = state.along_tree(tokens, parents, mask[:, 1:, 1:])
+  counts = np.asarray(along.find(processors.FrequencyPenalty).state)[0]
   np.testing.assert_array_equal(counts[:, 4], [0, 1, 0, 2, 0])
   np.testing.assert_array_equal(counts[:, 5], [0, 0, 1, 0, 2])
 
@@ -220,12 +222,15 @@ def test_typical_rule_by_hand():
   # p rows: a peaked one (entropy ~0), a flat one (entropy log 4).
   p = jnp.asarray([[[0.97, 0.01, 0.01, 0.01], [0.25] * 4,
                     [0.25] * 4]])  # [1, G+1=3, V=4]
-  lossy = rejection.Lossy.create("typical", epsilon=0.2, delta=0.9)
+  typical = acceptance.Typical.create(epsilon=0.2, delta=0.9)
+  judge = lambda tokens: typical.judge(jax.random.key(0), acceptance.Drafts(
+      tokens=jnp.asarray(tokens), q=None, p=p, num_drafted=None,
+      positions=jnp.zeros((1,), jnp.int32)))
   # Position 0: bar min(0.2, 0.9 e^-H) ~ 0.2 > 0.01: token 1 rejected.
-  n, _ = lossy.sample(jax.random.key(0), jnp.asarray([[1, 2]]), None, p)
+  n, _ = judge([[1, 2]])
   assert int(n[0]) == 0
   # Token 0 (0.97) passes; position 1: bar min(0.2, 0.9/4) = 0.2 <= 0.25.
-  n, _ = lossy.sample(jax.random.key(0), jnp.asarray([[0, 2]]), None, p)
+  n, _ = judge([[0, 2]])
   assert int(n[0]) == 2
 
 

@@ -130,9 +130,9 @@ def _samples(drafter, policy, settings, controls, min_p=None, seed=3,
   prompts = jnp.tile(jnp.asarray([prompt], jnp.int32), (NUM_SAMPLES, 1))
   lengths = jnp.full((NUM_SAMPLES,), len(prompt), jnp.int32)
   state = steps._start(TARGET, drafter, policy, params, prompts, lengths,
-                       jax.random.key(seed), False)
+                       jax.random.key(seed))
   for _ in range(NUM_TOKENS - 1):
-    state = steps._step(state, TARGET, drafter, policy, params, False)
+    state = steps._step(state, TARGET, drafter, policy, params)
   assert np.all(np.asarray(state.num_generated) == NUM_TOKENS)
   return np.asarray(state.tokens[:, :NUM_TOKENS])
 
@@ -193,8 +193,8 @@ def _committed_only(self, *args):
   width = args[0].shape[1] + 1
   broadcast = lambda x: None if x is None else jnp.broadcast_to(
       x[:, None], (x.shape[0], width) + x.shape[1:])
-  return self.replace(counts=broadcast(self.counts),
-                      state=broadcast(self.state))
+  return self.replace(processors=tuple(
+      p.replace(state=broadcast(p.state)) for p in self.processors))
 
 
 @pytest.mark.slow

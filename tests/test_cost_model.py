@@ -1,4 +1,5 @@
-"""`specjax.tuning.cost`: the measured cost model and its predictions."""
+"""The cost model (`specjax.policies.costs`), its measured tables
+(`specjax.tuning.cost`) and their predictions."""
 
 from __future__ import annotations
 
@@ -12,23 +13,26 @@ import pytest
 from specjax import metrics
 from specjax import policies
 from specjax import testing
+from specjax.policies.costs import expected_steps
+from specjax.policies.costs import expected_tokens
+from specjax.policies.costs import ForwardCosts
 from specjax.tuning import cost
 
 
 def test_expected_tokens_by_hand():
-  assert cost.expected_tokens([], 0) == 1.0
+  assert expected_tokens([], 0) == 1.0
   # 1 + 0.9 + 0.9 * 0.5 + 0.9 * 0.5 * 0.2
-  assert cost.expected_tokens([0.9, 0.5, 0.2], 3) == pytest.approx(2.44)
-  assert cost.expected_tokens([0.9, 0.5, 0.2], 1) == pytest.approx(1.9)
+  assert expected_tokens([0.9, 0.5, 0.2], 3) == pytest.approx(2.44)
+  assert expected_tokens([0.9, 0.5, 0.2], 1) == pytest.approx(1.9)
   with pytest.raises(ValueError, match="Need 4 acceptance values"):
-    cost.expected_tokens([0.9], 4)
+    expected_tokens([0.9], 4)
 
 
 def test_prediction_reduces_to_leviathan():
   # Verify costs one forward, constant α: Leviathan et al.'s formula.
   alpha, gamma, c = 0.8, 4, 0.25
-  target = cost.ForwardCosts(1, {1: 100.0, 5: 100.0})
-  draft = cost.ForwardCosts(1, {1: 100.0 * c})
+  target = ForwardCosts(1, {1: 100.0, 5: 100.0})
+  draft = ForwardCosts(1, {1: 100.0 * c})
   spec = policies.StepCosts.for_fixed(gamma, target, draft).tokens_per_s(
       [alpha] * gamma, gamma, batch=target.batch)
   ar = policies.StepCosts.for_fixed(0, target).tokens_per_s(
@@ -40,18 +44,18 @@ def test_prediction_reduces_to_leviathan():
 
 def test_drafting_pays_a_two_token_first_pass():
   # γ drafts: the two-token catch-up pass, then γ - 1 one-token forwards.
-  draft = cost.ForwardCosts(1, {1: 10.0, 2: 14.0})
+  draft = ForwardCosts(1, {1: 10.0, 2: 14.0})
   assert [draft.drafting_ms(g) for g in range(4)] == [0.0, 14.0, 24.0, 34.0]
   # Measured at T = 1 only, the first pass is priced as one forward.
-  assert cost.ForwardCosts(1, {1: 10.0}).drafting_ms(3) == 30.0
-  target = cost.ForwardCosts(1, {1: 100.0, 4: 130.0})
+  assert ForwardCosts(1, {1: 10.0}).drafting_ms(3) == 30.0
+  target = ForwardCosts(1, {1: 100.0, 4: 130.0})
   tps = policies.StepCosts.for_fixed(3, target, draft).tokens_per_s(
       [1.0] * 3, 3, batch=target.batch)
   assert tps == pytest.approx(4 / ((130.0 + 34.0) / 1e3))
 
 
 def test_prediction_uses_measured_verify_cost_and_free_drafting():
-  target = cost.ForwardCosts(2, {1: 100.0, 3: 120.0, 5: 160.0})
+  target = ForwardCosts(2, {1: 100.0, 3: 120.0, 5: 160.0})
   assert target.at(4) == pytest.approx(140.0)  # linear between 3 and 5
   with pytest.raises(ValueError, match="outside the measured range"):
     target.at(9)
@@ -87,30 +91,30 @@ def _steps_by_enumeration(acceptance, gamma, tokens, batch):
     ([0.9, 0.7, 0.4], 3, 7, 3), ([0.3, 0.8], 2, 5, 4)])
 def test_expected_steps_match_enumeration(acceptance, gamma, tokens, batch):
   expected = _steps_by_enumeration(acceptance, gamma, tokens, batch)
-  assert cost.expected_steps(acceptance, gamma, tokens,
+  assert expected_steps(acceptance, gamma, tokens,
                              batch) == pytest.approx(expected, rel=1e-9)
 
 
 def test_expected_steps_by_hand():
   # γ = 1, a = 0.5, 2 tokens: one step (p 0.5) or two; two rows end
   # together after one step with p 0.25.
-  assert cost.expected_steps([0.5], 1, 2) == pytest.approx(1.5)
-  assert cost.expected_steps([0.5], 1, 2, batch=2) == pytest.approx(1.75)
-  assert cost.expected_steps([], 0, 32, batch=16) == 32.0  # plain steps
-  assert cost.expected_steps([1.0] * 4, 4, 32, batch=16) == 7.0  # ⌈32/5⌉
+  assert expected_steps([0.5], 1, 2) == pytest.approx(1.5)
+  assert expected_steps([0.5], 1, 2, batch=2) == pytest.approx(1.75)
+  assert expected_steps([], 0, 32, batch=16) == 32.0  # plain steps
+  assert expected_steps([1.0] * 4, 4, 32, batch=16) == 7.0  # ⌈32/5⌉
   with pytest.raises(ValueError, match="tokens and batch must be >= 1"):
-    cost.expected_steps([0.5], 1, 0)
+    expected_steps([0.5], 1, 0)
 
 
 def test_prediction_for_a_batch_waits_for_its_slowest_row():
-  target = cost.ForwardCosts(16, {1: 100.0, 5: 200.0})
+  target = ForwardCosts(16, {1: 100.0, 5: 200.0})
   steady = policies.StepCosts.for_fixed(4, target).tokens_per_s(
       [0.9] * 4, 4, batch=target.batch)
   finite = policies.StepCosts.for_fixed(4, target).tokens_per_s(
       [0.9] * 4, 4, batch=target.batch, tokens=32)
-  steps = cost.expected_steps([0.9] * 4, 4, 32, batch=16)
+  steps = expected_steps([0.9] * 4, 4, 32, batch=16)
   assert finite == pytest.approx(16 * 32 / (steps * 0.2))
-  assert steps > 32 / cost.expected_tokens([0.9] * 4, 4) and finite < steady
+  assert steps > 32 / expected_tokens([0.9] * 4, 4) and finite < steady
   # Plain steps: every row ends after `tokens` steps, as in the steady state.
   assert policies.StepCosts.for_fixed(0, target).tokens_per_s(
       [], 0, batch=target.batch, tokens=32) == (

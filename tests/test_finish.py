@@ -1,6 +1,6 @@
 """`specjax.finish`: the batch's expected steps, checked independently.
 
-Rows drawn alike are checked against `tuning.cost.expected_steps` (host,
+Rows drawn alike are checked against `policies.costs.expected_steps` (host,
 numpy, itself checked by enumeration); rows that differ in acceptance and
 tokens left against a recursion over a row's tokens left, written here.
 """
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from specjax import finish
-from specjax.tuning import cost
+from specjax.policies.costs import expected_steps
 
 
 def test_emit_probabilities_by_hand():
@@ -35,7 +35,7 @@ def test_rows_alike_match_the_host_computation(acceptance, tokens, batch,
                                 jnp.ones((batch,), bool), horizon=32,
                                 serial=serial)
   np.testing.assert_allclose(
-      steps, [cost.expected_steps(acceptance, k, tokens, batch)
+      steps, [expected_steps(acceptance, k, tokens, batch)
               for k in range(5)], rtol=1e-5)
   # One distribution for all rows gives the same.
   shared = finish.expected_steps(emit[:1], jnp.full((batch,), tokens),
@@ -101,5 +101,5 @@ def test_horizons_from_the_default_to_shorter_than_a_step(tokens, horizon,
                                 jnp.ones((4,), bool), horizon=horizon,
                                 serial=serial)
   np.testing.assert_allclose(
-      steps, [cost.expected_steps(acceptance, k, tokens, 4)
+      steps, [expected_steps(acceptance, k, tokens, 4)
               for k in range(5)], rtol=1e-5)

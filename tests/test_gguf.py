@@ -15,13 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax import paths
 from specjax import registry
 from specjax import weights
 from specjax.checkpoints import convert
 from specjax.checkpoints import gguf as gguf_lib
 from specjax.checkpoints import gguf_reader
+from specjax.cpu import plans as tuning
 from specjax.tokenizer import Tokenizer
-from specjax.tuning import matmul as tuning
 
 Q = gguf.GGMLQuantizationType
 E, F, H, K, D, L, V = 64, 96, 4, 2, 16, 2, 40
@@ -320,10 +321,10 @@ def test_fetch_rejects_corrupt_file(tmp_path):
 
 def test_cache_dir_from_env(tmp_path, monkeypatch):
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
-  assert weights.resolve_cache_dir() == tmp_path
+  assert paths.cache_root() == tmp_path
   assert weights.gguf_path("x") == tmp_path / "gguf" / "x.gguf"
   monkeypatch.delenv("SPECJAX_CACHE")
-  assert weights.resolve_cache_dir() == pathlib.Path(
+  assert paths.cache_root() == pathlib.Path(
       "~/.cache/specjax").expanduser()
   with pytest.raises(ValueError, match="known offline models"):
     weights.get_source("nope")

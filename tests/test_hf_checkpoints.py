@@ -24,13 +24,12 @@ from safetensors.numpy import load_file
 from safetensors.numpy import save_file
 import torch
 
-from specjax import kernels
+from specjax import cpu
 from specjax.checkpoints import convert
 from specjax.checkpoints import hf
 from specjax.checkpoints import orbax_io
 from specjax.models import Model
 from specjax.models import RopeScaling
-from specjax.tuning import matmul as matmul_tuning
 
 ATOL = 1e-4
 V = 128  # vocab of the tiny checkpoints
@@ -49,15 +48,15 @@ def loaded(hf_checkpoint):
       directory, torch_model = hf_checkpoint(arch)
       models[arch] = (hf.load_hf(directory), torch_model)
     model, torch_model = models[arch]
-    return model.with_plan(plan), torch_model
+    return model.with_plan(cpu.plan(plan)), torch_model
 
   return get
 
 
-# Every plan `specjax.tuning.matmul` can pick (the kernel only where it can
+# Every plan `specjax.cpu.plans` can pick (the kernel only where it can
 # be built) must match transformers to the same tolerance.
-PLANS = [p for p in matmul_tuning.PLANS
-         if "/xla" in p or kernels.available()]
+PLANS = [p for p in cpu.plans.PLANS
+         if "/xla" in p or cpu.SMALLM.available()]
 
 
 @jax.jit

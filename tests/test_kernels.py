@@ -15,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax import cpu
 from specjax import decode
-from specjax import kernels
 from specjax import testing
+from specjax.cpu import kernels
 from specjax.models import MatmulPlan
 from specjax.models.matmul import project
 
@@ -53,16 +54,16 @@ def test_smallm_rejects_bad_input():
 
 def test_plan_names_and_errors():
   for name in ("in_out/xla", "out_in/xla", "out_in/kernel", "out_in/hybrid"):
-    assert MatmulPlan.parse(name).name == name
-  assert MatmulPlan.parse("out_in/hybrid").kernel_min_rows == 2
+    assert cpu.plan(name).name == name
+  assert cpu.plan("out_in/hybrid").kernel_min_rows == 2
   with pytest.raises(ValueError, match="kernel_min_rows"):
-    MatmulPlan(layout="out_in", kernel=True, kernel_min_rows=40)
+    MatmulPlan(layout="out_in", kernel=cpu.SMALLM, kernel_min_rows=40)
   with pytest.raises(ValueError, match="Unknown matmul plan"):
     MatmulPlan.parse("out_in/cuda")
   with pytest.raises(ValueError, match="Unknown matmul layout"):
     MatmulPlan.parse("columns/xla")
   with pytest.raises(ValueError, match="use layout='out_in'"):
-    MatmulPlan(layout="in_out", kernel=True)
+    MatmulPlan(layout="in_out", kernel=cpu.SMALLM)
 
 
 @pytest.mark.parametrize("name", [
@@ -70,7 +71,7 @@ def test_plan_names_and_errors():
     pytest.param("out_in/kernel", marks=needs_kernels),
     pytest.param("out_in/hybrid", marks=needs_kernels)])
 def test_project_equals_product_for_every_plan(name):
-  plan = MatmulPlan.parse(name)
+  plan = cpu.plan(name)
   rng = np.random.default_rng(0)
   w = rng.standard_normal((24, 40)).astype(np.float32)  # [I, O]
   stored = w.T.copy() if plan.transposed else w
@@ -88,7 +89,7 @@ def test_with_plan_round_trips_and_keeps_greedy_output():
   names = ["out_in/xla"] + (["out_in/kernel", "out_in/hybrid"]
                             if kernels.available() else [])
   for name in names:
-    t, d = target.with_plan(name), draft.with_plan(name)
+    t, d = target.with_plan(cpu.plan(name)), draft.with_plan(cpu.plan(name))
     assert t.params["layers_0"]["gate"].shape == (128, 64)  # [F, E]
     out = decode.speculative_generate(t, d, prompts, gamma=3,
                                       max_new_tokens=8)

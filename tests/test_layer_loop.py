@@ -22,15 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import kernels
+from specjax import cpu
+from specjax.cpu import kernels
 from specjax.models import init_random
-from specjax.models import MatmulPlan
 from specjax.models import tiny
 
 pytestmark = pytest.mark.skipif(not kernels.available(),
                                 reason="no C++ compiler or not CPU")
 
-LOOP = MatmulPlan.parse("out_in/kernel")
+LOOP = cpu.plan("out_in/kernel")
 UNROLLED = dataclasses.replace(LOOP, layer_loop=False)
 
 

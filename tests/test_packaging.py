@@ -118,5 +118,5 @@ def test_wheel_holds_only_the_library(tmp_path):
   names = zipfile.ZipFile(wheel).namelist()
   top = {n.split("/")[0] for n in names}
   assert top == {"specjax", f"specjax-{specjax.__version__}.dist-info"}, top
-  assert "specjax/kernels/smallm.cc" in names  # package data
+  assert "specjax/cpu/kernels/smallm.cc" in names  # package data
   assert f"specjax-{specjax.__version__}.dist-info/licenses/LICENSE" in names

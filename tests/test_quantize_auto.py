@@ -1,5 +1,5 @@
 """`quantize="auto"`: a GGUF model's own blocks or its float weights, as
-measured on this machine (`specjax.tuning.quantize`), cached per machine;
+measured on this machine (`specjax.cpu.quantize`), cached per machine;
 float wherever the blocks cannot be the faster model."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 from configs import llama_pair
 from configs import tiny_pair
 from experiments import pair as pair_lib
-from specjax import kernels
 from specjax import registry
-from specjax.tuning import quantize as tuning
+from specjax.cpu import kernels
+from specjax.cpu import quantize as tuning
 
 import test_gguf
 

@@ -12,11 +12,11 @@ import pytest
 from configs import tiny_pair as tiny_config
 from experiments import pair as pair_lib
 from experiments import validation
-from specjax import kernels
 from specjax import registry
 from specjax.checkpoints import gguf as gguf_lib
 from specjax.checkpoints import hf
 from specjax.checkpoints import native
+from specjax.cpu import kernels
 from specjax.models import quantized
 from specjax.models import tiny
 from specjax.sharding import memory

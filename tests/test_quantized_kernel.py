@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax import cpu
 from specjax import decode
-from specjax import kernels
 from specjax.checkpoints import gguf_blocks
+from specjax.cpu import kernels
 from specjax.models import matmul
 from specjax.models import quantized
 from specjax.models import tiny
@@ -27,6 +28,7 @@ from specjax.testing import random_blocks
 from test_quantized import _assert_rounding_close
 
 Q = gguf.GGMLQuantizationType
+KERNEL = cpu.SMALLM
 pytestmark = pytest.mark.skipif(not kernels.available(),
                                 reason="no C++ compiler for the kernels")
 
@@ -50,17 +52,17 @@ MATRICES = _matrices()
 @pytest.mark.parametrize("rows", [1, 5, 13, 33])
 def test_kernel_equals_the_xla_product(name, rows):
   w = MATRICES[name]
-  assert quantized.kernel_supports(w)
+  assert KERNEL.supports(w)
   x = jax.random.normal(jax.random.key(rows), (rows, 512), jnp.float32)
-  got = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=True))(x, w)
+  got = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=KERNEL))(x, w)
   want = jax.jit(quantized.matmul)(x, w)
   assert "specjax_smallm_quant" in jax.jit(
-      lambda x, w: quantized.matmul(x, w, kernel=True)).lower(
+      lambda x, w: quantized.matmul(x, w, kernel=KERNEL)).lower(
           x, w).as_text()
   _assert_rounding_close(np.asarray(got), np.asarray(want))
   # Each output row's sum runs in the same order whatever X is, so a
   # verification pass reproduces the decode step's values exactly.
-  one = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=True))(x[:1], w)
+  one = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=KERNEL))(x[:1], w)
   np.testing.assert_array_equal(np.asarray(one), np.asarray(got[:1]))
 
 
@@ -74,7 +76,7 @@ def test_layer_loop_pick_reads_each_layers_format(act_bits, rows):
   ws = tuple(MATRICES[name].replace(act_bits=act_bits)
              for name in sorted(MATRICES))
   x = jax.random.normal(jax.random.key(rows), (rows, 512), jnp.float32)
-  pick = jax.jit(quantized.matmul_pick)
+  pick = jax.jit(KERNEL.pick)
   for i, w in enumerate(ws):
     got = pick(x, jnp.int32(i), ws)
     want = jax.jit(quantized.matmul)(x, w)
@@ -89,7 +91,7 @@ def test_int8_activation_kernel_equals_the_xla_product(name, rows):
   dequantised matrix, to accumulation-order rounding."""
   w = MATRICES[name].replace(act_bits=8)
   x = jax.random.normal(jax.random.key(rows), (rows, 512), jnp.float32)
-  run = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=True))
+  run = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=KERNEL))
   got = np.asarray(run(x, w))
   want = np.asarray(jax.jit(quantized.matmul)(x, w))
   _assert_rounding_close(got, want)
@@ -111,7 +113,7 @@ def test_an_odd_output_count_leaves_a_one_row_tile(name):
   in the same order (13 rows: weights dequantised once, then loaded)."""
   w = jax.tree.map(lambda a: a[:41], MATRICES[name])
   x = jax.random.normal(jax.random.key(7), (13, 512), jnp.float32)
-  run = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=True))
+  run = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=KERNEL))
   got = np.asarray(run(x, w))
   _assert_rounding_close(got, np.asarray(jax.jit(quantized.matmul)(x, w)))
   for r in (0, 12):
@@ -127,7 +129,7 @@ def test_x_beyond_l2_sums_in_the_same_order(qtype):
   w = jax.tree.map(jnp.asarray, gguf_blocks.from_blocks(
       random_blocks(qtype, 41, 4608 // block), qtype, "t", (4608, 41)))
   x = jax.random.normal(jax.random.key(3), (60, 4608), jnp.float32)
-  run = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=True))
+  run = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=KERNEL))
   got = np.asarray(run(x, w))
   _assert_rounding_close(got, np.asarray(jax.jit(quantized.matmul)(x, w)))
   for r in (0, 8, 9, 59):
@@ -173,9 +175,9 @@ def test_nibble_groups_of_48_stay_on_xla():
   w = jax.tree.map(jnp.asarray, quantized.quantize_array(
       rng.normal(0, 1, (8, 96)).astype(np.float32),
       quantized.QuantSpec.parse("int4:g48"), "t"))
-  assert not quantized.kernel_supports(w)
+  assert not KERNEL.supports(w)
   x = jnp.asarray(rng.normal(0, 1, (3, 96)).astype(np.float32))
-  got = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=True))(x, w)
+  got = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=KERNEL))(x, w)
   _assert_rounding_close(np.asarray(got),
                          np.asarray(x) @ np.asarray(quantized.dequantize(w)).T)
 
@@ -227,7 +229,7 @@ def test_kernel_plan_on_a_quantized_model():
   greedy speculation equals generate (both through the kernel)."""
   target, draft = tiny.tiny_pair(seed=2)
   q = target.quantize("int4")
-  qk = q.with_plan("out_in/kernel")
+  qk = q.with_plan(cpu.plan("out_in/kernel"))
   tokens = jnp.array([[3, 17, 99, 4], [1, 2, 3, 4]])
   run = jax.jit(lambda m, t: m(t, m.init_cache(2, 8))[0].logits)
   _assert_rounding_close(np.asarray(run(qk, tokens)),
@@ -244,7 +246,7 @@ def test_hybrid_plan_sends_one_row_of_a_packed_matrix_to_the_kernel(rows):
   """"out_in/hybrid" leaves a float matrix's one-row product to XLA, but a
   packed matrix's goes to the kernel: XLA would dequantise all of it."""
   w = MATRICES["Q4_K"]
-  plan = matmul.MatmulPlan.parse("out_in/hybrid")
+  plan = cpu.plan("out_in/hybrid")
   x = jnp.ones((rows, 512), jnp.float32)
   hlo = jax.jit(lambda x, w: matmul.project(x, w, plan)).lower(
       x, w).as_text()

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax import cpu
 from specjax import decode
-from specjax import kernels
 from specjax import policies
 from specjax import speculate
 from specjax import testing
@@ -28,6 +28,7 @@ from test_distribution import NUM_TOKENS
 from test_distribution import PROMPT
 from test_step_distribution import _start
 from test_step_distribution import _step
+from test_step_distribution import synthetic
 
 PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
 MAX_NEW = 13
@@ -82,8 +83,8 @@ def test_greedy_speculation_on_an_int8_activation_target(models_):
   the CPU kernel where it is available: speculation equals the target's
   own greedy generate (a model whose logits are not its int4 self's)."""
   target, draft = models_
-  plan = "out_in/kernel" if kernels.available() else "in_out/xla"
-  quant = target.quantize("int4:a8").with_plan(plan)
+  plan = "out_in/kernel" if cpu.SMALLM.available() else "in_out/xla"
+  quant = target.quantize("int4:a8").with_plan(cpu.plan(plan))
   tokens = jnp.asarray([PROMPTS[0]])
   logits = lambda m: np.asarray(m(tokens, m.init_cache(1, 8))[0].logits)
   assert np.abs(logits(quant) - logits(quant.with_activations(0))).max() > 0
@@ -105,15 +106,14 @@ def _samples(target, draft, seed, synthetic_acceptance=None):
   """[NUM_SAMPLES, NUM_TOKENS]: one jitted prefill, then jitted steps."""
   params = speculate.StepParams.create(
       temperature=1.0, top_k=0, top_p=1.0,
-      synthetic_acceptance=synthetic_acceptance)
-  synthetic = synthetic_acceptance is not None
+      acceptance=synthetic(synthetic_acceptance))
   prompts = jnp.tile(jnp.asarray([PROMPT], jnp.int32), (NUM_SAMPLES, 1))
   lengths = jnp.full((NUM_SAMPLES,), len(PROMPT), jnp.int32)
   drafter, policy = DraftModel(draft), policies.Fixed(2)
   state = _start(target, drafter, policy, params, prompts, lengths,
-                 jax.random.key(seed), synthetic)
+                 jax.random.key(seed))
   for _ in range(NUM_TOKENS - 1):
-    state = _step(state, target, drafter, policy, params, synthetic)
+    state = _step(state, target, drafter, policy, params)
   assert np.all(np.asarray(state.num_generated) == NUM_TOKENS)
   return np.asarray(state.tokens[:, :NUM_TOKENS])
 

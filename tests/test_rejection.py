@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import acceptance
 from specjax import rejection
 
 
@@ -88,18 +89,22 @@ def test_q_zero_at_drafted_token_accepts_when_target_allows():
   np.testing.assert_array_equal(nxt, [0])  # bonus from p at position 1
 
 
+def _drafts(tokens, p, positions, q=None):
+  return acceptance.Drafts(tokens=tokens, q=q, p=p, num_drafted=None,
+                           positions=positions)
+
+
 def _synthetic(rate, seed):
-  return rejection.Synthetic(rate=jnp.float32(rate),
-                             text=jax.random.key(seed))
+  return acceptance.Synthetic(rate=jnp.float32(rate),
+                              text=jax.random.key(seed))
 
 
 def test_synthetic_rate_controls_acceptance():
   p = jnp.full((3, 5), 0.2)
   texts = jax.random.split(jax.random.key(2), 20000)
-  n, _ = jax.vmap(lambda text: rejection.synthetic_sample(
-      jax.random.key(0), rejection.Synthetic(rate=jnp.float32(0.7),
-                                             text=text),
-      jnp.array([5]), jnp.array([[1, 2]]), p[None]))(texts)
+  n, _ = jax.vmap(lambda text: acceptance.Synthetic(
+      rate=jnp.float32(0.7), text=text).judge(jax.random.key(0), _drafts(
+          jnp.array([[1, 2]]), p[None], jnp.array([5]))))(texts)
   n = np.asarray(n[:, 0])
   # P(n=0)=.3, P(n=1)=.7*.3, P(n=2)=.49.
   np.testing.assert_allclose(np.bincount(n, minlength=3) / n.size,
@@ -119,9 +124,9 @@ def test_synthetic_verdicts_belong_to_the_text():
   p = jnp.full((rows, 5, 3), 1 / 3)
   for start in range(0, span - 4, 5):
     for gamma in (1, 2, 4):
-      n, _ = rejection.synthetic_sample(
-          jax.random.key(start), synthetic, positions[:, start],
-          jnp.zeros((rows, gamma), jnp.int32), p[:, :gamma + 1])
+      n, _ = synthetic.judge(jax.random.key(start), _drafts(
+          jnp.zeros((rows, gamma), jnp.int32), p[:, :gamma + 1],
+          positions[:, start]))
       run = np.cumprod(verdicts[:, start:start + gamma], axis=1).sum(1)
       np.testing.assert_array_equal(n, run)
   # Another text gives other verdicts.

@@ -1,4 +1,4 @@
-"""`specjax.tuning.simulate`: a policy priced by the cost model."""
+"""`specjax.policies.simulate`: a policy priced by the cost model."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from specjax import policies
-from specjax.tuning import cost
-from specjax.tuning import simulate as sim
+from specjax.policies import simulate as sim
+from specjax.policies.costs import ForwardCosts
 
 G = 4
 # Widths 1, 2, 3, 5; a first draft token dearer than the next ones, so a
@@ -40,8 +40,8 @@ def test_a_fixed_gamma_matches_the_cost_models_prediction(gamma, alpha):
   prediction does not price): the mean rate is `StepCosts.tokens_per_s`
   with the same costs."""
   acceptance = [alpha] * G if isinstance(alpha, float) else list(alpha)
-  target = cost.ForwardCosts(1, dict(zip((1, 2, 3, 5), COSTS.target_ms)))
-  draft = cost.ForwardCosts(1, {1: COSTS.draft_ms, 2: COSTS.first_draft_ms})
+  target = ForwardCosts(1, dict(zip((1, 2, 3, 5), COSTS.target_ms)))
+  draft = ForwardCosts(1, {1: COSTS.draft_ms, 2: COSTS.first_draft_ms})
   expected = policies.StepCosts.for_fixed(
       gamma, target, draft).tokens_per_s(acceptance, gamma)
   got = sim.simulate(fixed(gamma), COSTS, alpha=alpha, batch=1,
@@ -55,8 +55,8 @@ def test_a_batch_waits_for_its_slowest_row_as_predicted(gamma, alpha):
   slowest row, 20-30% below the steady-state rate, and the cost model's
   `StepCosts.tokens_per_s(..., tokens=24)` (an exact computation, apart
   from this Monte Carlo) prices that."""
-  target = cost.ForwardCosts(8, dict(zip((1, 2, 3, 5), COSTS.target_ms)))
-  draft = cost.ForwardCosts(8, {1: COSTS.draft_ms, 2: COSTS.first_draft_ms})
+  target = ForwardCosts(8, dict(zip((1, 2, 3, 5), COSTS.target_ms)))
+  draft = ForwardCosts(8, {1: COSTS.draft_ms, 2: COSTS.first_draft_ms})
   got = sim.simulate(fixed(gamma), COSTS, alpha=alpha, batch=8,
                      tokens=24, samples=2048)
   costs = policies.StepCosts.for_fixed(gamma, target, draft)

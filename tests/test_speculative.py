@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax import acceptance
 from specjax import decode
 from specjax import metrics
 from specjax import models
-from specjax import rejection
 from specjax import testing
 
 PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
@@ -163,8 +163,8 @@ def test_synthetic_acceptance_reads_one_text_per_key():
   lengths, for two γ run with one key."""
   target, draft = _markov_pair()
   prompts = [[3, 1, 4], [1], [5, 9]]
-  text = rejection.Synthetic(rate=jnp.float32(0.5),
-                             text=decode.synthetic_text(5))
+  text = acceptance.Synthetic(rate=jnp.float32(0.5),
+                              text=decode.synthetic_text(5))
   for gamma in (1, 3):
     out = decode.speculative_generate(target, draft, prompts, gamma=gamma,
                                       max_new_tokens=24, key=5,

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax import acceptance
 from specjax import drafters
 from specjax import loops
 from specjax import policies
@@ -66,21 +67,27 @@ def _exact_joint(settings, prompt=PROMPT):
   return joint
 
 
-@functools.partial(jax.jit, static_argnames="synthetic")
-def _start(target, drafter, policy, params, prompts, lengths, key, synthetic):
+def synthetic(rate):
+  """The acceptance rule of `synthetic_acceptance=rate` (None: exact)."""
+  return (acceptance.Exact() if rate is None
+          else acceptance.Synthetic.create(rate))
+
+
+@jax.jit
+def _start(target, drafter, policy, params, prompts, lengths, key):
   return loops.init_spec_state(target, drafter, prompts, lengths, params, key,
                                policy=policy, max_new_tokens=NUM_TOKENS,
-                               cache_size=16, synthetic=synthetic)
+                               cache_size=16)
 
 
-@functools.partial(jax.jit, static_argnames="synthetic")
-def _step(state, target, drafter, policy, params, synthetic):
+@jax.jit
+def _step(state, target, drafter, policy, params):
   # Models, prompts and settings are arguments, not constants: XLA would
   # otherwise fold the sampling over all rows into the compile.
   num_nodes = policy.num_nodes if isinstance(policy, policies.Fixed) else None
   return speculate.speculate_step(
       state, target=target, drafter=drafter, params=params, policy=policy,
-      max_new_tokens=NUM_TOKENS, synthetic=synthetic, num_nodes=num_nodes)
+      max_new_tokens=NUM_TOKENS, num_nodes=num_nodes)
 
 
 def _samples(drafter, policy, settings, seed, prompt=PROMPT,
@@ -90,14 +97,13 @@ def _samples(drafter, policy, settings, seed, prompt=PROMPT,
   temperature, top_k, top_p = settings
   params = speculate.StepParams.create(
       temperature=temperature, top_k=top_k, top_p=top_p,
-      synthetic_acceptance=synthetic_acceptance)
-  synthetic = synthetic_acceptance is not None
+      acceptance=synthetic(synthetic_acceptance))
   prompts = jnp.tile(jnp.asarray([prompt], jnp.int32), (NUM_SAMPLES, 1))
   lengths = jnp.full((NUM_SAMPLES,), len(prompt), jnp.int32)
   state = _start(TARGET, drafter, policy, params, prompts, lengths,
-                 jax.random.key(seed), synthetic)
+                 jax.random.key(seed))
   for _ in range(NUM_TOKENS - 1):
-    state = _step(state, TARGET, drafter, policy, params, synthetic)
+    state = _step(state, TARGET, drafter, policy, params)
   assert np.all(np.asarray(state.num_generated) == NUM_TOKENS)
   return np.asarray(state.tokens[:, :NUM_TOKENS])
 
@@ -248,7 +254,7 @@ def test_the_test_rejects_a_sampler_that_resamples_from_p(patch):
   # sampled draft as a deterministic guess, accept x with probability p(x)
   # and else draw from p without x, emits p exactly, at a lower acceptance
   # rate. So the controls break the sampler in ways that bias it.)
-  patch(rejection, "_q_at", lambda q, draft_tokens, proposed, index, vocab:
+  patch(rejection, "q_at", lambda q, draft_tokens, proposed, index, vocab:
         jnp.zeros((len(index), vocab)))
   samples = _samples(drafters.DraftModel(DRAFT), policies.Fixed(2), T1,
                      seed=3)

@@ -124,8 +124,7 @@ def test_decoding_loops_never_call_the_host():
       loops.speculative_loop.lower(
           target, drafters.DraftModel(draft), prompts, lengths, params,
           jax.random.key(0), jnp.int32(8), _plain_auto(), tokens_cap=8,
-          cache_size=32, pad_id=0, synthetic=False,
-          num_nodes=None).as_text()]
+          cache_size=32, pad_id=0, num_nodes=None).as_text()]
   for text in texts:
     assert "stablehlo.while" in text
     for host in ("callback", "outfeed", "stablehlo.send", "host_compute"):

@@ -1,4 +1,4 @@
-"""`specjax.tuning.matmul`: measure once, cache, re-measure when asked."""
+"""`specjax.cpu.plans`: measure once, cache, re-measure when asked."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import warnings
 
 import pytest
 
-from specjax import kernels
 from specjax import testing
-from specjax.tuning import matmul as tuning
+from specjax.cpu import kernels
+from specjax.cpu import plans as tuning
 
 
 @pytest.fixture

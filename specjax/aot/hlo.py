@@ -15,8 +15,14 @@ reads its operands and writes its result where they live in device memory
 (HBM: no memory space, or S(0)); a fused computation that only slices an
 operand reads the slice; an in-place update writes the update; a `while`
 body counts once per iteration, with its trip count read from the loop's
-condition (for a loop that may stop early, such as drafting, its bound); a `conditional` counts its dearest branch. Collectives are
-counted the same way.
+condition (for a loop that may stop early, such as drafting, its bound); a
+`conditional` counts its dearest branch. Collectives are counted the same
+way. An asynchronous operation moves its bytes at its `*-start`.
+
+The same walk reads GPU HLO (XLA's CUDA compiler): there a loop's
+condition is a fusion, gemms are Triton fusions or cuBLAS calls (whose
+workspace result is scratch, not written), and small all-reduces are
+Triton fusions (`"kind":"__triton_collective"`), counted as collectives.
 """
 
 from __future__ import annotations
@@ -33,13 +39,17 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\](\{[^}]*\})?")
 _HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(.*\) -> .* \{$")
 # Opcodes that move no data of their own.
+# (An asynchronous `*-done` moves none either: its `*-start` is counted.)
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
-         "after-all", "partition-id", "replica-id", "copy-done",
-         "slice-done",
-         "opt-barrier", "add-dependency", "domain"}
+         "after-all", "partition-id", "replica-id", "opt-barrier",
+         "add-dependency", "domain"}
 _SLICES = {"dynamic-slice", "slice", "gather"}
 # Element-preserving operations a fusion evaluates on demand.
 _RELAYOUTS = {"copy", "convert", "bitcast", "reshape", "bitcast-convert"}
+# GPU library calls whose last result is a scratch buffer.
+_WORKSPACE = re.compile(r'custom_call_target="__(cublas|cudnn)')
+# A collective XLA's CUDA compiler emits as a (Triton) fusion.
+_GPU_COLLECTIVE = '"kind":"__triton_collective"'
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter",
                 "collective-permute", "all-to-all")
 
@@ -96,6 +106,18 @@ def _split_type(rest: str) -> tuple[str, str]:
         return rest[:i + 1], rest[i + 2:]
   head, _, tail = rest.partition(" ")
   return head, tail
+
+
+def _split_tuple(typ: str) -> list[str]:
+  """'(A, B{...}, C)' -> ['A', 'B{...}', 'C'] (top-level elements)."""
+  parts, depth, start = [], 0, 1
+  for i, ch in enumerate(typ):
+    depth += ch in "({["
+    depth -= ch in ")}]"
+    if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+      parts.append(typ[start:i].strip())
+      start = i + 1
+  return parts
 
 
 def _parse(text: str) -> tuple[dict[str, list[_Instr]], str]:
@@ -165,6 +187,10 @@ class _Counter:
     self.comps, self.entry = _parse(text)
     self.by_name = {c: {i.name: i for i in instrs}
                     for c, instrs in self.comps.items()}
+    # fused computation -> (the computation, the fusion that calls it)
+    self.fused_by = {inner: (c, i) for c, instrs in self.comps.items()
+                     for i in instrs if i.opcode == "fusion"
+                     for inner in _called(i.attrs, "calls")}
     self.unknown_trips = 0
     self.moved = {}  # (opcode, JAX op) -> bytes over the run
     self.scale = 1.0  # runs of the computation being walked
@@ -228,20 +254,38 @@ class _Counter:
         total += _bytes(part.type)
     return total
 
+  def _terms(self, comp: str, instr: _Instr) -> list[tuple[str, _Instr]]:
+    """The terms of a loop condition's `and`s, with the computation each
+    lies in, looked for inside fusions too (GPU fuses the compare)."""
+    if instr.opcode == "and":
+      return [t for o in instr.operands if o in self.by_name[comp]
+              for t in self._terms(comp, self.by_name[comp][o])]
+    if instr.opcode == "fusion":
+      (inner,) = _called(instr.attrs, "calls")
+      return self._terms(inner, next(i for i in self.comps[inner] if i.root))
+    return [(comp, instr)]
+
+  def _unfused(self, comp: str, name: str) -> _Instr | None:
+    """Value `name` of `comp` seen from outside any fusion: a fused
+    computation's parameter k is its fusion's operand k."""
+    instr = self.by_name[comp].get(name)
+    while instr is not None and instr.opcode == "parameter" and (
+        comp in self.fused_by):
+      comp, fusion = self.fused_by[comp]
+      instr = self.by_name[comp].get(fusion.operands[int(instr.args)])
+    return instr
+
   def trips(self, comp: str, instr: _Instr) -> int | None:
     """A `while`'s trip count, or its bound: a condition `i < c` (alone,
     or and-ed with others: a draft loop that may stop early runs at most
-    that often) on a tuple element whose initial value is a constant."""
+    that often; fused or not) on a tuple element whose initial value is a
+    constant."""
     (cond,) = _called(instr.attrs, "condition")
-    cinstrs = self.by_name[cond]
     root = next(i for i in self.comps[cond] if i.root)
-    compares = [root]
-    if root.opcode == "and":
-      compares = [cinstrs[o] for o in root.operands if o in cinstrs]
-    for compare in compares:
+    for where, compare in self._terms(cond, root):
       if compare.opcode != "compare" or "direction=LT" not in compare.attrs:
         continue
-      lhs, rhs = (cinstrs.get(o) for o in compare.operands)
+      lhs, rhs = (self._unfused(where, o) for o in compare.operands)
       limit = _constant(rhs)
       if lhs is None or lhs.opcode != "get-tuple-element" or limit is None:
         continue
@@ -262,7 +306,7 @@ class _Counter:
     """(HBM bytes read, HBM bytes written) of one top-level instruction."""
     op = instr.opcode
     operands = [names[o] for o in instr.operands if o in names]
-    if op == "fusion":
+    if op in ("fusion", "fusion-start"):
       (inner,) = _called(instr.attrs, "calls")
       read = sum(self.param_read(inner, k, _bytes(o.type))
                  for k, o in enumerate(operands) if _bytes(o.type))
@@ -273,12 +317,24 @@ class _Counter:
     if op == "slice-start":  # ((source), destination, context)
       dest = "{}[{}]{}".format(*_ARRAY.findall(instr.type)[1])
       return _bytes(dest, hbm_only=False), _bytes(dest)
+    if op.endswith("-start") and instr.type.startswith("(("):
+      # An asynchronous operation: ((operands), results, context...); a
+      # slice reads from HBM what it writes, wherever it writes it.
+      results = _split_tuple(instr.type)[1]
+      if op.removesuffix("-start") in _SLICES:
+        return _bytes(results, hbm_only=False), _bytes(results)
+      return sum(_bytes(o.type) for o in operands), _bytes(results)
     if op in _SLICES:
       return _bytes(instr.type), _bytes(instr.type)
     if op == "dynamic-update-slice":
       update = _bytes(operands[1].type) if _bytes(instr.type) else 0.0
       return update, update
-    return sum(_bytes(o.type) for o in operands), _bytes(instr.type)
+    read = sum(_bytes(o.type) for o in operands)
+    if op == "custom-call" and _WORKSPACE.search(instr.attrs):
+      # (results..., s8[n] workspace): scratch, not a result written.
+      *results, _ = _split_tuple(instr.type)
+      return read, sum(_bytes(t) for t in results)
+    return read, _bytes(instr.type)
 
   def walk(self, comp: str) -> tuple[float, float, float]:
     """(HBM bytes read, written, collectives) of one run of `comp`."""
@@ -286,7 +342,7 @@ class _Counter:
     names = self.by_name[comp]
     for instr in self.comps[comp]:
       op = instr.opcode
-      if op in _FREE:
+      if op in _FREE or op.endswith("-done"):  # a start moved the bytes
         continue
       if op == "while":
         (body,) = _called(instr.attrs, "body")
@@ -312,8 +368,8 @@ class _Counter:
         for r, w, c in costs:
           read, written, coll = read + r, written + w, coll + c
         continue
-      if any(op.startswith(c) for c in _COLLECTIVES) and not op.endswith(
-          "-done"):
+      if any(op.startswith(c) for c in _COLLECTIVES) or (
+          _GPU_COLLECTIVE in instr.attrs):
         coll += 1
       r, w = self.moves(instr, names)
       read, written = read + r, written + w

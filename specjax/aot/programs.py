@@ -181,7 +181,7 @@ def compile_program(name: str, fn: Callable[..., Any], *args: Any,
   return Compiled(name=name, trace_s=t1 - t0, lower_s=t2 - t1,
                   compile_s=t3 - t2, memory=memory,
                   count=hlo.count(compiled.as_text()),
-                  xla_bytes=float(cost.get("bytes accessed", 0.0)))
+                  xla_bytes=float((cost or {}).get("bytes accessed", 0.0)))
 
 
 def _abstract(tree: Any, mesh: Mesh) -> Any:
@@ -246,7 +246,7 @@ class Call:
             (self.target, drafter, tokens, lengths, params, key, budget,
              policy),
             dict(tokens_cap=size, cache_size=size, pad_id=0,
-                 synthetic=False, num_nodes=num_nodes))
+                 num_nodes=num_nodes))
 
   def generate_step(self):
     """One autoregressive step after the prefill, on its own."""
@@ -283,7 +283,6 @@ class Call:
     def step(target, drafter, state, params, budget, policy):
       return speculate.speculate_step(
           state, target=target, drafter=drafter, params=params,
-          policy=policy, max_new_tokens=budget, synthetic=False,
-          num_nodes=num_nodes)
+          policy=policy, max_new_tokens=budget, num_nodes=num_nodes)
     return step, (target, drafter, state, params, budget, policy), {}
 

@@ -1,10 +1,11 @@
-"""The ahead-of-time report: a pair's programs compiled for one TPU chip.
+"""The ahead-of-time report: a pair's programs compiled for one chip kind.
 
-Every figure is compiled for TPU, not run. Per program: trace, lower and
-compile seconds on this CPU, HLO size, HBM one chip holds against its HBM
-and against `specjax.sharding.memory`'s plan; per decoding step: HBM bytes
-read (`hlo.count`) against weight plus KV-cache bytes, the step time the
-chip's bandwidth implies, and the speedup those step times predict.
+Every figure is compiled for the chip (a TPU or a GPU), not run. Per
+program: the compiler (`chips.compiler`), trace, lower and compile seconds
+on this CPU, HLO size, HBM one chip holds against its HBM and against
+`specjax.sharding.memory`'s plan; per decoding step: HBM bytes read
+(`hlo.count`) against weight plus KV-cache bytes, the step time the chip's
+bandwidth implies, and the speedup those step times predict.
 """
 
 from __future__ import annotations
@@ -66,11 +67,13 @@ def _auto(chip: chips_lib.Chip, target_bytes: float, draft_bytes: float,
           max_gamma: int = 8) -> policies.Auto:
   """`gamma="auto"` priced as the chip's bandwidth prices each forward
   (memory-bound at B = 1: a pass of any width up to γ + 1 reads the
-  weights and cache once)."""
+  weights and cache once), compiling the widths worth a pass of their own
+  (1 and γ + 1)."""
   ms = lambda b: {t: 1e3 * b / chip.bandwidth for t in (1, max_gamma + 1)}
   return policies.Auto.from_costs(policies.StepCosts.from_forwards(
       max_gamma, ForwardCosts(1, ms(target_bytes), "roofline"),
-      ForwardCosts(1, ms(draft_bytes), "roofline"), "roofline"))
+      ForwardCosts(1, ms(draft_bytes), "roofline"),
+      "roofline").worth_compiling())
 
 
 def _programs(call: programs_lib.Call, draft: Any, full: bool,
@@ -106,7 +109,8 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
   """Compiles `pair_name`'s programs for `chips` chips of `chip_name`.
 
   Args:
-    chip_name: a `chips.CHIPS` key, or "attached": this runtime's own
+    chip_name: a `chips.CHIPS` key (compiled with no chip attached:
+      `chips.devices`), or "attached": this runtime's own
       devices (a Colab TPU or GPU, or the CPU), priced by their nominal
       bandwidth (`policies.Roofline.nominal`).
     pair_name: a `PAIRS` key.
@@ -119,13 +123,15 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
     only: compile only these program names.
 
   Returns:
-    One dict per program (compiled for TPU, not run).
+    One dict per program (compiled for the chip, not run).
   """
   if chip_name == "attached":
     chip, devices = chips_lib.attached(chips)
+    compiler = f"jax {jax.__version__}"
   else:
     chip = chips_lib.CHIPS[chip_name]
     devices = chips_lib.devices(chip, chips)
+    compiler = chips_lib.compiler(chip)
   pair = PAIRS[pair_name]
   mesh = programs_lib.make_mesh(devices)
   backend = devices[0].platform
@@ -160,7 +166,7 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
     row = dict(chip=f"{chip.name}-{chips}", pair=pair.name,
                weights=quantize or jnp.dtype(dtype).name,
                layout="scan" if scan else "unrolled", program=name,
-               chip_hbm_gib=chip.hbm_bytes / 2**30)
+               chip_hbm_gib=chip.hbm_bytes / 2**30, compiler=compiler)
     try:
       c = programs_lib.compile_program(name, fn, *args, static=static)
     except jax.errors.JaxRuntimeError as e:
@@ -202,18 +208,18 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
 
 def markdown(rows: list[dict[str, Any]]) -> str:
   """Two tables of `run`'s rows: the decoding steps, scanned where they
-  were compiled both ways (one row per step on the chips of one count: a
-  step moves the same bytes on v5e and v6e, which the roofline divides by
-  their bandwidths), then the whole programs' compile seconds and memory.
-  Figures are compiled, not run."""
+  were compiled both ways (one row per step on the chips of one count and
+  platform: a step moves the same bytes on v5e and v6e, which the roofline
+  divides by their bandwidths; a GPU compiles its own HLO), then the whole
+  programs' compile seconds and memory. Figures are compiled, not run."""
   gib = lambda x: "" if x is None else f"{x:.2f}"
   pairs = list(dict.fromkeys(r["pair"] for r in rows))
   rows = sorted(rows, key=lambda r: (
-      int(r["chip"].split("-")[1]), pairs.index(r["pair"]),
+      int(r["chip"].rsplit("-", 1)[1]), pairs.index(r["pair"]),
       r["weights"] != "bfloat16", r["chip"], r["layout"] != "scan"))
   scanned = {(r["chip"], r["pair"], r["weights"], r["program"])
              for r in rows if r["layout"] == "scan"}
-  groups = {}  # (chips, pair, weights, step) -> rows
+  groups = {}  # (chips, platform, pair, weights, step) -> rows
   progs = ["| chip | pair | weights | layout | program | compile s | HLO "
            "instructions | HBM GiB / chip (XLA) | plan GiB | fits |",
            "|---|---|---|---|---|---|---|---|---|---|"]
@@ -231,14 +237,15 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     # both ways (accelerators), else as compiled (the CPU's own layout).
     elif r["layout"] == "scan" or (
         r["chip"], r["pair"], r["weights"], r["program"]) not in scanned:
-      chips = r["chip"].split("-")[1]
-      groups.setdefault((chips, r["pair"], r["weights"], r["program"]),
-                        []).append(r)
+      name, chips = r["chip"].rsplit("-", 1)
+      chip = chips_lib.CHIPS.get(name)
+      groups.setdefault((chips, chip.platform if chip else name, r["pair"],
+                         r["weights"], r["program"]), []).append(r)
   steps = ["| chips | pair | weights | step | GiB read / chip | weights + "
            "KV / chip | ratio | roofline ms | collectives | predicted "
            "speedup at α = 0.6 / 0.8 / 0.9 / CPU's α |",
            "|---|---|---|---|---|---|---|---|---|---|"]
-  for (_, pair, weights, step), rs in groups.items():
+  for (_, _, pair, weights, step), rs in groups.items():
     first = rs[0]
     both = lambda key, f: " / ".join(f(r[key]) for r in rs)
     speed = first.get("predicted_speedup")

@@ -1,17 +1,20 @@
 """Hugging Face names and configs -> specjax `ModelConfig` and parameters
-(Llama, Mistral, Qwen2 and Gemma 3 text).
+(Llama, Mistral, Qwen2 and Gemma 3 text; the mixtures of experts Mixtral,
+Qwen2-MoE, Qwen3-MoE and OLMoE).
 
 Shared by every loader that can present its tensors under Hugging Face names:
 `hf.py` reads them from safetensors, and a GGUF loader can rename llama.cpp
 tensors to these names and reuse `config_from_hf` and `params_from_tensors`.
 
 Shape letters (`specjax.shapes`): V vocab, E hidden size, F MLP size, H query
-heads, K key/value heads, D head dim.
+heads, K key/value heads, D head dim, X experts.
 
 Hugging Face stores `nn.Linear` weights [out, in]; specjax stores matrices
 [in, out] (see `specjax.models.config.param_shapes`), so every projection is
 transposed on the way in. Embeddings stay [V, E]; `lm_head.weight` [V, E]
-becomes `lm_head` [E, V].
+becomes `lm_head` [E, V]. A mixture of experts' per-expert tensors are
+stacked per layer first (`specjax.checkpoints.experts`): X tensors
+[out, in] become one [X, in, out] parameter.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checkpoints import experts
 from specjax.models.config import check_params
 from specjax.models.config import LinearRopeScaling
 from specjax.models.config import ModelConfig
@@ -37,17 +41,25 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
 # `model_type` -> specjax arch, for configs without `architectures`.
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
-                "gemma3_text": "gemma3"}
+                "gemma3_text": "gemma3", "mixtral": "mixtral",
+                "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
+                "olmoe": "olmoe"}
 # Multimodal wrappers whose text decoder specjax could run, but whose
 # checkpoints it does not read.
 _MULTIMODAL = {"Gemma3ForConditionalGeneration": "gemma3"}
 
 # Hugging Face defaults where a config.json leaves a field out.
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768,
-                          "gemma3": 131072}
+                          "gemma3": 131072, "mixtral": 131072,
+                          "qwen2_moe": 32768, "qwen3_moe": 32768,
+                          "olmoe": 4096}
 
 # Per-layer tensor suffix -> (specjax name, whether to transpose [out, in]).
 _LAYER_TENSORS = {
@@ -75,6 +87,22 @@ _GEMMA3_LAYER_TENSORS = {
     "self_attn.q_norm.weight": ("q_norm", False),
     "self_attn.k_norm.weight": ("k_norm", False),
 }
+# A mixture of experts' layer: attention as Llama's (biases with Qwen2-MoE,
+# q/k norms with Qwen3-MoE and OLMoE), then the router, the experts
+# stacked by `experts.stack_experts`, and Qwen2-MoE's shared expert.
+_MOE_LAYER_TENSORS = {
+    **{k: v for k, v in _LAYER_TENSORS.items() if not k.startswith("mlp.")},
+    "self_attn.q_norm.weight": ("q_norm", False),
+    "self_attn.k_norm.weight": ("k_norm", False),
+    "mlp.gate.weight": ("router", True),
+    "mlp.experts.gate_proj": ("experts_gate", True),
+    "mlp.experts.up_proj": ("experts_up", True),
+    "mlp.experts.down_proj": ("experts_down", True),
+    "mlp.shared_expert.gate_proj.weight": ("shared_gate", True),
+    "mlp.shared_expert.up_proj.weight": ("shared_up", True),
+    "mlp.shared_expert.down_proj.weight": ("shared_down", True),
+    "mlp.shared_expert_gate.weight": ("shared_expert_gate", True),
+}
 _GLOBAL_TENSORS = {
     "model.embed_tokens.weight": ("embed", False),
     "model.norm.weight": ("final_norm", False),
@@ -87,7 +115,16 @@ _MAX_PROBLEMS = 20
 
 
 def _layer_tensors(arch: str) -> dict[str, tuple[str, bool]]:
+  if arch in experts.MOE_ARCHS:
+    return _MOE_LAYER_TENSORS
   return _GEMMA3_LAYER_TENSORS if arch == "gemma3" else _LAYER_TENSORS
+
+
+def _hf_shape(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
+  """A specjax parameter's shape as the checkpoint holds it: the last two
+  axes swapped for a transposed matrix ([in, out] or [X, in, out])."""
+  shape = tuple(shape)
+  return (*shape[:-2], shape[-1], shape[-2]) if transpose else shape
 
 
 def hf_to_specjax(name: str, arch: str = "llama") -> tuple[str, bool] | None:
@@ -161,6 +198,8 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
   num_heads = int(required("num_attention_heads"))
   num_layers = int(required("num_hidden_layers"))
 
+  moe_fields = experts.config_fields(config, arch, num_layers) if arch in experts.MOE_ARCHS \
+      else {}
   act = get("hidden_act", "silu")
   if act not in ("silu", "swish"):
     raise ValueError(f"hidden_act={act!r} is not supported; specjax "
@@ -170,6 +209,8 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
                      "biases).")
   if arch == "qwen2":
     qkv_bias = True  # Qwen2 always biases q, k and v, never o.
+  elif arch == "qwen2_moe":
+    qkv_bias = bool(get("qkv_bias", True))  # q, k and v, never o.
   elif get("attention_bias", False):
     raise ValueError("attention_bias=True (biases on q, k, v and o_proj) is "
                      "not supported; specjax has q/k/v biases only (Qwen2).")
@@ -181,7 +222,9 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
       arch=arch,
       vocab_size=int(required("vocab_size")),
       hidden_size=hidden,
-      intermediate_size=int(required("intermediate_size")),
+      intermediate_size=int(required(
+          "moe_intermediate_size" if arch in ("qwen2_moe", "qwen3_moe")
+          else "intermediate_size")),
       num_layers=num_layers,
       num_heads=num_heads,
       num_kv_heads=int(get("num_key_value_heads", num_heads)),
@@ -194,6 +237,7 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
       sliding_window=_sliding_window(config, arch, num_layers),
       max_position_embeddings=int(
           get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])),
+      **moe_fields,
   )
 
 
@@ -205,6 +249,12 @@ def _arch(config: Mapping[str, Any]) -> str:
   for name in names:
     if name in SUPPORTED_ARCHITECTURES:
       return SUPPORTED_ARCHITECTURES[name]
+  for name in [*names, config.get("model_type")]:
+    if name in experts.UNSUPPORTED:
+      raise ValueError(
+          f"{name} is a mixture of experts specjax does not run: it lacks "
+          f"{experts.UNSUPPORTED[name]}. Supported mixtures of experts: "
+          "Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.")
   multimodal = [n for n in names if n in _MULTIMODAL] or (
       ["Gemma3ForConditionalGeneration"] if config.get("model_type") ==
       "gemma3" and not names else [])
@@ -351,10 +401,12 @@ def _sliding_window(config: Mapping[str, Any], arch: str,
   window = config.get("sliding_window")
   if arch == "llama" or window is None:
     return None
-  if arch == "mistral":
-    return int(window)  # transformers applies it to every Mistral layer.
+  if arch in ("mistral", "mixtral"):
+    return int(window)  # transformers applies it to every layer.
   if not config.get("use_sliding_window", False):
     return None
+  if arch == "qwen3_moe":
+    return int(window)  # every layer, when use_sliding_window
   # Qwen2 slides only in the layers from `max_window_layers` on.
   types = config.get("layer_types") or [
       "sliding_attention" if i >= config.get("max_window_layers", 28)
@@ -415,6 +467,8 @@ def params_from_tensors(config: ModelConfig,
   sources = {}  # specjax path -> (HF name, transpose)
   problems = []
   arch = config.arch
+  if config.num_experts:
+    tensors = experts.stack_experts(tensors)
   for name in tensors:
     if _IGNORED_RE.fullmatch(name):
       continue
@@ -431,7 +485,7 @@ def params_from_tensors(config: ModelConfig,
     path, transpose = target
     sources[path] = (name, transpose)
     shape = tuple(tensors[name].shape)
-    want = expected[path][::-1] if transpose else expected[path]
+    want = _hf_shape(expected[path], transpose)
     if shape != tuple(want):
       problems.append(
           f"tensor {name!r} has shape {shape}, expected {tuple(want)} "
@@ -440,7 +494,7 @@ def params_from_tensors(config: ModelConfig,
   for path, shape in expected.items():
     if path not in sources:
       name = specjax_to_hf(path, arch)
-      hf_shape = shape[::-1] if hf_to_specjax(name, arch)[1] else shape
+      hf_shape = _hf_shape(shape, hf_to_specjax(name, arch)[1])
       problems.append(f"missing tensor {name!r} (shape {hf_shape}, specjax "
                       f"{path!r})")
   if problems:
@@ -462,7 +516,7 @@ def params_from_tensors(config: ModelConfig,
       continue
     array = np.asarray(tensors[name])
     if transpose:
-      array = array.T  # [out, in] -> [in, out]
+      array = np.swapaxes(array, -1, -2)  # [(X,) out, in] -> [(X,) in, out]
     # Always a fresh host copy: jax may alias host memory on CPU, and the
     # input can be a memory-mapped file that is later rewritten.
     array = np.array(array, dtype=np_dtype, order="C")

@@ -1,10 +1,10 @@
 """A fast, read-only GGUF parser: metadata as Python values, tensors mmapped.
 
 `gguf.GGUFReader` keeps every metadata element as its own numpy view, which
-takes ~12 s on a file with a 151k-token vocabulary (300k strings). This
-reader decodes the same header in well under a second: numeric arrays in one
-`np.frombuffer`, strings with `struct`. Tensor data stays a memory map, laid
-out as `GGUFReader` lays it out, so `gguf.quants.dequantize` accepts it.
+is slow for a vocabulary of hundreds of thousands of strings. This reader
+decodes numeric arrays in one `np.frombuffer` and strings with `struct`.
+Tensor data stays a memory map, laid out as `GGUFReader` lays it out, so
+`gguf.quants.dequantize` accepts it.
 
 Format (little-endian, version 2 or 3): magic `GGUF`, version u32, tensor
 count u64, metadata count u64, metadata (key string, value type u32, value),

@@ -142,6 +142,17 @@ class Drafter:
     raise NotImplementedError
 
 
+class TargetVocabulary:
+  """A model-free drafter whose `vocab_size` (a static field, None by
+  default) is the target's: `for_target` fills it in."""
+
+  def for_target(self, target: Any) -> Drafter:
+    """This drafter with V = the target's when none was given."""
+    if self.vocab_size is not None:
+      return self
+    return self.replace(vocab_size=target.vocab_size)
+
+
 def capped(num_drafted: jax.Array, limit: jax.Array | None) -> jax.Array:
   """num_drafted [B] no larger than limit [B] (None: unchanged)."""
   return num_drafted if limit is None else jnp.minimum(num_drafted, limit)

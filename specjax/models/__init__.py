@@ -34,7 +34,9 @@ from specjax.models.config import ModelConfig
 from specjax.models.config import param_shapes
 from specjax.models.config import RopeScaling
 from specjax.models.decoder import Decoder
+from specjax.models.kernel import MatmulKernel
 from specjax.models.matmul import MatmulPlan
+from specjax.models import moe
 from specjax.models.protocol import array_bytes
 from specjax.models.protocol import CostGeometry
 from specjax.models.protocol import declared
@@ -54,8 +56,8 @@ from specjax.models.transformer import TransformerOutput
 
 __all__ = [
     "ARCHITECTURES", "CostGeometry", "DeclaredModel", "Decoder",
-    "LanguageModel", "LayerSubset", "LinearRopeScaling", "MatmulPlan",
-    "Model", "ModelConfig",
+    "LanguageModel", "LayerSubset", "LinearRopeScaling", "MatmulKernel",
+    "MatmulPlan", "Model", "ModelConfig",
     "ModelOutput", "QuantSpec", "QuantizedMatrix", "RopeScaling",
     "Transformer", "TransformerOutput", "check_params", "declared",
     "is_quantized", "init_random", "matrix_paths", "model_output",
@@ -101,13 +103,15 @@ class Model(Decoder, DeclaredModel):
   def weight_bytes_per_token(self) -> int:
     """Parameter bytes one decode step reads: all of them, except that the
     input embedding is only gathered (T rows) when a separate `lm_head`
-    exists. Divided by memory bandwidth, the decode roofline. From shapes
-    and dtypes, so `jax.ShapeDtypeStruct` parameters count too."""
+    exists, and a mixture of experts reads only its token's k of X
+    experts per layer (`moe.inactive_expert_bytes`). Divided by memory
+    bandwidth, the decode roofline. From shapes and dtypes, so
+    `jax.ShapeDtypeStruct` parameters count too."""
     total = sum(map(array_bytes, jax.tree.leaves(self.params)))
     # (A quantized matrix counts its packed arrays: they are the leaves.)
     if "lm_head" in self.params:  # (packed leaves, for a quantized one)
       total -= sum(map(array_bytes, jax.tree.leaves(self.params["embed"])))
-    return total
+    return total - moe.inactive_expert_bytes(self.config, self.params)
 
   def cost_geometry(self) -> CostGeometry:
     """Every layer's attention over its cache, and the parameters one
@@ -128,7 +132,9 @@ class Model(Decoder, DeclaredModel):
 
   def with_plan(self, plan: MatmulPlan | str, *,
                 donate: bool = False) -> "Model":
-    """The same model computing its products as `plan` says.
+    """The same model computing its products as `plan` says (a name is
+    `MatmulPlan.parse`d: a kernel plan's needs its library,
+    `specjax.cpu.plan(name)`).
 
     Switching between the "in_out" and "out_in" layouts transposes each
     projection matrix once. With `donate`, each old matrix is freed as its

@@ -3,7 +3,7 @@ embeddings, RMSNorm, soft-capping.
 
 Shape letters (`specjax.shapes`): B batch, T tokens in this call, S cache
 size, E hidden size, F MLP size, H query heads, K key/value heads, R = H //
-K query heads per key/value head, D head dim.
+K query heads per key/value head, D head dim, X experts.
 
 `Transformer` (`specjax.models.transformer`) runs the layers and owns the
 geometry; a `Block` takes the positions and masks it is given.
@@ -21,6 +21,7 @@ from specjax.models.config import ModelConfig
 from specjax.models.matmul import LayerPick
 from specjax.models.matmul import MatmulPlan
 from specjax.models.matmul import project
+from specjax.models import moe
 from specjax.models import quantized
 
 _INIT = nn.initializers.normal(0.02)
@@ -98,7 +99,8 @@ def param(module: nn.Module, name: str, shape, dtype, init=_INIT):
 
 class Block(nn.Module):
   """Pre-norm decoder layer: grouped-query attention and a gated MLP
-  (SwiGLU, or Gemma's GeGLU with QK-norm and post-norms).
+  (SwiGLU, or Gemma's GeGLU with QK-norm and post-norms), or a mixture of
+  gated MLPs (`specjax.models.moe`) when `config.num_experts` > 0.
 
   Attributes:
     config: the model.
@@ -129,6 +131,35 @@ class Block(nn.Module):
     init = nn.initializers.zeros if c.norm_plus_one else nn.initializers.ones
     scale = self._param(name, (x.shape[-1],), init)
     return rms_norm(x, scale, c.rms_norm_eps, c.norm_plus_one)
+
+  def _mlp(self, h: jax.Array, prefix: str, size: int) -> jax.Array:
+    """The gated MLP of matrices `{prefix}gate`, `up`, `down`: [B, T, E]
+    -> [B, T, E]."""
+    c = self.config
+    e = c.hidden_size
+    gate = self._dense(h, f"{prefix}gate", e, size)
+    up = self._dense(h, f"{prefix}up", e, size)
+    if c.activation == "gelu_tanh":
+      gate = jax.nn.gelu(gate, approximate=True)
+    else:
+      gate = jax.nn.silu(gate)
+    return self._dense(gate * up, f"{prefix}down", size, e)
+
+  def _moe(self, h: jax.Array) -> jax.Array:
+    """The routed experts, plus the sigmoid-gated shared expert if any:
+    [B, T, E] -> [B, T, E] (transformers' `*SparseMoeBlock`)."""
+    c = self.config
+    e, f, x = c.hidden_size, c.intermediate_size, c.num_experts
+    logits = self._dense(h, "router", e, x)  # [B, T, X]
+    ws = moe.Experts(gate=self._param("experts_gate", (x, e, f)),
+                     up=self._param("experts_up", (x, e, f)),
+                     down=self._param("experts_down", (x, f, e)))
+    out = moe.apply_experts(h, logits, ws, c)
+    if c.shared_expert_size:
+      shared = self._mlp(h, "shared_", c.shared_expert_size)
+      gate = self._dense(h, "shared_expert_gate", e, 1)  # [B, T, 1]
+      out = out + jax.nn.sigmoid(gate) * shared
+    return out
 
   @nn.compact
   def __call__(self, x: jax.Array, k_cache: jax.Array | None,
@@ -164,8 +195,10 @@ class Block(nn.Module):
         q += self._param("q_bias", (nh * d,), zeros)
         k += self._param("k_bias", (nk * d,), zeros)
         v += self._param("v_bias", (nk * d,), zeros)
+      if c.qk_norm and not c.qk_norm_per_head:  # over the projections
+        q, k = self._norm(q, "q_norm"), self._norm(k, "k_norm")
       q, k = q.reshape(b, t, nh, d), k.reshape(b, t, nk, d)
-      if c.qk_norm:
+      if c.qk_norm and c.qk_norm_per_head:
         q, k = self._norm(q, "q_norm"), self._norm(k, "k_norm")
       inv_freq = rope_inv_freq(c, self.layer)
       q = apply_rope(q, positions, inv_freq)
@@ -198,13 +231,10 @@ class Block(nn.Module):
 
     with jax.named_scope("mlp"):
       h = self._norm(x, "mlp_norm")
-      gate = self._dense(h, "gate", e, c.intermediate_size)
-      up = self._dense(h, "up", e, c.intermediate_size)
-      if c.activation == "gelu_tanh":
-        gate = jax.nn.gelu(gate, approximate=True)
+      if c.num_experts:
+        out = self._moe(h)
       else:
-        gate = jax.nn.silu(gate)
-      out = self._dense(gate * up, "down", c.intermediate_size, e)
+        out = self._mlp(h, "", c.intermediate_size)
       if c.post_norms:
         out = self._norm(out, "mlp_post_norm")
       x = x + out

@@ -1,12 +1,13 @@
 """`ModelConfig`: the static description of a Llama- or Gemma-family
-transformer.
+transformer, dense or mixture-of-experts.
 
 The config is frozen and hashable, so it can be a static argument of `jax.jit`
 (it fixes every shape); parameters live in a separate plain pytree whose layout
 `param_shapes` defines once for the module, the loaders and the tests.
 
 Shape letters (`specjax.shapes`): V vocab, E hidden (embedding) size, F MLP
-hidden size, L layers, H query heads, K key/value heads, D head dim.
+hidden size, L layers, H query heads, K key/value heads, D head dim, X
+experts, F_s the shared expert's MLP size.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3", "mixtral", "qwen2_moe",
+                 "qwen3_moe", "olmoe")
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -49,7 +51,8 @@ class LinearRopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Hyper-parameters of a decoder: Llama, Mistral, Qwen2, SmolLM, Gemma 3.
+  """Hyper-parameters of a decoder: Llama, Mistral, Qwen2, SmolLM, Gemma 3,
+  and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
 
   The Llama family is the default (every Gemma field off). Gemma 3 text
   (`arch="gemma3"`) sets the fields below the line: local (sliding) layers
@@ -58,11 +61,19 @@ class ModelConfig:
   (1 + w) scale, a GeGLU MLP, the embedding scaled by sqrt(E), and
   `query_pre_attn_scalar` in place of D in the attention scale.
 
+  A mixture of experts (`num_experts` > 0) replaces every layer's MLP by X
+  gated MLPs of size F (`intermediate_size`) and a router
+  (`specjax.models.moe`): each token runs the k experts of highest router
+  probability, weighted by those probabilities (renormalised to sum to
+  one with `norm_topk_prob`), plus an always-on shared expert gated by a
+  sigmoid when `shared_expert_size` > 0 (Qwen2-MoE).
+
   Attributes:
     arch: one of `ARCHITECTURES`; informational, the math is set by the flags.
     vocab_size: V.
     hidden_size: E.
-    intermediate_size: F, the SwiGLU hidden size.
+    intermediate_size: F, the SwiGLU hidden size (of each expert, in a
+      mixture of experts).
     num_layers: L.
     num_heads: H, query heads.
     num_kv_heads: K, key/value heads (grouped-query attention when K < H).
@@ -85,6 +96,8 @@ class ModelConfig:
       of w.
     qk_norm: RMSNorm over D on each query and key head before rope
       (parameters `q_norm`, `k_norm` [D]).
+    qk_norm_per_head: with `qk_norm`, False normalises the whole q and k
+      projections instead (`q_norm` [H*D], `k_norm` [K*D]; OLMoE).
     post_norms: RMSNorm on the attention and MLP outputs before they join
       the residual (`attn_post_norm`, `mlp_post_norm` [E]); `mlp_norm` is
       then Gemma's pre-feed-forward norm.
@@ -96,6 +109,15 @@ class ModelConfig:
     attn_logit_softcap: scores become cap * tanh(scores / cap) before the
       mask, or None.
     final_logit_softcap: the same on the output logits, or None.
+    num_experts: X, experts per layer; 0 for a dense MLP.
+    num_experts_per_tok: k, experts each token runs (top-k routing).
+    norm_topk_prob: renormalise the k chosen probabilities to sum to one
+      (Mixtral always; Qwen-MoE and OLMoE as their config says).
+    shared_expert_size: F_s of Qwen2-MoE's shared expert (a gated MLP
+      every token runs, scaled by sigmoid of `shared_expert_gate`), or 0.
+    router_weights_float32: keep the routing weights in float32 when they
+      scale the experts' outputs (Mixtral); False casts them to the
+      activations' dtype first (Qwen-MoE, OLMoE).
   """
 
   arch: str
@@ -123,6 +145,12 @@ class ModelConfig:
   query_pre_attn_scalar: float | None = None
   attn_logit_softcap: float | None = None
   final_logit_softcap: float | None = None
+  qk_norm_per_head: bool = True
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  norm_topk_prob: bool = False
+  shared_expert_size: int = 0
+  router_weights_float32: bool = False
 
   def __post_init__(self):
     if self.arch not in ARCHITECTURES:
@@ -153,6 +181,24 @@ class ModelConfig:
       if value is not None and value <= 0:
         raise ValueError(f"ModelConfig.{name} must be positive or None, "
                          f"got {value}.")
+
+    if self.num_experts and not (
+        1 <= self.num_experts_per_tok <= self.num_experts):
+      raise ValueError(
+          f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, "
+          f"num_experts={self.num_experts}] for a mixture of experts.")
+    if self.num_experts < 0 or (
+        not self.num_experts and (self.num_experts_per_tok
+                                  or self.shared_expert_size)):
+      raise ValueError(
+          f"num_experts_per_tok={self.num_experts_per_tok} and "
+          f"shared_expert_size={self.shared_expert_size} need num_experts "
+          f"> 0, got {self.num_experts}.")
+
+  @property
+  def is_moe(self) -> bool:
+    """Whether the MLPs are mixtures of experts."""
+    return self.num_experts > 0
 
   def is_local(self, layer: int) -> bool:
     """Whether layer `layer` attends through the sliding window."""
@@ -203,10 +249,10 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
   `specjax.tuning.matmul` (which layout keeps a (γ+1)-row verification pass
   near the cost of one row depends on the CPU). Layers are a list of
   per-layer dicts `layers_{i}` (Flax's names for a list of submodules): on
-  CPU, XLA's dot on a slice of one stacked [L, ...] array copied the
-  weights and ran 4-10x slower. A kernel plan still runs the layers as one
-  loop (`MatmulPlan.layer_loop`): the kernel is handed every layer's
-  matrix and reads the loop's one where it lies.
+  CPU, XLA's dot on a slice of one stacked [L, ...] array copies the
+  weights first, several times slower. A kernel plan still runs the layers
+  as one loop (`MatmulPlan.layer_loop`): the kernel is handed every
+  layer's matrix and reads the loop's one where it lies.
 
   Args:
     config: the model.
@@ -217,7 +263,12 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
     'q': (E, H*D), 'k': (E, K*D), 'v': (E, K*D), 'o': (H*D, E),
     'mlp_norm': (E,), 'gate': (E, F), 'up': (E, F), 'down': (F, E)}` plus
     `q_bias`, `k_bias`, `v_bias` when `config.qkv_bias`; `q_norm`,
-    `k_norm` (D,) when `config.qk_norm`; `attn_post_norm`, `mlp_post_norm`
+    `k_norm` (D,) when `config.qk_norm` ((H*D,), (K*D,) unless
+    `qk_norm_per_head`); in a mixture of experts, `'router': (E, X),
+    'experts_gate': (X, E, F), 'experts_up': (X, E, F), 'experts_down':
+    (X, F, E)` in place of gate, up and down, and with a shared expert
+    `'shared_gate': (E, F_s), 'shared_up': (E, F_s), 'shared_down':
+    (F_s, E), 'shared_expert_gate': (E, 1)`; `attn_post_norm`, `mlp_post_norm`
     (E,) when `config.post_norms`; and
     `'lm_head': (E, V)` when embeddings are not tied (tied models project
     with `embed`).
@@ -232,14 +283,23 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
       "v": (e, kv),
       "o": (q, e),
       "mlp_norm": (e,),
-      "gate": (e, f),
-      "up": (e, f),
-      "down": (f, e),
   }
+  if c.num_experts:
+    x = c.num_experts
+    layer.update(router=(e, x), experts_gate=(x, e, f),
+                 experts_up=(x, e, f), experts_down=(x, f, e))
+    if c.shared_expert_size:
+      s = c.shared_expert_size
+      layer.update(shared_gate=(e, s), shared_up=(e, s), shared_down=(s, e),
+                   shared_expert_gate=(e, 1))
+  else:
+    layer.update(gate=(e, f), up=(e, f), down=(f, e))
   if c.qkv_bias:
     layer.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
-  if c.qk_norm:
+  if c.qk_norm and c.qk_norm_per_head:
     layer.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
+  elif c.qk_norm:
+    layer.update(q_norm=(q,), k_norm=(kv,))
   if c.post_norms:
     layer.update(attn_post_norm=(e,), mlp_post_norm=(e,))
   shapes = {"embed": (c.vocab_size, e), "final_norm": (e,)}
@@ -270,13 +330,24 @@ def check_params(config: ModelConfig, params: Any) -> None:
 # Projections whose storage layout a `MatmulPlan` chooses; `embed` is always
 # [V, E] (gathered by token, and the tied head's [out, in]).
 _MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
+# A mixture of experts' instead of gate, up and down. The stacked experts
+# [X, in, out] are no matrices of a plan: they stay in that layout, are
+# gathered by expert, and are never quantized (`specjax.models.moe`).
+_MOE_MATRICES = ("q", "k", "v", "o", "router")
+_SHARED_MATRICES = ("shared_gate", "shared_up", "shared_down",
+                    "shared_expert_gate")
+EXPERT_PARAMS = ("experts_gate", "experts_up", "experts_down")
 
 
 def matrix_paths(config: ModelConfig) -> list[str]:
   """`flatten` paths of the projections a `MatmulPlan` may store [out, in]
   (`Model.with_plan` transposes them)."""
+  names = _MATRICES
+  if config.num_experts:
+    names = _MOE_MATRICES + (_SHARED_MATRICES if config.shared_expert_size
+                             else ())
   paths = [f"layers_{i}/{m}" for i in range(config.num_layers)
-           for m in _MATRICES]
+           for m in names]
   return paths + ([] if config.tie_embeddings else ["lm_head"])
 
 

@@ -6,24 +6,24 @@ input features, O output features, X = prod(...) rows.
 A decode step multiplies X = B rows, and a verification pass X = B(γ+1)
 rows, by every weight matrix. Both are bound by reading the weights, so
 they should cost about the same. Whether they do depends on the CPU, the
-stored layout and the dot implementation (BENCHMARKS.md: the same XLA dot
-was cheap at 5 rows on one machine of a kind and 2x dearer on another).
-A plan fixes the choice for a whole model:
+stored layout and the dot implementation (BENCHMARKS.md). A plan fixes the
+choice for a whole model:
 
 - `layout="in_out"`: matrices stored [I, O], product `x @ W` (XLA dot);
 - `layout="out_in"`: stored [O, I] (the checkpoint's own layout), contracted
   on the last axis;
-- `kernel=True` (with "out_in", float32, CPU): products of at most
-  `kernel_max_rows` rows go to `specjax.kernels.smallm_matmul`, which reads
-  each weight row once for all rows; larger ones (prefill) to XLA. A
-  kernel plan also runs the layers as one loop (`layer_loop`), whose
-  products all go to the kernel (`LayerPick`).
+- `kernel` (with "out_in"): a `MatmulKernel` library that products of at
+  most `kernel_max_rows` rows go to, reading each weight row once for all
+  rows; larger ones (prefill) go to XLA. A kernel plan also runs the
+  layers as one loop (`layer_loop`), whose products all go to the kernel
+  (`LayerPick`).
 
-Checkpoints and `param_shapes(config)` always use [I, O]; `Model.with_plan`
-transposes once at load. `specjax.tuning.matmul` measures the candidates on
-the model's shapes and picks one per machine. Every plan computes the same
-products: the logits agree to float32 rounding (tests check each plan
-against transformers).
+`project` is the model's one seam to a kernel: the model imports none, and
+the loaders hand it a plan carrying one (`specjax.cpu.plan`, which also
+measures which plan this machine runs fastest). Checkpoints and
+`param_shapes(config)` always use [I, O]; `Model.with_plan` transposes once
+at load. Every plan computes the same products: the logits agree to
+float32 rounding (tests check each plan against transformers).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax import kernels
 from specjax.models import quantized
+from specjax.models.kernel import MatmulKernel
 
 __all__ = ["LAYOUTS", "LayerPick", "MatmulPlan", "project"]
 
@@ -48,7 +48,9 @@ class MatmulPlan:
 
   Attributes:
     layout: "in_out" (stored [I, O]) or "out_in" (stored [O, I]).
-    kernel: route small products to the specjax CPU kernel (needs out_in).
+    kernel: the `MatmulKernel` small products go to (needs out_in), or
+      None for XLA's dots (a false value, as `dataclasses.replace(plan,
+      kernel=False)`, also means None).
     kernel_max_rows: the most rows X sent to the kernel.
     kernel_min_rows: the fewest rows X of a float matrix sent to the
       kernel; 2 leaves the one-row product of a decode step to XLA
@@ -64,25 +66,32 @@ class MatmulPlan:
   """
 
   layout: str = "in_out"
-  kernel: bool = False
+  kernel: MatmulKernel | None = None
   kernel_max_rows: int = 32
   kernel_min_rows: int = 1
   layer_loop: bool = True
   scan_layers: bool = False
 
   def __post_init__(self):
+    if not self.kernel:
+      object.__setattr__(self, "kernel", None)
     if self.layout not in LAYOUTS:
       raise ValueError(f"Unknown matmul layout {self.layout!r}; expected one "
                        f"of {LAYOUTS}.")
     if self.kernel and self.layout != "out_in":
-      raise ValueError("The specjax kernel reads weights stored [out, in]: "
-                       "use layout='out_in' with kernel=True.")
+      raise ValueError("A kernel reads weights stored [out, in]: use "
+                       "layout='out_in' with a kernel.")
     if self.kernel and self.scan_layers:
       raise ValueError("scan_layers runs XLA's dots; a kernel plan loops "
                        "over its layers itself (layer_loop).")
-    if not 1 <= self.kernel_max_rows <= kernels.MAX_ROWS:
-      raise ValueError(f"kernel_max_rows must be in [1, {kernels.MAX_ROWS}],"
-                       f" got {self.kernel_max_rows}.")
+    if self.kernel is not None and not isinstance(self.kernel,
+                                                  MatmulKernel):
+      raise TypeError(f"MatmulPlan.kernel must be a MatmulKernel (e.g. "
+                      f"specjax.cpu.SMALLM) or None, got {self.kernel!r}.")
+    if self.kernel_max_rows < 1 or (
+        self.kernel and self.kernel_max_rows > self.kernel.max_rows):
+      raise ValueError(f"kernel_max_rows must be at least 1 and at most "
+                       f"the kernel's max_rows, got {self.kernel_max_rows}.")
     if not 1 <= self.kernel_min_rows <= self.kernel_max_rows:
       raise ValueError(f"kernel_min_rows must be in [1, kernel_max_rows], "
                        f"got {self.kernel_min_rows}.")
@@ -97,15 +106,29 @@ class MatmulPlan:
     return f"{self.layout}/{impl}"
 
   @classmethod
-  def parse(cls, name: str) -> "MatmulPlan":
-    """Inverts `name`, e.g. MatmulPlan.parse('out_in/kernel')."""
+  def parse(cls, name: str,
+            kernel: MatmulKernel | None = None) -> "MatmulPlan":
+    """Inverts `name`, e.g. MatmulPlan.parse('out_in/xla').
+
+    Args:
+      name: a plan's `name`.
+      kernel: the library of a kernel plan ('out_in/kernel',
+        'out_in/hybrid'); `specjax.cpu.plan(name)` passes the CPU wing's.
+
+    Raises:
+      ValueError: an unknown name, or a kernel plan's without `kernel`.
+    """
     layout, _, impl = name.partition("/")
     impl, _, scan = impl.partition("/")
     if impl not in ("xla", "kernel", "hybrid") or scan not in ("", "scan"):
       raise ValueError(f"Unknown matmul plan {name!r}; expected "
                        "'in_out/xla', 'out_in/xla', 'out_in/kernel', "
                        "'out_in/hybrid', or an xla plan + '/scan'.")
-    return cls(layout=layout, kernel=impl != "xla",
+    if impl != "xla" and kernel is None:
+      raise ValueError(f"Matmul plan {name!r} routes products to a kernel "
+                       "library, and none was given: use "
+                       f"specjax.cpu.plan({name!r}).")
+    return cls(layout=layout, kernel=kernel if impl != "xla" else None,
                kernel_min_rows=2 if impl == "hybrid" else 1,
                scan_layers=bool(scan))
 
@@ -113,7 +136,7 @@ class MatmulPlan:
   def for_backend(cls, backend: str | None = None) -> "MatmulPlan":
     """The plan a model gets on a backend without tuning: layers stacked
     and scanned on GPU and TPU; the checkpoint's layout on CPU, where
-    `specjax.tuning.matmul` measures the candidates instead."""
+    `specjax.cpu.plans` measures the candidates instead."""
     backend = backend or jax.default_backend()
     return cls(scan_layers=backend != "cpu")
 
@@ -131,7 +154,8 @@ class MatmulPlan:
 class LayerPick:
   """One layer's weight matrix inside a layer loop (`Transformer`): every
   layer's matrix, and the loop's counter saying which to use. `project`
-  multiplies by `ws[index]` in the CPU kernel, which reads it in place.
+  multiplies by `ws[index]` in the plan's kernel (`MatmulKernel.pick`),
+  which reads it in place.
 
   Attributes:
     ws: L matrices [O, I] float32, or L `QuantizedMatrix`es (formats may
@@ -154,10 +178,9 @@ def project(x: jax.Array,
     w: [I, O] ("in_out") or [O, I] ("out_in"); or a `QuantizedMatrix`,
       always [O, I] whatever the plan, dequantised inside the computation
       (`specjax.models.quantized.matmul`; with `plan.kernel`, products of
-      `kernel_min_rows`..`kernel_max_rows` rows, or of any number over
-      `kernel_min_rows` with int8 activations, read its packed rows in
-      the specjax CPU kernel); or a `LayerPick`, multiplied in the kernel
-      whatever the number of rows.
+      up to `kernel_max_rows` rows, or of any number with int8
+      activations, read its packed rows in the kernel); or a `LayerPick`,
+      multiplied in the kernel whatever the number of rows.
     plan: the model's plan (static).
     out_dtype: the result's dtype (accumulation is float32); default x's.
 
@@ -168,24 +191,22 @@ def project(x: jax.Array,
   rows = 1
   for n in lead:
     rows *= n
+  kernel = plan.kernel
   if isinstance(w, LayerPick):
-    if quantized.is_quantized(w.ws[0]):
-      out = quantized.matmul_pick(x, w.index, w.ws)
-    else:
-      out = kernels.smallm_pick(x.reshape(rows, x.shape[-1]), w.index, w.ws)
+    out = kernel.pick(x.reshape(rows, x.shape[-1]), w.index, w.ws)  # [X, O]
     return out.reshape(*lead, out.shape[-1]).astype(out_dtype or x.dtype)
   if quantized.is_quantized(w):
     # With int8 activations the kernel's integer products beat XLA's
-    # dequantise-then-dot at prefill sizes too (BENCHMARKS.md: a 157-row
-    # chunk of a Q4_K [8960, 1536] matrix in 11 ms against 40 ms). XLA
-    # dequantises the whole matrix for one row as for many, so a hybrid
-    # plan's one-row products of packed matrices go to the kernel as well.
-    return quantized.matmul(
-        x, w, out_dtype, kernel=plan.kernel
-        and (rows <= plan.kernel_max_rows or w.act_bits == 8))
-  if (plan.kernel and plan.kernel_min_rows <= rows <= plan.kernel_max_rows
+    # dequantise-then-dot at prefill sizes too (BENCHMARKS.md "Quantized
+    # weights"). XLA dequantises the whole matrix for one row as for many,
+    # so a hybrid plan's one-row products of packed matrices go to the
+    # kernel as well.
+    near = rows <= plan.kernel_max_rows or w.act_bits == 8
+    return quantized.matmul(x, w, out_dtype,
+                            kernel=kernel if near else None)
+  if (kernel and plan.kernel_min_rows <= rows <= plan.kernel_max_rows
       and x.dtype == jnp.float32 and w.dtype == jnp.float32):
-    out = kernels.smallm_matmul(x.reshape(rows, x.shape[-1]), w)  # [X, O]
+    out = kernel.matmul(x.reshape(rows, x.shape[-1]), w)  # [X, O]
     return out.reshape(*lead, w.shape[0]).astype(out_dtype or x.dtype)
   contract = 1 if plan.transposed else 0
   return jax.lax.dot_general(

@@ -30,20 +30,18 @@ are stored as int8 in `low` (offset 0). Formats (`FORMATS`):
 
 `matmul` dequantises inside the jitted computation: the packed arrays are
 the program's parameters, and the float32 matrix exists only as an XLA
-temporary of one call. What XLA CPU (jax 0.10) compiles: one loop fusion
-reads the packed arrays and writes the [O, I] float32 temporary, and the
-dot (a `__ynn_fusion` library call) reads that temporary. The weights
-cross memory as packed bytes, plus the temporary's write and read, which
-only the cache absorbs for small matrices: exact, but not yet the
-bandwidth saving of a kernel that reads each block once for all rows.
-`tests/test_quantized.py` checks in the compiled HLO that the packed
-arrays are the parameters and no float32 [O, I] parameter or constant
-exists.
+temporary of one call (XLA CPU writes it in one loop fusion and the dot
+reads it back), so the weights cross memory as packed bytes plus that
+temporary: exact, but not the bandwidth saving of a kernel that reads each
+block once for all rows, which a plan's `MatmulKernel` is
+(`matmul(..., kernel=...)`). `tests/test_quantized.py` checks in the
+compiled HLO that the packed arrays are the parameters and no float32
+[O, I] parameter or constant exists.
 
 With `act_bits` 8 (`with_activations`, a ":a8" suffix on `quantize`) a
 product first quantizes x to int8 per row and chunk of `ACT_CHUNK` inputs
 (`quantize_activations`): a different model from the weight-only one,
-which the CPU kernel computes with integer dot products, as llama.cpp's
+which a kernel computes with integer dot products, as llama.cpp's
 quantized matmuls do.
 """
 
@@ -58,20 +56,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import kernels
 from specjax.models.config import flatten
 from specjax.models.config import matrix_paths
 from specjax.models.config import unflatten
+from specjax.models.kernel import MatmulKernel
 
 __all__ = ["ACT_CHUNK", "FORMATS", "QuantSpec", "QuantizedMatrix",
-           "dequantize", "is_quantized", "matmul", "matmul_pick",
-           "quantize_activations",
+           "dequantize", "is_quantized", "matmul", "quantize_activations",
            "quantize_array", "quantize_params", "split_activations", "take",
            "with_activations"]
 
 FORMATS = ("q8_0", "q5_0", "q4_k", "q6_k", "int8", "int4")
-# Inputs per scale of int8 activations (`quantize_activations`).
-ACT_CHUNK = kernels.ACT_CHUNK
+# Inputs per scale of int8 activations (`quantize_activations`; the CPU
+# kernels' chunk too, `specjax.cpu.kernels.ACT_CHUNK`).
+ACT_CHUNK = 64
 # The `quantize` suffix that adds int8 activations ("gguf:a8").
 _A8 = ":a8"
 
@@ -202,21 +200,13 @@ def dequantize(w: QuantizedMatrix) -> jax.Array:
                           w.super_scales, w.super_mins)
 
 
-def kernel_supports(w: QuantizedMatrix) -> bool:
-  """Whether `kernels.smallm_quantized` takes w's format
-  (`kernels.quantized_format_ok`: every format the loaders make, q8_0,
-  q4_k, q5_0, q6_k, int8 and int4, with their usual groups)."""
-  return kernels.quantized_format_ok(w.bits, w.group, w.cols,
-                                     bool(w.act_bits))
-
-
 def quantize_activations(x: jax.Array) -> jax.Array:
   """x [..., I] float32 -> the float32 values of its int8 quantization.
 
   Each row's chunks of `ACT_CHUNK` inputs get d = max|x| / 127 and codes
-  round(x / d) (half to even), as `specjax/kernels/smallm.cc` computes
-  them: the kernel's integer products equal this times the dequantised
-  matrix, summed in another order.
+  round(x / d) (half to even), as the CPU kernels compute them
+  (`specjax/cpu/kernels/smallm.cc`): their integer products equal this
+  times the dequantised matrix, summed in another order.
   """
   if x.shape[-1] % ACT_CHUNK:
     raise ValueError(f"int8 activations need inputs in chunks of "
@@ -227,38 +217,25 @@ def quantize_activations(x: jax.Array) -> jax.Array:
   return (codes * d).reshape(x.shape)
 
 
-def _kernel_arrays(w: QuantizedMatrix) -> dict[str, Any]:
-  """w as `kernels.smallm_quantized` takes it: every argument but x and
-  int8_activations."""
-  return dict(codes=w.low, scales=w.scales, mins=w.mins, high=w.high,
-              super_scales=w.super_scales, super_mins=w.super_mins,
-              bits=w.bits, group=w.group, offset=w.offset)
-
-
 def matmul(x: jax.Array, w: QuantizedMatrix, out_dtype: Any = None,
-           kernel: bool = False) -> jax.Array:
+           kernel: MatmulKernel | None = None) -> jax.Array:
   """x [..., I] times the [O, I] matrix, contracted on I -> [..., O].
 
   Accumulation is float32; the matrix is dequantised in float32 and cast to
-  x's dtype (a no-op for float32 models). With `kernel` (and float32 x, a
-  format `kernel_supports`, the CPU kernels available), the specjax CPU
-  kernel reads the packed rows once for all X rows (per piece of
-  `kernels.MAX_ROWS`) instead: the same weights, summed in another order.
-  With `w.act_bits` 8, x is first quantized to int8
-  (`quantize_activations`; the kernel multiplies the integer codes).
+  x's dtype (a no-op for float32 models). With a `kernel` that runs here
+  and `supports` w's format, and float32 x, the kernel reads the packed
+  rows once for all X rows instead (`MatmulKernel.quantized_matmul`): the
+  same weights, summed in another order. With `w.act_bits` 8, x is first
+  quantized to int8 (`quantize_activations`; a kernel multiplies the
+  integer codes).
   """
   if x.shape[-1] != w.cols:
     raise ValueError(f"Cannot multiply activations [..., {x.shape[-1]}] by "
                      f"a quantized {w.fmt} matrix [{w.rows}, {w.cols}].")
-  if (kernel and x.dtype == jnp.float32 and kernel_supports(w)
-      and kernels.available()):
-    lead, rows = x.shape[:-1], x.reshape(-1, w.cols)
-    # Pieces of at most kernels.MAX_ROWS rows, each reading w once.
-    pieces = [kernels.smallm_quantized(rows[i:i + kernels.MAX_ROWS],
-                                       **_kernel_arrays(w),
-                                       int8_activations=w.act_bits == 8)
-              for i in range(0, rows.shape[0], kernels.MAX_ROWS)]
-    out = jnp.concatenate(pieces)  # [X, O]
+  if (kernel is not None and x.dtype == jnp.float32 and kernel.supports(w)
+      and kernel.available()):
+    lead = x.shape[:-1]
+    out = kernel.quantized_matmul(x.reshape(-1, w.cols), w)  # [X, O]
     return out.reshape(*lead, w.rows).astype(out_dtype or x.dtype)
   if w.act_bits:
     x = quantize_activations(x.astype(jnp.float32)).astype(x.dtype)
@@ -266,19 +243,6 @@ def matmul(x: jax.Array, w: QuantizedMatrix, out_dtype: Any = None,
   out = jax.lax.dot_general(x, wf, (((x.ndim - 1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
   return out.astype(out_dtype or x.dtype)
-
-
-def matmul_pick(x: jax.Array, index: jax.Array,
-                ws: tuple[QuantizedMatrix, ...]) -> jax.Array:
-  """x [..., I] float32 times ws[index] -> [..., O] float32, in the CPU
-  kernel, which reads the chosen layer's packed arrays where they lie
-  (`kernels.smallm_quantized_pick`; a layer loop's product). Every matrix
-  must be one `kernel_supports`, with the same act_bits."""
-  lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
-  out = kernels.smallm_quantized_pick(
-      rows, index, tuple(_kernel_arrays(w) for w in ws),
-      int8_activations=ws[0].act_bits == 8)  # [X, O]
-  return out.reshape(*lead, out.shape[-1])
 
 
 def with_activations(params: Any, bits: int) -> Any:

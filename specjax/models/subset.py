@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import cache as cache_lib
+from specjax.models import moe
 from specjax.models.decoder import Decoder
 from specjax.models.protocol import array_bytes
 from specjax.models.protocol import CostGeometry
@@ -107,11 +108,12 @@ class LayerSubset(Decoder, DeclaredModel):
   @property
   def weight_bytes_per_token(self) -> int:
     """Parameter bytes one forward reads: the layers it runs' share of
-    the model's layers, and the embedding, final norm and head."""
-    params = self.model.params
-    layers = sum(array_bytes(x) for name, layer in params.items()
-                 if name.startswith("layers")
-                 for x in jax.tree.leaves(layer))
+    the model's layers (a mixture of experts' active ones), and the
+    embedding, final norm and head."""
+    stack = {name: layer for name, layer in self.model.params.items()
+             if name.startswith("layers")}
+    layers = (sum(map(array_bytes, jax.tree.leaves(stack)))
+              - moe.inactive_expert_bytes(self.model.config, stack))
     rest = self.model.weight_bytes_per_token - layers
     return rest + layers * self.num_layers_run // self.model.config.num_layers
 

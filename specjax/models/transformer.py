@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import cache as cache_lib
-from specjax import kernels
 from specjax.models.block import Block
 from specjax.models.block import param
 from specjax.models.block import rms_norm
@@ -280,38 +279,29 @@ class Transformer(nn.Module):
 
   def _loops(self, first: int, stop: int, x: jax.Array) -> bool:
     """Whether layers first..stop-1 run as one `lax.scan` (`_layer_loop`)
-    rather than unrolled: on a plan that uses the CPU kernel, for float32
-    or kernel-quantized matrices (`quantized.kernel_supports`), and layers
-    that share one window and rope (Llama, Qwen2, Mistral; not Gemma 3's
-    local and global mix).
+    rather than unrolled: on a plan with a kernel that multiplies every
+    one of their matrices in place (`MatmulKernel.loops`), for layers that
+    share one window and rope (Llama, Qwen2, Mistral; not Gemma 3's local
+    and global mix).
 
     An unrolled program holds a copy of every layer, so its compile time
-    grows with L (about 4-6 s per forward of the 1.5B target's 28 layers
-    on a Zen 4 core, against 0.7 s looped: BENCHMARKS.md "Compile"). A
-    loop needs products that read the layer's matrix in place, which the
-    kernel does (`LayerPick`); XLA's dot copies a sliced matrix first.
+    grows with L (BENCHMARKS.md "Compile"). A loop needs products that
+    read the layer's matrix in place, which the kernel does (`LayerPick`);
+    XLA's dot copies a sliced matrix first.
     """
     c = self.config
     shared = {(c.layer_window(i), c.layer_rope(i))
               for i in range(first, stop)}
+    # A mixture of experts' stacked experts are no kernel matrices: a loop
+    # would stack every layer's [X, ...] experts per call.
     if (not (self.plan.kernel and self.plan.layer_loop) or stop - first < 2
-        or x.dtype != jnp.float32 or len(shared) != 1
-        or not kernels.available()):
+        or len(shared) != 1 or c.num_experts):
       return False
     params = self.variables.get("params", {})
     if not all(f"layers_{i}" in params for i in range(first, stop)):
       return False
-    layers = [params[f"layers_{i}"] for i in range(first, stop)]
-    leaves = [w for p in layers for w in p.values()]
-    packed = [w for w in leaves if quantized.is_quantized(w)]
-    return (all(quantized.is_quantized(w) or w.dtype == jnp.float32
-                for w in leaves)
-            and all(quantized.kernel_supports(w) for w in packed)
-            and len({w.act_bits for w in packed}) <= 1
-            # A name is packed in every layer or in none.
-            and len({(name, quantized.is_quantized(w))
-                     for p in layers for name, w in p.items()})
-            == len(layers[0]))
+    return self.plan.kernel.loops(
+        [params[f"layers_{i}"] for i in range(first, stop)], x.dtype)
 
   def _unrolled(self, x, cache, positions, masks, first, stop,
                 hidden_layers, cache_is_empty):

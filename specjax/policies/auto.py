@@ -3,10 +3,10 @@
 Shape letters (`specjax.shapes`): B batch, G = γ_max, W verification
 widths.
 
-Per row, a running estimate of the conditional acceptance at each draft
-position (`Estimates`), and the forward costs of each target width and of
-a draft token (`specjax.policies.costs.StepCosts`: the tuning step's
-measured tables or the roofline; never timed inside a call). Drafting is a
+Per row it keeps a running estimate of the conditional acceptance at each
+draft position (`Estimates`), and it prices steps by the forward costs of
+each target width and of a draft token (`specjax.policies.costs.StepCosts`:
+tuned tables or the roofline, never timed inside a call). Drafting is a
 batch-wide cost, so before each step it picks the one budget K that
 maximises the batch's predicted tokens per ms,
 
@@ -14,32 +14,21 @@ maximises the batch's predicted tokens per ms,
 
 E[τ](K) = 1 + Σ_{i≤min(K, r_b - 1)} Π_{j≤i} a_j, d(K) the drafter's cost
 of K tokens. K = 0 is a plain step, kept unless the best K predicts more
-than `margin` over it (`choose`). Around that core, the parts that the
-simulator shows to pay (`specjax.tuning.simulate.over_best` on the
-committed cost tables, BENCHMARKS.md "Never slower"; a one-deeper
-draft did not, and is gone):
+than `margin` over it (`choose`). Around that core:
 
-- near the end (no row with over `horizon` tokens left) it prices when the
-  slowest row ends (`finish_rate`, `specjax.finish`);
-- a plain step drafts what an upper confidence bound on the first draft's
-  acceptance hopes for (`hoped`), so an estimate that a few unlucky
-  rejections pulled under the break-even is tested again, and one that
-  keeps seeing rejections stops hoping;
-- while it takes plain steps it probes with one draft now and then, the
-  wait stretched to the probe's price and doubled after each probe that
-  changes nothing, and none that the tokens left cannot repay (`_due`,
-  `probe_ms`, `_pays_back`): the estimates learn only from drafted steps,
-  so without probes a policy that stopped drafting would never see the
-  acceptance come back; a variant with unpriced probes every 16 steps
-  lost 9% at α = 0.05 on machine B's B = 1 table;
-- once drafted, it verifies only the leading drafts that pay (`trim`: for
-  a drafter that costs nothing, all the choosing).
+- near the end it prices when the slowest row ends (`finish_rate`);
+- a plain step drafts what an upper confidence bound on position 1's
+  acceptance hopes for (`hoped`), so a few unlucky rejections do not stop
+  drafting for long;
+- while it takes plain steps it probes with one draft now and then, priced
+  and backed off (`_due`, `probe_ms`, `_pays_back`): the estimates learn
+  only from drafted steps;
+- once drafted, it verifies only the leading drafts that pay (`trim`).
 
-Besides, a draft model's prefill guess at the first token is observed for
-free (`observe`); `warm` starts a next generation from all an earlier one
-saw; `may_draft` lets `speculative_generate` run `generate` where even
-certain acceptance could never pay. docs/policies.md tells the design and
-the measurements behind each part.
+`observe` takes a draft model's prefill guess at the first token for free;
+`warm` starts a generation from what an earlier one learned; `may_draft`
+lets `speculative_generate` run `generate` where drafting could never pay.
+Design: docs/policies.md; figures: BENCHMARKS.md, "Never slower".
 """
 
 from __future__ import annotations
@@ -99,15 +88,15 @@ class Auto(Estimates, PlainRuns):
       step drafts at least one token unless the rows observed position 1
       at prefill (`observe`); `probe_every` from learned estimates
       (`warm`).
-    optimism: [] float32 standard errors added to position 1's estimate
-      to decide whether a plain step should probe at once (`hoped`; 0:
-      only the scheduled probes).
-    margin: [] float32 the predicted gain over a plain step that drafting
-      must exceed, as a fraction (`choose`).
+    optimism: [] float32 standard errors `hoped` adds (see `create`).
+    margin: [] float32 the fractional gain drafting must beat (`choose`).
     max_gamma: G, static.
-    horizon: static, the most tokens a row may have left for the budget to
-      be chosen by when the batch ends (`score`); 0 for the steady state
-      only.
+    compiled: static, the target pass widths compiled (`widths`): () for
+      all of `verify_widths(G)`, or a subset from 1 to G + 1
+      (`StepCosts.for_call` drops the widths that would cost about as much
+      as the next larger one).
+    horizon: static: once no row has more tokens left than this, `score`
+      prices the batch's end (0: never).
     serial_finish: static, how `finish.expected_steps` computes the
       batch's end: in a loop (True), all at once (False), or by the
       backend (None).
@@ -127,6 +116,8 @@ class Auto(Estimates, PlainRuns):
   optimism: jax.Array
   margin: jax.Array
   max_gamma: int = flax.struct.field(pytree_node=False)
+  compiled: tuple[int, ...] = flax.struct.field(pytree_node=False,
+                                                default=())
   horizon: int = flax.struct.field(pytree_node=False, default=64)
   serial_finish: bool | None = flax.struct.field(pytree_node=False,
                                                  default=None)
@@ -137,12 +128,13 @@ class Auto(Estimates, PlainRuns):
              prior: float = 0.7, rate: float = 0.05, probe_every: int = 16,
              probe_max: int = 128, probe_first: bool = True,
              optimism: float = 1.0, margin: float = 0.03, horizon: int = 64,
-             serial_finish: bool | None = None) -> "Auto":
+             serial_finish: bool | None = None,
+             widths: Sequence[int] | None = None) -> "Auto":
     """Validates host values.
 
     Args:
       max_gamma: G.
-      target_ms: ms of a target pass of each width in `verify_widths(G)`.
+      target_ms: ms of a target pass of each width in `widths`.
       draft_ms: ms per drafted token after a step's first.
       first_draft_ms: ms of a step's first draft token (default
         `draft_ms`).
@@ -163,8 +155,15 @@ class Auto(Estimates, PlainRuns):
       horizon: choose by when the batch ends once no row has more than
         this many tokens left, >= 0 (0: by the steady state throughout).
       serial_finish: see the attribute (None: by the backend).
+      widths: the target pass widths to compile, ascending from 1 to G + 1
+        (default all of `verify_widths(G)`).
     """
-    widths = verify_widths(max_gamma)
+    ladder = verify_widths(max_gamma)
+    widths = ladder if widths is None else tuple(int(w) for w in widths)
+    if (widths[0] != 1 or widths[-1] != max_gamma + 1
+        or list(widths) != sorted(set(widths))):
+      raise ValueError(f"widths must ascend from 1 to G + 1 = "
+                       f"{max_gamma + 1}, got {widths}.")
     costs = np.asarray(target_ms, np.float32).reshape(-1)
     if costs.shape != (len(widths),) or not np.all(costs > 0):
       raise ValueError(f"target_ms needs one positive time per width "
@@ -202,17 +201,22 @@ class Auto(Estimates, PlainRuns):
                first_wait=jnp.int32(0 if probe_first else probe_every),
                optimism=jnp.float32(optimism), margin=jnp.float32(margin),
                max_gamma=int(max_gamma),
+               compiled=() if widths == ladder else widths,
                horizon=int(horizon), serial_finish=serial_finish)
 
   @classmethod
   def from_costs(cls, costs: StepCosts, **kwargs) -> "Auto":
-    """`create` priced by `costs` (`StepCosts.for_call`, or measured by
+    """`create` priced by `costs` (`StepCosts.for_call`, or timed by
     `specjax.tuning.cost.step_costs`); `kwargs` as `create` takes them."""
     return cls.create(**costs.policy_kwargs(), **kwargs)
 
+  @property
+  def widths(self) -> tuple[int, ...]:
+    return self.compiled or verify_widths(self.max_gamma)
+
   def costs(self) -> StepCosts:
     """The `StepCosts` this policy prices steps by (host values)."""
-    return StepCosts(max_gamma=self.max_gamma,
+    return StepCosts(max_gamma=self.max_gamma, widths=self.widths,
                      target_ms=tuple(map(float, self.target_ms)),
                      draft_ms=float(self.draft_ms),
                      first_draft_ms=float(self.first_draft_ms))
@@ -224,7 +228,8 @@ class Auto(Estimates, PlainRuns):
     for a server that keeps a warm policy from request to request. Same
     shapes, so nothing recompiles."""
     new = Auto.create(max_gamma=self.max_gamma, target_ms=target_ms,
-                      draft_ms=draft_ms, first_draft_ms=first_draft_ms)
+                      draft_ms=draft_ms, first_draft_ms=first_draft_ms,
+                      widths=self.widths)
     return self.replace(target_ms=new.target_ms, draft_ms=new.draft_ms,
                         first_draft_ms=new.first_draft_ms)
 
@@ -246,25 +251,17 @@ class Auto(Estimates, PlainRuns):
   def warm(self, state: AutoState) -> "Auto":
     """This policy, with every row of the next generation starting from
     what an earlier one learned (`state`, e.g. `SpecOutput.policy_state`):
-    a server keeps what it learned about its drafter on its workload
-    instead of restarting from the prior at each request.
+    a server keeps what it learned about its drafter across requests.
 
-    The estimates carried are the earlier generation's undecayed ones:
-    every row's observations (`seen_verified`, `seen_accepted`) pooled
-    with the counts it started from (as its pool counted them), not the
-    rows' decayed counts at its end, which rest on their last
-    1 / `rate` or so observations. From one short generation those few
-    can be unlucky (at B = 1, α = 0.8, a few rejections near the end), and
-    a start that trusted them might not draft for a whole next
-    generation. Each row starts from these pooled estimates with the
-    weight a row held, its start counts and its share of the
-    observations, up to a steady decayed count (1 / `rate` observations
-    of position 1), so that its own observations move them as fast as
-    any decayed estimate. The batch's pool counts them as the evidence of
-    all the rows that learned them (`start_rows`), not of one, and
-    `start_trials` carries a row's steps behind position 1, for `hoped`'s
-    bound. The estimates rest on observations, so there is no probe at the
-    first step. Same shapes, so nothing recompiles.
+    It carries the undecayed estimates, every row's observations
+    (`seen_verified`, `seen_accepted`) pooled with the start counts, not
+    the rows' decayed counts, which rest on the last 1 / `rate` or so
+    observations and can be unlucky after a short generation. Each row
+    holds them with at most a steady decayed weight (1 / `rate`
+    observations of position 1), so its own observations still move them;
+    the pool counts them as the evidence of all the rows that learned them
+    (`start_rows`), and `start_trials` feeds `hoped`'s bound. No probe at
+    the first step. Same shapes, so nothing recompiles.
     """
     state = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), state)
     rows = state.seen_verified.shape[0]
@@ -329,21 +326,12 @@ class Auto(Estimates, PlainRuns):
     K = 0..G) puts first among K = 1..`most` (default G), or 0 where its
     rate does not beat a plain step's by more than `margin`.
 
-    The costs are means of standalone forwards timed at other moments
-    than the steps they price, on a machine whose speed drifts by several
-    percent between minutes; and the acceptance estimates rest on few
-    observations. A predicted gain of a few percent is within both
-    errors, and where it is not real drafting loses: at B = 2 on machine
-    B a table priced one draft at α = 0.5 at 1.10x a plain step, and
-    `gamma="auto"` ran at 0.90x autoregressive decoding, which no fixed
-    γ beat (BENCHMARKS.md). Forgoing a true gain under `margin` costs at
-    most margin / (1 + margin) of the best. Simulated over the sweep's
-    cost tables at B = 1, 2, 4 and 8, with the drafting steps' true costs
-    up to 10% off the table either way (`tuning.simulate`,
-    BENCHMARKS.md), a margin of 3% raised the worst cell over no margin,
-    cold and warm (0.942 to 0.951, 0.971 to 0.974), for 0.1% of the
-    mean; 5% raised the cold one more and lowered the warm one; 8% and
-    12% lowered both."""
+    The costs are means of forwards timed apart from the steps they price,
+    and the acceptance estimates rest on few observations, so a predicted
+    gain of a few percent is within their error, and drafting on a gain
+    that is not real loses. Forgoing a real gain under `margin` costs at
+    most margin / (1 + margin) of the best (figures: BENCHMARKS.md, "Never
+    slower")."""
     k = jnp.arange(self.max_gamma + 1)
     most = self.max_gamma if most is None else most
     best = jnp.argmax(jnp.where((k >= 1) & (k <= most), rate, -jnp.inf))
@@ -413,9 +401,8 @@ class Auto(Estimates, PlainRuns):
     `remaining` None), the steady state (`predicted_rate`). Once none has,
     the batch's end is near and its slowest row sets it: `finish_rate`,
     which prices the spread of the rows' step counts that a larger K
-    widens (at B = 32, 32 tokens, machine G's costs and α = 0.5, one draft
-    is 1.06x a plain step in the steady state and 0.91x for the whole
-    generation). It gives every row the batch's estimates (`pooled`): the
+    widens, so a K the steady state favours can lose over the whole
+    generation. It gives every row the batch's estimates (`pooled`): the
     max over rows would otherwise follow whichever row's estimate a recent
     rejection pulled down.
 
@@ -518,19 +505,16 @@ class Auto(Estimates, PlainRuns):
   def plain_run(self, state, active, remaining=None):
     """The plain steps a plain choice stands for (`PlainRuns.plain_run`).
 
-    The estimates learn only from drafted steps, so over plain steps
-    three things move: `idle`, which makes a probe due (`_due`), at a
-    step found here for each of the next `LONGEST_PLAIN_RUN`; the tokens
-    left, which only lower what a probe could save (`_may_probe`: once
-    they forbid probes they do for good) and, once no row has more
-    than `horizon` left, hand the choice to `finish_rate`, so the run
-    ends there; and the rows that end, which the loop watches. Within
-    `horizon` of the end the choice stands where the steady state, at
-    `hoped`'s bound, would not draft either: no fewer tokens left can then
-    make drafting pay, since `finish_rate`'s gain over K = 0 is at most
-    `predicted_rate`'s (the slowest row alone takes E[steps] >= its
-    tokens / E[tau], by Wald's identity); elsewhere the run is this one
-    step.
+    Over plain steps the estimates do not move; what does is `idle` (the
+    run ends at the step a probe falls due, `_due`), the tokens left
+    (which only lower what a probe could save, `_may_probe`, and hand the
+    choice to `finish_rate` once no row has more than `horizon` left, so
+    the run ends there) and the rows that end (which the loop watches).
+    Within `horizon` of the end the choice stands where the steady state
+    at `hoped`'s bound would not draft either, since `finish_rate`'s gain
+    over K = 0 is at most `predicted_rate`'s (by Wald's identity the
+    slowest row takes E[steps] >= its tokens / E[τ]); elsewhere the run
+    is this one step.
     """
     steps = jnp.arange(1, LONGEST_PLAIN_RUN + 1)  # [R] runs of r steps
     due = self._due(state.replace(idle=state.idle + steps))  # [R]

@@ -7,18 +7,19 @@ A step that drafts k tokens costs the drafter's work, a first (two-token
 catch-up) pass and k - 1 one-token forwards of its `cost_model`, plus one
 target pass over the smallest compiled width that holds k + 1 tokens
 (`specjax.verify.verify_widths`). `StepCosts` holds those forward times for
-one call's B and S, from one of two sources, and nothing here times
-anything:
+one call's B and S, from one of two sources, and nothing here times or
+reads anything itself:
 
 - a measured table, written by the explicit tuning step (`python -m
-  specjax.tune`, or `specjax.tuning.cost.measure`) and only read here
-  (`read_table`);
+  specjax.tune`, or `specjax.tuning.cost.measure`) and read back by
+  `specjax.policies.measured`;
 - else a roofline: each forward costs the larger of its bytes read
   (weights, and the whole static KV cache that attention reads) over the
   memory bandwidth and its FLOPs over the peak rate, plus a fixed launch
   overhead (`Roofline`). The machine's bandwidth and peak come from the
   tuning step's measurement where it ran (`Roofline.cached`), else from
-  nominal figures per backend and device (`Roofline.nominal`).
+  nominal figures per backend and device (`Roofline.nominal`,
+  `specjax.hardware.nominal_rates`).
 
 So a user's first call and every later one cost what the steady state
 costs: no forward is timed inside `speculative_generate`.
@@ -49,10 +50,10 @@ this is Leviathan's formula.
 
 That is the steady state. One generation of B rows of N tokens each runs
 until its slowest row ends, and rows that finish earlier idle through its
-last steps: at B = 16 and N = 16 that made a fixed γ = 4 measure 1.5x
-slower than the steady state (BENCHMARKS.md). `tokens_per_s(...,
-tokens=N)` therefore divides B · N by the expected number of steps of the
-slowest row (`expected_steps`) instead of by N / E[τ].
+last steps, which at large B and small N costs much of the steady rate
+(BENCHMARKS.md). `tokens_per_s(..., tokens=N)` therefore divides B · N by
+the expected number of steps of the slowest row (`expected_steps`)
+instead of by N / E[τ].
 """
 
 from __future__ import annotations
@@ -66,16 +67,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import hardware
-from specjax import store
 from specjax.models.protocol import declared
 from specjax.models.protocol import LanguageModel
+from specjax.policies import measured
 from specjax.verify import verify_widths
 from specjax.verify import width_index
 
 __all__ = ["ForwardCosts", "Roofline", "StepCosts", "catch_up_ms",
-           "check_entry", "check_machine", "drafting_ms", "expected_steps",
-           "expected_tokens",
-           "read_table", "survival", "table_key"]
+           "drafting_ms", "expected_steps", "expected_tokens", "survival"]
 
 
 def drafting_ms(num_drafts: jax.Array, first_draft_ms: jax.Array,
@@ -134,51 +133,6 @@ class ForwardCosts:
     return first + (num_drafts - 1) * self.at(1)
 
 
-def table_key(model: LanguageModel, batch: int, cache_size: int,
-              chunks: Sequence[int]) -> str:
-  """The key of `model`'s cost table at B, S and chunk lengths T: this
-  machine's, then the model's own (`CostGeometry.key`)."""
-  geometry = declared(model).cost_geometry()
-  return (f"{hardware.machine_key()}|{geometry.key}|B={batch}|"
-          f"S={cache_size}|T={','.join(map(str, chunks))}")
-
-
-def check_entry(entry: Any) -> None:
-  """Raises ValueError/KeyError/TypeError on an invalid table entry."""
-  for times in [entry["forward_ms"], *entry.get("passes", [])]:
-    if not all(float(v) > 0 for v in times.values()):
-      raise ValueError("non-positive time")
-
-
-def read_table(model: LanguageModel, *, batch: int, chunks: Sequence[int],
-               cache_size: int,
-               cache_dir: str | os.PathLike | None = None
-               ) -> ForwardCosts | None:
-  """The measured table of `model` at B, S and T = `chunks`, or None where
-  the tuning step has not measured it. Reads only; times nothing."""
-  chunks = tuple(sorted(set(int(t) for t in chunks)))
-  entries = store.read(store.path_for("cost", cache_dir), check_entry)
-  entry = entries.get(table_key(model, batch, cache_size, chunks))
-  if entry is None:
-    return None
-  passes = [{int(t): float(v) for t, v in p.items()}
-            for p in entry.get("passes", [entry["forward_ms"]])]
-  mean = {t: float(np.mean([p[t] for p in passes])) for t in passes[0]}
-  return ForwardCosts(batch, mean, "cache")
-
-
-# Nominal (bandwidth B/s, bf16 peak FLOP/s) by device kind, from vendors'
-# data sheets, for a machine the tuning step has not measured.
-_DEVICES = (
-    ("H200", 4.8e12, 989e12), ("H100", 3.35e12, 989e12),
-    ("A100", 2.0e12, 312e12), ("L4", 3.0e11, 121e12),
-    ("T4", 3.2e11, 65e12), ("V100", 9.0e11, 125e12),
-    ("v5 lite", 8.19e11, 197e12), ("v5e", 8.19e11, 197e12),
-    ("v5p", 2.76e12, 459e12), ("v6", 1.64e12, 918e12),
-    ("v4", 1.2e12, 275e12), ("v3", 9.0e11, 123e12), ("v2", 7.0e11, 46e12),
-)
-
-
 @dataclasses.dataclass(frozen=True)
 class Roofline:
   """A forward's time from its bytes and FLOPs.
@@ -197,36 +151,18 @@ class Roofline:
 
   @classmethod
   def nominal(cls) -> "Roofline":
-    """Figures for this backend that need no timing: per device kind on
-    GPU and TPU; on CPU about 10 GB/s and, with AVX-512 (AVX2), 100 (50)
-    GFLOP/s per core (a 2-core AVX-512 machine read 20-29 GB/s and ran a
-    2048³ GEMM at 216 GFLOP/s, DESIGN.md)."""
-    backend = jax.default_backend()
-    if backend == "cpu":
-      cores = os.cpu_count() or 1
-      simd = hardware.cpu_simd()
-      per_core = 100e9 if "avx512f" in simd else (
-          50e9 if "avx2" in simd else 10e9)
-      return cls(min(10e9 * cores, 200e9), per_core * cores, 0.05)
-    kind = jax.devices()[0].device_kind
-    for name, bandwidth, peak in _DEVICES:
-      if name.lower() in kind.lower():
-        # float32 weights run at about half the bf16 tensor rate (TF32).
-        return cls(bandwidth, peak / 2, 0.2)
-    return cls(1e12, 50e12, 0.2)
+    """This backend's device by its nominal figures, needing no timing
+    (`hardware.nominal_rates`)."""
+    return cls(**hardware.nominal_rates())
 
   @classmethod
   def cached(cls, cache_dir: str | os.PathLike | None = None
              ) -> "Roofline":
-    """What the tuning step measured on this machine, else `nominal`."""
-    entries = store.read(store.path_for("machine", cache_dir),
-                         check_machine)
-    entry = entries.get(hardware.machine_key())
-    if entry is None:
-      return cls.nominal()
-    return cls(float(entry["bandwidth"]), float(entry["flops"]),
-               float(entry.get("overhead_ms", cls.nominal().overhead_ms)),
-               "measured")
+    """What the tuning step measured on this machine
+    (`measured.machine_rates`), else `nominal`."""
+    rates = measured.machine_rates(cache_dir)
+    return cls.nominal() if rates is None else cls(**rates,
+                                                   source="measured")
 
   def forward(self, model: LanguageModel, *, batch: int,
               chunks: Sequence[int], cache_size: int) -> ForwardCosts:
@@ -243,11 +179,6 @@ class Roofline:
                     flops / self.flops)
       ms[int(t)] = 1e3 * seconds + self.overhead_ms
     return ForwardCosts(batch, ms, "roofline")
-
-
-def check_machine(entry: Any) -> None:
-  if not (float(entry["bandwidth"]) > 0 and float(entry["flops"]) > 0):
-    raise ValueError("non-positive bandwidth or FLOP rate")
 
 
 def survival(acceptance: Sequence[float], gamma: int) -> np.ndarray:
@@ -312,12 +243,14 @@ class StepCosts:
 
   Attributes:
     max_gamma: G.
-    target_ms: ms of a target pass of each width in `verify_widths(G)`.
+    target_ms: ms of a target pass of each width in `widths`.
     draft_ms: ms of each draft token after a step's first (0 for a
       drafter that runs no model).
     first_draft_ms: ms of a step's first draft token (the draft model's
       two-token catch-up pass).
     source: "table" (measured by the tuning step) or "roofline".
+    widths: the target pass widths priced, from 1 to G + 1 (default all
+      of `verify_widths(G)`; `for_call` keeps those worth compiling).
   """
 
   max_gamma: int
@@ -325,10 +258,11 @@ class StepCosts:
   draft_ms: float = 0.0
   first_draft_ms: float = 0.0
   source: str = "table"
+  widths: tuple[int, ...] = ()
 
-  @property
-  def widths(self) -> tuple[int, ...]:
-    return verify_widths(self.max_gamma)
+  def __post_init__(self):
+    if not self.widths:
+      object.__setattr__(self, "widths", verify_widths(self.max_gamma))
 
   def step_ms(self, k: int) -> float:
     """ms of a step that drafts k tokens (0: a plain step)."""
@@ -362,7 +296,8 @@ class StepCosts:
   def policy_kwargs(self) -> dict[str, Any]:
     """`Auto.create`'s cost arguments."""
     return {"max_gamma": self.max_gamma, "target_ms": list(self.target_ms),
-            "draft_ms": self.draft_ms, "first_draft_ms": self.first_draft_ms}
+            "draft_ms": self.draft_ms, "first_draft_ms": self.first_draft_ms,
+            "widths": self.widths}
 
   @classmethod
   def from_forwards(cls, max_gamma: int, target: ForwardCosts,
@@ -389,17 +324,39 @@ class StepCosts:
                *, batch: int, cache_size: int, max_gamma: int,
                cache_dir: str | os.PathLike | None = None) -> "StepCosts":
     """The costs of a call at B and S: the tuning step's tables where both
-    models have one, else the roofline (`Roofline.cached`). `cost_model`
-    is the drafter's (`Drafter.cost_model`; None: it runs no model)."""
+    models have one (`measured.forward_ms`), else the roofline
+    (`Roofline.cached`). `cost_model` is the drafter's
+    (`Drafter.cost_model`; None: it runs no model)."""
     widths = verify_widths(max_gamma)
     where = dict(batch=batch, cache_size=cache_size)
-    table = read_table(target, chunks=widths, cache_dir=cache_dir, **where)
-    draft_table = None if cost_model is None else read_table(
+    table = measured.forward_ms(target, chunks=widths, cache_dir=cache_dir,
+                                **where)
+    draft_table = None if cost_model is None else measured.forward_ms(
         cost_model, chunks=(1, 2), cache_dir=cache_dir, **where)
     if table is not None and (cost_model is None or draft_table is not None):
-      return cls.from_forwards(max_gamma, table, draft_table, "table")
+      draft = (None if draft_table is None
+               else ForwardCosts(batch, draft_table, "cache"))
+      return cls.from_forwards(max_gamma, ForwardCosts(batch, table, "cache"),
+                               draft, "table")
     roofline = Roofline.cached(cache_dir)
     model = roofline.forward(target, chunks=widths, **where)
     draft = None if cost_model is None else roofline.forward(
         cost_model, chunks=(1, 2), **where)
-    return cls.from_forwards(max_gamma, model, draft, "roofline")
+    return cls.from_forwards(max_gamma, model, draft,
+                             "roofline").worth_compiling()
+
+  def worth_compiling(self, tolerance: float = 0.05) -> "StepCosts":
+    """These costs at the widths worth a compiled pass of their own: 1,
+    G + 1, and each width between whose pass costs at least `tolerance`
+    less than the next larger one kept. Each width is another target
+    forward in the program: where passes cost alike (a memory-bound
+    accelerator), a short proposal loses nothing by the wider pass and
+    the program compiles fewer forwards."""
+    kept = [len(self.widths) - 1]
+    for i in range(len(self.widths) - 2, 0, -1):
+      if self.target_ms[i] <= (1.0 - tolerance) * self.target_ms[kept[-1]]:
+        kept.append(i)
+    kept = sorted(kept + [0])
+    return dataclasses.replace(
+        self, widths=tuple(self.widths[i] for i in kept),
+        target_ms=tuple(self.target_ms[i] for i in kept))

@@ -76,21 +76,17 @@ class Estimates:
     that verified it in some row).
 
     The rows are the active ones and those that have ended after
-    verifying something: the rows still running near the end are the
-    ones whose drafts were rejected more (that is why they lag), so a pool
-    of them alone would be biased low exactly when the finish time is
-    chosen by it.
+    verifying something: the rows still running near the end are those
+    whose drafts were rejected more, so a pool of them alone would be
+    biased low exactly when the finish time is chosen by it.
 
-    Each row holds a decayed copy of the counts it started from (the
-    prior, or what `warm` carried), which in a pool would be counted B
-    times and outweigh the batch's first observations: after one
-    accepted one-token probe at B = 8 from a prior of 0.7, 0.854 where
-    the pool says 0.968 (at the default rate). So the start counts are
-    counted once, at the rows' mean decay, (1 - rate)^n for a row that
-    verified position 1 n times (a deeper position decays no faster, so
-    its copy is at least that), times the rows they stand for
-    (`start_rows`: 1 for the prior, an earlier batch's B after `warm`,
-    whose pool they continue).
+    Each row holds a decayed copy of its start counts (the prior, or what
+    `warm` carried); summed, they would count B times and outweigh the
+    batch's first observations. So the start counts are counted once, at
+    the rows' mean decay ((1 - rate)^n for a row that verified position 1
+    n times; deeper positions decay no faster), times the rows they stand
+    for (`start_rows`: 1 for the prior, an earlier batch's B after
+    `warm`).
     """
     seen = state.seen_verified[:, 0]  # [B] position 1's verifications
     active = active | (seen > 0)

@@ -83,7 +83,7 @@ def shard(model: Model, mesh: Mesh, *, head: str = "vocab",
     call GSPMD cannot split) keeps its layout but uses XLA's dots.
   """
   if model.plan.kernel and mesh.size > 1:
-    model = model.with_plan(dataclasses.replace(model.plan, kernel=False))
+    model = model.with_plan(dataclasses.replace(model.plan, kernel=None))
   specs = rules.param_specs(model.config, mesh, plan=model.plan, head=head,
                             split=split)
   params = jax.tree.map(

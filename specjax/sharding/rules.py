@@ -1,14 +1,18 @@
 """Partition rules: one table mapping parameter paths to mesh axes.
 
 Shape letters (`specjax.shapes`): V vocab, E hidden, H query heads, K
-key/value heads, D head dim, F MLP size.
+key/value heads, D head dim, F MLP size, X experts, F_s shared expert size.
 
 Each rule names, for a parameter path (`specjax.models.config.flatten`:
 `embed`, `layers_3/q`, ...), a logical axis per dimension of its canonical
 [in, out] shape, as big_vision and jax-llm-examples do: attention heads and
 MLP columns (q, k, v, gate, up) split on their output, their partners (o,
 down) on their input, so each layer needs one all-reduce after o and one
-after down (Megatron's layout). Logical axes then map to mesh axes:
+after down (Megatron's layout). A mixture of experts splits each expert
+the same way (experts [X, E, F] on F, their down [X, F, E] on F), so that
+gathering a token's experts needs no communication and the layer still
+ends in one all-reduce; the router [E, X] stays whole. Logical axes then
+map to mesh axes:
 
 - `heads`, `mlp` -> `MODEL`;
 - `vocab` or `embed` -> `MODEL`, as `head` chooses. "vocab" (the default)
@@ -51,6 +55,12 @@ RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"layers_\d+/o", ("heads", None)),  # [H*D, E]
     (r"layers_\d+/(gate|up)", (None, "mlp")),  # [E, F]
     (r"layers_\d+/down", ("mlp", None)),  # [F, E]
+    (r"layers_\d+/router", (None, None)),  # [E, X]
+    (r"layers_\d+/experts_(gate|up)", (None, None, "mlp")),  # [X, E, F]
+    (r"layers_\d+/experts_down", (None, "mlp", None)),  # [X, F, E]
+    (r"layers_\d+/shared_(gate|up)", (None, "mlp")),  # [E, F_s]
+    (r"layers_\d+/shared_down", ("mlp", None)),  # [F_s, E]
+    (r"layers_\d+/shared_expert_gate", (None, None)),  # [E, 1]
     (r"(layers_\d+/)?\w*norm", (None,)),  # [E]
 )
 HEADS = ("vocab", "hidden")

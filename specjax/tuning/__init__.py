@@ -1,18 +1,15 @@
-"""Measured choices that depend on the machine.
+"""The tuning step behind `gamma="auto"`: measure once, cache, on any
+backend (`python -m specjax.tune`).
 
-- `matmul`: which `MatmulPlan` makes a verification pass cost about one
-  forward on this CPU.
-- `quantize`: whether a GGUF model's own blocks or its float weights are
-  the faster model here (`quantize="auto"`).
-- `cost`: forward times per model, batch and chunk length, and the
-  speculative throughput they predict.
-- `simulate`: a γ policy's mean throughput under the cost model and
-  synthetic acceptance, without timing noise.
+- `cost`: forward times per model, batch, cache size and chunk length;
+- `machine`: the machine's memory bandwidth and matmul rate.
+
+Calls only read what these wrote (`specjax.policies.measured`). The
+CPU-only choices (matmul plans, `quantize="auto"`) are the CPU wing's,
+`specjax.cpu`.
 """
 
 from specjax.tuning import cost
-from specjax.tuning import matmul
-from specjax.tuning import quantize
-from specjax.tuning import simulate
+from specjax.tuning import machine
 
-__all__ = ["cost", "matmul", "quantize", "simulate"]
+__all__ = ["cost", "machine"]

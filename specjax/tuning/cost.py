@@ -5,10 +5,11 @@ tokens per forward, G = γ.
 
 `measure` times each model's forward at the chunk lengths T a step runs,
 per batch size and cache size, and caches the table on disk per machine
-and shapes; `step_costs` turns the tables into the `policies.StepCosts`
-that `gamma="auto"` prices its steps by (the throughput model itself is
-described in `specjax.policies.costs`). This is the explicit tuning step
-(`python -m specjax.tune`); nothing here runs inside a user's call.
+and shapes (`specjax.policies.measured` reads it back); `step_costs` turns
+the tables into the `policies.StepCosts` that `gamma="auto"` prices its
+steps by (the throughput model itself is described in
+`specjax.policies.costs`). This is the explicit tuning step (`python -m
+specjax.tune`), on any backend; nothing here runs inside a user's call.
 """
 
 from __future__ import annotations
@@ -24,22 +25,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import hardware
-from specjax import sampling
 from specjax import padding
+from specjax import sampling
+from specjax import store
 from specjax.models.protocol import model_output
-from specjax.policies.costs import check_entry
-from specjax.policies.costs import expected_steps
-from specjax.policies.costs import expected_tokens
 from specjax.policies.costs import ForwardCosts
 from specjax.policies.costs import StepCosts
+from specjax.policies.measured import check_entry
+from specjax.policies.measured import table_key
 from specjax.verify import verify_widths
-from specjax.policies.costs import table_key
-from specjax import store
 
 __all__ = ["AGREE", "DRIFT", "PASSES", "READ_BYTES", "RECHECK",
-           "RECHECK_MIN_S", "ForwardCosts", "compiled_forward_hlo",
-           "expected_steps", "expected_tokens", "step_costs",
-           "forward_step", "measure", "read_step"]
+           "RECHECK_MIN_S", "compiled_forward_hlo", "forward_step",
+           "measure", "read_step", "step_costs"]
 
 READ_BYTES = 1 << 30
 
@@ -137,23 +135,18 @@ def measure(model: Any, *, batch: int, chunks: Sequence[int],
   """Forward times of `model` at B = `batch` for each T in `chunks`.
 
   Measured once per machine, model, plan, B, S and chunks, then read from
-  `$SPECJAX_CACHE/tuning/cost.json` (deleting it re-measures; `refresh`
-  forces it) and timed again from time to time while in use. Each
-  forward runs after a prefill of `prompt_tokens` (default S / 2), so
-  attention reads a cache of realistic length.
+  `<cache>/tuning/cost.json` (deleting it re-measures; `refresh` forces
+  it) and timed again from time to time while in use. Each forward runs
+  after a prefill of `prompt_tokens` (default S / 2), so attention reads a
+  cache of realistic length.
 
   A machine's speed is not fixed (a shared host, a hypervisor's share of
   the CPU, a process that has not quite ended), and it need not change
-  alike at every T. On machine F, at the 1.5B shapes and B = 1, one
-  session cached 230 ms for T = 1 and 328 for T = 3; the next measured
-  265-294 and 331-402. On machine B at B = 1 the one-token forward
-  switches every few seconds between 141 ms (a third of the time) and 196
-  ms, while the three-token one moves from 183 to 206 ms: t(3)/t(1) is
-  1.29 in one state, 1.05 in the other and 1.12 over time, and two drafts
-  pay from α = 0.73, 0.50 or 0.57 (BENCHMARKS.md). A timing of a few
-  seconds falls in one state, and so would the median of a few of them.
-  What a generation pays is the mean over time, so a table is the mean
-  of passes taken at different moments:
+  alike at every T: a forward can switch every few seconds between two
+  speeds, which moves t(γ+1)/t(1) and so the α from which drafting pays.
+  A timing of a few seconds falls in one state, and so would the median
+  of a few of them. What a generation pays is the mean over time, so a
+  table is the mean of passes taken at different moments:
 
   - a new table takes two passes, and a third when they do not `AGREE`;
     while it has fewer than `PASSES`, another pass is due every
@@ -170,8 +163,7 @@ def measure(model: Any, *, batch: int, chunks: Sequence[int],
     share of it): the table is measured anew.
 
   Attention reads all S slots of the static cache whatever the rows'
-  lengths, so a forward's cost grows with S (on machine C, B = 8 at the
-  1.5B shapes: 335 ms at S = 128, 455 ms at S = 512); measure at the S the
+  lengths, so a forward's cost grows with S; measure at the S the
   generation will use, or the verify pass's cost relative to a one-token
   step comes out wrong.
   """

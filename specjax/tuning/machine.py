@@ -2,8 +2,9 @@
 
 `measure_roofline` times a large-array read (`tuning.cost.read_step`) and a
 square float32 matrix product once, and caches them per machine
-(`$SPECJAX_CACHE/tuning/machine.json`), where `policies.Roofline.cached`
-reads them to price forwards that no table covers.
+(`<cache>/tuning/machine.json`), where `policies.Roofline.cached` reads
+them (`policies.measured.machine_rates`) to price forwards that no table
+covers.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import jax.numpy as jnp
 
 from specjax import hardware
 from specjax import store
-from specjax.policies.costs import check_machine
 from specjax.policies.costs import Roofline
+from specjax.policies.measured import check_machine
 from specjax.tuning.cost import READ_BYTES
 from specjax.tuning.cost import read_step
 

@@ -12,8 +12,9 @@ plan (`candidates`) on a stack of weight matrices of the model's own shapes
 plus a slice of the vocabulary head), at each X in `rows`, interleaved
 round-robin. It picks the plan with the least total time over `rows`, i.e.
 one decode step plus one verification pass for the default rows (1, 5).
+Kernel plans carry `specjax.cpu.SMALLM`.
 
-The choice and the timings are cached in `$SPECJAX_CACHE/tuning/matmul.json`
+The choice and the timings are cached in `<cache>/tuning/matmul.json`
 under a key naming the CPU model, core count, backend, JAX version, the kernel
 sources' hash, the candidate plans, dtype, shapes and rows. Deleting the file
 re-measures; a corrupt file is ignored with a warning and rewritten. A user
@@ -33,8 +34,9 @@ import jax
 import jax.numpy as jnp
 
 from specjax import hardware
-from specjax import kernels
 from specjax import store
+from specjax.cpu import kernels
+from specjax.cpu.matmul import SMALLM
 from specjax.models import MatmulPlan
 from specjax.models import Model
 from specjax.models import ModelConfig
@@ -84,7 +86,7 @@ def cache_file(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
 def candidates(dtype: Any) -> list[str]:
   """Plan names worth timing here: the kernel only for float32 on CPU."""
   names = ["in_out/xla", "out_in/xla"]
-  if jnp.dtype(dtype) == jnp.float32 and kernels.available():
+  if jnp.dtype(dtype) == jnp.float32 and SMALLM.available():
     names += ["out_in/kernel", "out_in/hybrid"]
   return names
 
@@ -159,7 +161,7 @@ def _measure(config: ModelConfig, dtype: Any, names: Sequence[str],
              rows: Sequence[int]) -> dict[str, dict[str, float]]:
   steps = {}
   for name in names:
-    plan = MatmulPlan.parse(name)
+    plan = MatmulPlan.parse(name, SMALLM)
     layers, head = stack(config, dtype, plan)
     forward = _forward(plan)
     for m in rows:
@@ -173,7 +175,7 @@ def _measure(config: ModelConfig, dtype: Any, names: Sequence[str],
 
 
 def _check_entry(entry: Any) -> None:
-  MatmulPlan.parse(entry["plan"])
+  MatmulPlan.parse(entry["plan"], SMALLM)
   if not isinstance(entry["timings_ms"], dict):
     raise ValueError("an entry has no timings")
 
@@ -198,8 +200,8 @@ def tune(config: ModelConfig, dtype: Any = jnp.float32, *,
   matmul = os.environ.get("SPECJAX_MATMUL") or matmul
   if matmul != "auto":
     plan = matmul if isinstance(matmul, MatmulPlan) else MatmulPlan.parse(
-        matmul)
-    if plan.kernel and not kernels.available():
+        matmul, SMALLM)
+    if plan.kernel and not plan.kernel.available():
       raise kernels.KernelError(
           f"Matmul plan {plan.name!r} was forced, but the specjax CPU kernels "
           "are not available here (CPU backend and a C++ compiler needed).")
@@ -214,7 +216,8 @@ def tune(config: ModelConfig, dtype: Any = jnp.float32, *,
   entry = entries.get(key)
   names = candidates(dtype)
   if entry is not None and entry["plan"] in names:
-    return TuneResult(plan=MatmulPlan.parse(entry["plan"]), source="cache",
+    return TuneResult(plan=MatmulPlan.parse(entry["plan"], SMALLM),
+                      source="cache",
                       timings_ms=entry["timings_ms"], rows=rows, key=key)
   timings = _measure(config, dtype, names, rows)
   best = min(names, key=lambda n: sum(timings[n].values()))
@@ -222,7 +225,7 @@ def tune(config: ModelConfig, dtype: Any = jnp.float32, *,
                   "measured": datetime.datetime.now().isoformat(
                       timespec="seconds")}
   store.write(path, entries)
-  return TuneResult(plan=MatmulPlan.parse(best), source="measured",
+  return TuneResult(plan=MatmulPlan.parse(best, SMALLM), source="measured",
                     timings_ms=timings, rows=rows, key=key)
 
 

@@ -9,24 +9,22 @@ its float weights. The two are the same model (the blocks dequantise to
 the float loader's weights bit for bit, and speculation is exact for
 either), so the choice is about speed alone, and speed depends on the CPU:
 the block kernel is bound by compute (unpacking), the float product by
-memory (BENCHMARKS.md "Quantized weights": the blocks decode 2.6x faster
-than fp32 on a Zen 4 core and 3.1x on a Zen 5 one, and prefill costs more
-on the first).
+memory (BENCHMARKS.md "Quantized weights").
 
 `choose` times, at each X in `rows` (a decode step and a verification
-pass, as `tuning.matmul`), every matrix product of one forward of each
+pass, as `specjax.cpu.plans`), every matrix product of one forward of each
 candidate, interleaved round-robin:
 
 - "gguf": the model's own block matrices, all L layers and the head,
   through the plan a quantized model gets (the CPU kernel, which its
   layer loop sends every X);
 - "float": matrices of the same shapes stored and multiplied as the
-  float model's plan (`tuning.matmul.tune`), on enough layers to exceed
-  the caches, scaled to L, and the whole [V, E] head.
+  float model's plan (`specjax.cpu.plans.tune`), on enough layers to
+  exceed the caches, scaled to L, and the whole [V, E] head.
 
 It keeps the candidate of least total time over `rows`. Prefill chunks are
 not weighed: a call's decoding steps are its bulk. The choice and the
-estimates are cached in `$SPECJAX_CACHE/tuning/quantize.json` under a key
+estimates are cached in `<cache>/tuning/quantize.json` under a key
 naming the machine, kernel sources, both plans, dtype, shapes, the file's
 block types and rows; deleting the file re-measures.
 """
@@ -46,24 +44,24 @@ import jax
 import jax.numpy as jnp
 
 from specjax import hardware
-from specjax import kernels
 from specjax import store
 from specjax.checkpoints import gguf_blocks
 from specjax.checkpoints.gguf import read_config
 from specjax.checkpoints.gguf_reader import GGUFFile
+from specjax.cpu import plans
+from specjax.cpu.matmul import SMALLM
 from specjax.models import MatmulPlan
 from specjax.models import Model
 from specjax.models import ModelConfig
 from specjax.models import quantized
 from specjax.models.matmul import LayerPick
 from specjax.models.matmul import project
-from specjax.tuning import matmul
 
 __all__ = ["KERNEL_PLAN", "QuantizeChoice", "block_types", "cache_file",
            "choose", "choose_for_file"]
 
 # The plan `load_pretrained` gives a quantized model where the kernels are.
-KERNEL_PLAN = MatmulPlan.parse("out_in/kernel")
+KERNEL_PLAN = MatmulPlan.parse("out_in/kernel", SMALLM)
 _REPEATS = 7
 
 
@@ -131,7 +129,7 @@ def _as_looped(layers: list[dict[str, Any]], plan: MatmulPlan
     return layers
   zero = jnp.zeros((), jnp.int32)
   return [{n: LayerPick(ws=(w,), index=zero)
-           if quantized.is_quantized(w) and quantized.kernel_supports(w)
+           if quantized.is_quantized(w) and plan.kernel.supports(w)
            else w for n, w in layer.items()} for layer in layers]
 
 
@@ -145,13 +143,13 @@ def _measure(config: ModelConfig, dtype: Any, float_plan: MatmulPlan,
              ) -> dict[str, dict[str, float]]:
   """Estimated ms of one forward's products per candidate and X."""
   blocks = blocks.with_plan(blocks_plan)
-  layers, head = matmul.stack(config, dtype, float_plan,
+  layers, head = plans.stack(config, dtype, float_plan,
                               head_rows=config.vocab_size)
   candidates = {
       "float": (float_plan, layers, head, config.num_layers / len(layers)),
       "gguf": (blocks.plan, _as_looped(_layers(blocks), blocks.plan),
                _head(blocks), 1.0)}
-  run = jax.jit(matmul.run_layers, static_argnames="plan")
+  run = jax.jit(plans.run_layers, static_argnames="plan")
   logits = jax.jit(project, static_argnames="plan")
   steps: dict[tuple[str, str, int], Callable[[], Any]] = {}
   for name, (plan, ws, w_head, _) in candidates.items():
@@ -160,8 +158,8 @@ def _measure(config: ModelConfig, dtype: Any, float_plan: MatmulPlan,
       steps[(name, "layers", m)] = (
           lambda x=x, ws=ws, p=plan: run(x, ws, plan=p))
       steps[(name, "head", m)] = (
-          lambda x=x, w=w_head, p=matmul.head_plan(plan): logits(x, w,
-                                                                  plan=p))
+          lambda x=x, w=w_head, p=plans.head_plan(plan): logits(x, w,
+                                                                 plan=p))
   times = hardware.median_ms(steps, _REPEATS)
   return {name: {str(m): times[(name, "layers", m)] * scale
                  + times[(name, "head", m)] for m in rows}
@@ -191,7 +189,7 @@ def choose(config: ModelConfig, blocks: Callable[[], Model], *,
     A `QuantizeChoice`.
   """
   rows = tuple(int(m) for m in rows)
-  key = (f"{matmul.cache_key(config, dtype, rows)}|float={float_plan.name}"
+  key = (f"{plans.cache_key(config, dtype, rows)}|float={float_plan.name}"
          f"|blocks={blocks_plan.name}|{types}")
   path = cache_file(cache_dir)
   entries = store.read(path, _check_entry)
@@ -242,7 +240,7 @@ def choose_for_file(path: str | os.PathLike, dtype: Any,
   """
   rows = tuple(int(m) for m in rows)
   fixed = functools.partial(QuantizeChoice.fixed, rows=rows)
-  if not kernels.available():
+  if not SMALLM.available():
     return fixed("the specjax CPU kernels are not available here")
   if jnp.dtype(dtype) != jnp.float32:
     return fixed(f"the float model is {jnp.dtype(dtype).name}, and the "
@@ -258,8 +256,8 @@ def choose_for_file(path: str | os.PathLike, dtype: Any,
   if matmul_plan is None:
     float_plan = blocks_plan = MatmulPlan()
   else:
-    tuned = matmul.tune(config, dtype, rows=rows, matmul=matmul_plan,
-                        cache_dir=cache_dir)
+    tuned = plans.tune(config, dtype, rows=rows, matmul=matmul_plan,
+                       cache_dir=cache_dir)
     float_plan = tuned.plan
     blocks_plan = float_plan if tuned.source == "forced" else KERNEL_PLAN
   types = "+".join(f"{name}*{n}" for name, n in sorted(counts.items()))

@@ -811,7 +811,7 @@ template <int G, int NB>
 // and one fused subtraction of coef times the group's sum of q * d
 // accumulate in float; the groups are summed at the end. The float
 // operations serve NB rows at once (a [8960, 1536] Q4_K product at 9
-// rows: 5.2 -> 3.8 cycles per row and block on machine I, in cache). With
+// rows: 5.2 -> 3.8 cycles per row and block on a Zen 4 core, in cache). With
 // one weight row each lane repeats its group's value, and every row's
 // float operations are the same ones on the same values whatever NB, R
 // and M are: a verification pass reproduces a decode step bit for bit.

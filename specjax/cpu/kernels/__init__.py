@@ -6,17 +6,20 @@ features, O output features.
 `smallm_matmul(x [X, I], w [O, I]) -> [X, O]` is the few-row product that a
 decode step (X = B) and a verification pass (X = B(γ+1)) spend their time in.
 XLA CPU lowers a few-row dot to a GEMM that packs or re-reads the weight, so
-on some CPUs a 5-row pass costs 2x a 1-row pass (BENCHMARKS.md). The kernel
+on some CPUs a 5-row pass costs far more than a 1-row pass (BENCHMARKS.md
+"Verification cost"). The kernel
 (`smallm.cc`) reads each weight row once and applies it to all X rows.
 `smallm_quantized` does the same from packed codes, with float or int8
 activations (integer dot products, AVX-512 VNNI where present).
 
 The source ships with the package and is compiled once per machine with the
 host's C++ compiler and `-march=native` into
-`$SPECJAX_CACHE/kernels/<hash>/`, keyed by the source, compiler, flags, JAX
-version and CPU model, then registered as an XLA FFI target. Without a
-compiler, `available()` is False, and `specjax.tuning.matmul` then chooses
-among XLA formulations only. `SPECJAX_NO_KERNELS=1` disables the kernels.
+`<cache root>/kernels/<hash>/` (`specjax.paths`), keyed by the source,
+compiler, flags, JAX version and CPU model, then registered as an XLA FFI
+target. Without a compiler, `available()` is False, and
+`specjax.cpu.plans` then chooses among XLA formulations only.
+`SPECJAX_NO_KERNELS=1` disables the kernels. The model reaches these
+through `specjax.cpu.matmul.SMALLM` alone.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import hardware
-from specjax import weights
+from specjax import paths
 
 __all__ = ["ACT_CHUNK", "KernelError", "MAX_ROWS", "available", "build",
            "quantized_format_ok", "smallm_matmul", "smallm_pick",
@@ -97,7 +100,7 @@ def build(cache_dir: str | None = None) -> pathlib.Path:
   if compiler is None:
     raise KernelError("No C++ compiler (CXX, c++, g++ or clang++) found; "
                       "specjax falls back to XLA's matrix products.")
-  out_dir = weights.resolve_cache_dir(cache_dir) / "kernels" / _build_key(
+  out_dir = paths.cache_root(cache_dir) / "kernels" / _build_key(
       compiler)
   library = out_dir / "smallm.so"
   if library.is_file():

@@ -1,0 +1,96 @@
+"""Times the expert products of a mixture-of-experts layer per strategy
+(`specjax.models.moe`): a loop over the distinct chosen experts,
+gathering each (token, slot)'s expert, every expert densely, and
+`jax.lax.ragged_dot` over tokens sorted by expert, at chunk sizes from a
+decode step to a prefill chunk.
+
+Shape letters: N token rows, E hidden, F expert MLP size, X experts, k
+experts per token.
+
+COMMAND: JAX_PLATFORMS=cpu python scripts/bench_moe.py [--repeats 5]
+
+Prints the CPU, the jax version, and per shape and N the median ms of each
+strategy (and what `moe.strategy` picks). Random weights and router
+logits (labelled: no trained router).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models import moe
+from specjax.models.config import ModelConfig
+
+# (name, E, F, X, k): a Mixtral-like layer and a Qwen3-MoE-like one, both
+# scaled down to fit a 2-core machine.
+SHAPES = (("mixtral-like", 1024, 3584, 8, 2),
+          ("qwen3-moe-like", 1024, 384, 64, 8))
+ROWS = (1, 5, 16, 64, 128, 256, 512)
+# Skip a gather whose copies would exceed this many bytes.
+GATHER_LIMIT = 3 << 30
+
+
+def _cpu_name() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or "unknown"
+
+
+def _median_ms(fn, *args, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))  # compile
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return 1e3 * float(np.median(times))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--repeats", type=int, default=5)
+  args = parser.parse_args()
+  print(f"CPU: {_cpu_name()}; backend {jax.default_backend()}, "
+        f"{jax.device_count()} device(s); jax {jax.__version__}; float32")
+  for name, e, f, x, k in SHAPES:
+    config = ModelConfig(arch="qwen3_moe", vocab_size=8, hidden_size=e,
+                         intermediate_size=f, num_layers=1, num_heads=1,
+                         num_kv_heads=1, head_dim=8, num_experts=x,
+                         num_experts_per_tok=k, norm_topk_prob=True)
+    keys = jax.random.split(jax.random.key(0), 5)
+    ws = moe.Experts(
+        gate=0.02 * jax.random.normal(keys[0], (x, e, f)),
+        up=0.02 * jax.random.normal(keys[1], (x, e, f)),
+        down=0.02 * jax.random.normal(keys[2], (x, f, e)))
+    expert_bytes = 3 * e * f * 4
+    print(f"\n{name}: E={e} F={f} X={x} k={k}, "
+          f"{x * expert_bytes / 2**20:.0f} MiB of experts")
+    print(f"{'N':>5} " + " ".join(f"{h:>9}" for h in moe.STRATEGIES)
+          + "  picks")
+    for rows in ROWS:
+      h = jax.random.normal(keys[3], (rows, e))
+      logits = jax.random.normal(keys[4], (rows, x))
+      cells = []
+      for how in moe.STRATEGIES:
+        if how == "gather" and rows * k * expert_bytes > GATHER_LIMIT:
+          cells.append(f"{'-':>9}")
+          continue
+        fn = jax.jit(lambda h, l, ws, how=how: moe.apply_experts(
+            h, l, ws, config, how))
+        cells.append(f"{_median_ms(fn, h, logits, ws, repeats=args.repeats):9.2f}")
+      print(f"{rows:>5} {' '.join(cells)}  {moe.strategy(rows)}")
+
+
+if __name__ == "__main__":
+  main()

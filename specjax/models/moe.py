@@ -1,0 +1,275 @@
+"""Mixture-of-experts MLPs: top-k routing and the products of the chosen
+experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), as `Block` runs them when
+`ModelConfig.num_experts` > 0.
+
+Shape letters (`specjax.shapes`): N token rows (B·T), E hidden size, F
+expert MLP size, X experts, k experts per token, M = N·k (token, slot)
+pairs.
+
+Routing follows transformers' `*TopKRouter`s in order and dtype: router
+logits in the activations' dtype, softmax in float32 over all X experts,
+top-k of the probabilities, then (with `norm_topk_prob`) division by their
+sum; Qwen-MoE and OLMoE cast the weights to the activations' dtype,
+Mixtral keeps them in float32.
+
+Decode and verification read only the experts their tokens chose:
+`experts_loop` runs a loop over the distinct chosen experts (a dynamic
+trip count), reading each once. `strategy` picks per backend and size
+among it, gathering each pair's expert (`experts_gather`), every expert
+densely (`experts_dense`, prefill only) and the grouped matmul
+`jax.lax.ragged_dot` over tokens sorted by expert (`experts_ragged`; XLA's
+CPU lowering expands it to every group's masked product), as
+`scripts/bench_moe.py` measured them. Every strategy computes the same
+function: only float rounding differs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.config import EXPERT_PARAMS
+from specjax.models.config import flatten
+from specjax.models.config import ModelConfig
+
+__all__ = ["Experts", "STRATEGIES", "apply_experts", "experts_dense",
+           "experts_gather", "experts_ragged", "inactive_expert_bytes",
+           "route", "strategy"]
+
+STRATEGIES = ("loop", "gather", "dense", "ragged")
+# Chunks of at most this many token rows loop over their distinct experts
+# whatever the backend: a decode step (B rows), a verification pass
+# (B·(γ+1)) or a token tree. Longer chunks are prefill (`strategy`).
+LOOP_MAX_ROWS = 128
+
+
+@flax.struct.dataclass
+class Experts:
+  """One layer's experts, stacked.
+
+  Attributes:
+    gate: [X, E, F] gate projections.
+    up: [X, E, F] up projections.
+    down: [X, F, E] down projections.
+  """
+
+  gate: jax.Array
+  up: jax.Array
+  down: jax.Array
+
+
+def route(logits: jax.Array, top_k: int, normalize: bool
+          ) -> tuple[jax.Array, jax.Array]:
+  """Top-k routing as transformers' routers do it.
+
+  Args:
+    logits: [N, X] router logits, any float dtype.
+    top_k: k (static).
+    normalize: divide the k probabilities by their sum
+      (`norm_topk_prob`).
+
+  Returns:
+    weights [N, k] float32 (descending) and experts [N, k] int32.
+  """
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # [N, X]
+  weights, experts = jax.lax.top_k(probs, top_k)  # [N, k]
+  if normalize:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return weights, experts.astype(jnp.int32)
+
+
+def _activate(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
+  """[..., F] gate and up -> act(gate) * up."""
+  if activation == "gelu_tanh":
+    return jax.nn.gelu(gate, approximate=True) * up
+  return jax.nn.silu(gate) * up
+
+
+def _dot(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
+  """einsum `spec` accumulated in float32, cast back to x's dtype."""
+  return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32
+                    ).astype(x.dtype)
+
+
+def experts_gather(x: jax.Array, experts: jax.Array, ws: Experts,
+                   activation: str) -> jax.Array:
+  """Each (token, slot) pair through its own expert, whose matrices are
+  gathered: M expert reads, never the X - (distinct chosen) others.
+
+  Args:
+    x: [N, E] token rows.
+    experts: [N, k] int32 chosen experts.
+    ws: the layer's experts.
+    activation: the gated MLP's activation (`ModelConfig.activation`).
+
+  Returns:
+    [N, k, E] each pair's expert output, unweighted, in x's dtype.
+  """
+  n, k = experts.shape
+  flat = experts.reshape(n * k)  # [M]
+  rows = jnp.repeat(x, k, axis=0)  # [M, E]
+  gate = _dot(rows, ws.gate[flat], "me,mef->mf")  # [M, F]
+  up = _dot(rows, ws.up[flat], "me,mef->mf")
+  out = _dot(_activate(gate, up, activation), ws.down[flat],
+             "mf,mfe->me")  # [M, E]
+  return out.reshape(n, k, -1)
+
+
+def experts_loop(x: jax.Array, experts: jax.Array, weights: jax.Array,
+                 ws: Experts, activation: str) -> jax.Array:
+  """A loop over the distinct experts the chunk chose (a dynamic trip
+  count), each run on all N rows and added with its rows' routing weight
+  (zero for rows that did not choose it), in expert order as transformers
+  adds them: reads each active expert once and no other.
+
+  Args:
+    x: [N, E] token rows.
+    experts: [N, k] int32 chosen experts.
+    weights: [N, k] their routing weights.
+    ws: the layer's experts.
+    activation: the gated MLP's activation.
+
+  Returns:
+    [N, E] the weighted sum, in x's dtype.
+  """
+  n, k = experts.shape
+  num = ws.gate.shape[0]
+  chosen = distinct_experts(experts, num)  # [min(M, X)], X-padded
+  count = jnp.sum(chosen < num)
+
+  def body(state):
+    i, out = state
+    j = chosen[i]
+    coef = jnp.sum(jnp.where(experts == j, weights, 0), axis=1)  # [N]
+    gate = _dot(x, ws.gate[j], "ne,ef->nf")  # [N, F]
+    up = _dot(x, ws.up[j], "ne,ef->nf")
+    y = _dot(_activate(gate, up, activation), ws.down[j], "nf,fe->ne")
+    return i + 1, out + (y * coef[:, None]).astype(x.dtype)
+
+  _, out = jax.lax.while_loop(lambda s: s[0] < count, body,
+                              (jnp.int32(0), jnp.zeros_like(x)))
+  return out
+
+
+def distinct_experts(experts: jax.Array, num_experts: int) -> jax.Array:
+  """[N, k] chosen experts -> the distinct ones ascending, padded with X to
+  min(N·k, X) entries."""
+  size = min(experts.size, num_experts)
+  return jnp.unique(experts.reshape(-1), size=size, fill_value=num_experts)
+
+
+def experts_dense(x: jax.Array, experts: jax.Array, ws: Experts,
+                  activation: str) -> jax.Array:
+  """Every expert over every token, then each pair's chosen output: reads
+  each expert once, and computes X/k times the products needed (a prefill
+  strategy; never for decoding).
+
+  Same arguments and result as `experts_gather`.
+  """
+  gate = _dot(x, ws.gate, "ne,xef->nxf")  # [N, X, F]
+  up = _dot(x, ws.up, "ne,xef->nxf")
+  out = _dot(_activate(gate, up, activation), ws.down,
+             "nxf,xfe->nxe")  # [N, X, E]
+  return jnp.take_along_axis(out, experts[..., None], axis=1)  # [N, k, E]
+
+
+def experts_ragged(x: jax.Array, experts: jax.Array, ws: Experts,
+                   activation: str) -> jax.Array:
+  """Pairs sorted by expert, then one grouped matmul per projection
+  (`jax.lax.ragged_dot`: each group of rows times its expert), then
+  unsorted. A grouped kernel on GPU and TPU; on CPU XLA expands it to
+  every group's masked product.
+
+  Same arguments and result as `experts_gather`.
+  """
+  n, k = experts.shape
+  num = ws.gate.shape[0]
+  flat = experts.reshape(n * k)  # [M]
+  order = jnp.argsort(flat, stable=True)  # [M]
+  rows = jnp.repeat(x, k, axis=0)[order]  # [M, E], sorted by expert
+  sizes = jnp.bincount(flat, length=num).astype(jnp.int32)  # [X]
+
+  def grouped(a, w):
+    return jax.lax.ragged_dot(a, w, sizes,
+                              preferred_element_type=jnp.float32
+                              ).astype(a.dtype)
+
+  h = _activate(grouped(rows, ws.gate), grouped(rows, ws.up), activation)
+  out = grouped(h, ws.down)  # [M, E], sorted
+  out = jnp.zeros_like(out).at[order].set(out)  # [M, E], pair order
+  return out.reshape(n, k, -1)
+
+
+_PAIRWISE = {"gather": experts_gather, "dense": experts_dense,
+             "ragged": experts_ragged}
+
+
+def strategy(rows: int, backend: str | None = None) -> str:
+  """Which expert product a chunk of `rows` token rows runs (static).
+
+  Decode steps, verification passes and trees (at most `LOOP_MAX_ROWS`
+  rows) loop over their distinct experts, reading only those. Prefill
+  chunks loop too on CPU, where `scripts/bench_moe.py` measured the loop
+  fastest at every size (before dense, XLA's CPU `ragged_dot`, and
+  gathering); on GPU and TPU they run the grouped `ragged_dot`, which has
+  grouped kernels there.
+  """
+  backend = backend or jax.default_backend()
+  return "loop" if rows <= LOOP_MAX_ROWS or backend == "cpu" else "ragged"
+
+
+def apply_experts(x: jax.Array, logits: jax.Array, ws: Experts,
+                  config: ModelConfig, how: str | None = None
+                  ) -> jax.Array:
+  """The routed experts' weighted sum for each token (without the shared
+  expert).
+
+  Args:
+    x: [..., E] normalised residual stream.
+    logits: [..., X] router logits.
+    ws: the layer's experts.
+    config: the model (k, `norm_topk_prob`, the weights' dtype, the
+      activation).
+    how: one of `STRATEGIES`, or None for `strategy`'s choice.
+
+  Returns:
+    [..., E] in x's dtype.
+  """
+  lead, e = x.shape[:-1], x.shape[-1]
+  rows = int(np.prod(lead, dtype=np.int64))
+  x2 = x.reshape(rows, e)  # [N, E]
+  weights, experts = route(logits.reshape(rows, -1),
+                           config.num_experts_per_tok,
+                           config.norm_topk_prob)  # [N, k]
+  how = how or strategy(rows)
+  if how not in STRATEGIES:
+    raise ValueError(f"Unknown expert strategy {how!r}; expected one of "
+                     f"{STRATEGIES}.")
+  if not config.router_weights_float32:
+    weights = weights.astype(x.dtype)
+  if how == "loop":
+    out = experts_loop(x2, experts, weights, ws, config.activation)
+  else:
+    out = _PAIRWISE[how](x2, experts, ws, config.activation)  # [N, k, E]
+    # Each expert's weighted output in x's dtype, summed over the k slots.
+    out = (out * weights[..., None]).astype(x.dtype).sum(axis=1)  # [N, E]
+  return out.reshape(*lead, e)
+
+
+def inactive_expert_bytes(config: ModelConfig, params: Any) -> int:
+  """Bytes of expert weights one token does not read: (X - k) / X of every
+  layer's stacked experts (per-layer or stacked [L, ...] params alike).
+  `Model.weight_bytes_per_token` subtracts them, so that a decode step is
+  priced by its k active experts."""
+  if not config.num_experts:
+    return 0
+  unread = 1.0 - config.num_experts_per_tok / config.num_experts
+  total = 0
+  for path, w in flatten(params).items():
+    if path.rpartition("/")[2] in EXPERT_PARAMS:
+      total += int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize
+  return int(total * unread)

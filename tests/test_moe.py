@@ -1,0 +1,346 @@
+"""Mixtures of experts: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
+
+Shape letters: B batch, T chunk, S cache size, V vocab, X experts, k
+experts per token, E hidden, F expert MLP size.
+
+The reference is transformers itself (float32, eager attention) on tiny
+random checkpoints it saves; speculative outputs must equal `generate`'s
+token for token, and sampled ones the target's exact law (by enumeration,
+as test_distribution.py). A decode step must read only its tokens'
+experts: its program may touch the stacked experts only by gathering k of
+them per token.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from specjax import decode
+from specjax import drafters
+from specjax import models
+from specjax import sharding
+from specjax import testing
+from specjax.checkpoints import convert
+from specjax.checkpoints import hf
+from specjax.models import moe
+from tests import test_distribution as dist
+
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ATOL = 1e-4
+B, S = 2, 24
+_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=32,
+               num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256,
+               rms_norm_eps=1e-5, tie_word_embeddings=False,
+               attn_implementation="eager")
+
+
+def tiny_moe_hf_config(arch: str):
+  """A tiny transformers MoE config: 8 experts, top-2. Qwen2-MoE has its
+  shared expert; Qwen3-MoE renormalises the top-k (norm_topk_prob), the
+  others' norm_topk_prob stays False (Mixtral always renormalises)."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  if arch == "mixtral":
+    return transformers.MixtralConfig(**_COMMON, num_local_experts=8,
+                                      num_experts_per_tok=2)
+  if arch == "qwen2_moe":
+    return transformers.Qwen2MoeConfig(
+        **_COMMON, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48)
+  if arch == "qwen3_moe":
+    return transformers.Qwen3MoeConfig(
+        **_COMMON, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True)
+  return transformers.OlmoeConfig(**_COMMON, num_experts=8,
+                                  num_experts_per_tok=2, eos_token_id=None,
+                                  pad_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  """arch -> (specjax Model, float32 torch model), every parameter
+  redrawn (norms around one) and saved by `save_pretrained`."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  built = {}
+
+  def make(arch):
+    if arch not in built:
+      torch.manual_seed(ARCHS.index(arch))
+      model = transformers.AutoModelForCausalLM.from_config(
+          tiny_moe_hf_config(arch)).to(torch.float32)
+      with torch.no_grad():
+        for name, p in model.named_parameters():
+          p.copy_(0.15 * torch.randn_like(p)
+                  + (1.0 if name.endswith("norm.weight") else 0.0))
+      directory = os.fspath(tmp_path_factory.mktemp(f"hf_{arch}"))
+      model.eval().save_pretrained(directory)
+      built[arch] = (hf.load_hf(directory), model)
+    return built[arch]
+
+  return make
+
+
+def _hf_logits(torch_model, tokens) -> np.ndarray:
+  with torch.no_grad():
+    return torch_model(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+@jax.jit
+def _step(model, tokens, cache):
+  out, cache = model(tokens, cache)
+  return out.logits, cache
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_cached_decode_and_greedy_match_transformers(checkpoint,
+                                                            arch):
+  model, torch_model = checkpoint(arch)
+  assert model.config.num_experts == 8 and model.config.arch == arch
+  tokens = np.random.default_rng(1).integers(0, 128, (B, 10))
+  want = _hf_logits(torch_model, tokens)  # [B, T, V]
+  # A prefill chunk of 6, then one token at a time: cached decode equals
+  # transformers' full forward at every position.
+  logits, cache = _step(model, jnp.asarray(tokens[:, :6]),
+                        model.init_cache(B, S))
+  got = [np.asarray(logits)]
+  for t in range(6, 10):
+    logits, cache = _step(model, jnp.asarray(tokens[:, t:t + 1]), cache)
+    got.append(np.asarray(logits))
+  np.testing.assert_allclose(np.concatenate(got, 1), want, atol=ATOL)
+  # Greedy, token for token: transformers' argmax over its full forward,
+  # and ours over the cache (the same programs as above). `generate`
+  # itself runs on an MoE target in the speculative tests below.
+  seqs = ours = tokens[:, :6]
+  logits, cache = _step(model, jnp.asarray(ours), model.init_cache(B, S))
+  for _ in range(6):
+    seqs = np.concatenate(
+        [seqs, _hf_logits(torch_model, seqs)[:, -1:].argmax(-1)], 1)
+    nxt = np.asarray(logits)[:, -1:].argmax(-1)  # [B, 1]
+    ours = np.concatenate([ours, nxt], 1)
+    logits, cache = _step(model, jnp.asarray(nxt, jnp.int32), cache)
+  np.testing.assert_array_equal(ours, seqs)
+
+
+def test_strategies_compute_the_same_function():
+  config = models.ModelConfig(
+      arch="qwen3_moe", vocab_size=16, hidden_size=16, intermediate_size=8,
+      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, num_experts=6,
+      num_experts_per_tok=3, norm_topk_prob=True)
+  keys = jax.random.split(jax.random.key(0), 5)
+  ws = moe.Experts(gate=jax.random.normal(keys[0], (6, 16, 8)),
+                   up=jax.random.normal(keys[1], (6, 16, 8)),
+                   down=jax.random.normal(keys[2], (6, 8, 16)))
+  x = jax.random.normal(keys[3], (3, 5, 16))
+  logits = jax.random.normal(keys[4], (3, 5, 6))
+  apply = jax.jit(moe.apply_experts, static_argnums=(3, 4))
+  outs = {how: np.asarray(apply(x, logits, ws, config, how))
+          for how in moe.STRATEGIES}
+  for how in ("loop", "dense", "ragged"):
+    np.testing.assert_allclose(outs[how], outs["gather"], rtol=1e-5,
+                               atol=1e-4)
+  # Routing by hand: softmax, top 3, renormalised.
+  probs = np.asarray(jax.nn.softmax(logits[0, 0]))
+  top = np.argsort(-probs)[:3]
+  weights, experts = moe.route(logits[0, :1], 3, True)
+  np.testing.assert_array_equal(np.asarray(experts)[0], top)
+  np.testing.assert_allclose(np.asarray(weights)[0],
+                             probs[top] / probs[top].sum(), rtol=1e-6)
+  assert moe.strategy(1, "tpu") == moe.strategy(512, "cpu") == "loop"
+  assert moe.strategy(512, "tpu") == "ragged"
+  chosen = moe.distinct_experts(jnp.array([[3, 1], [1, 3], [5, 3]]), 6)
+  np.testing.assert_array_equal(chosen, [1, 3, 5, 6, 6, 6])
+
+
+# A tiny Mixtral-shaped target with random weights, and its dense draft.
+TINY_MOE = models.ModelConfig(
+    arch="mixtral", vocab_size=128, hidden_size=64, intermediate_size=32,
+    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8,
+    num_experts_per_tok=2, norm_topk_prob=True, router_weights_float32=True)
+PROMPTS = [[5, 6, 7, 8, 5, 6, 9, 8, 5, 6], [42], [7, 8, 9, 10, 11, 12]]
+MAX_NEW = 12
+
+
+def _moe_model(config, seed):
+  """A random model whose router logits spread over a few nats, so that
+  tokens choose different experts."""
+  model = models.init_random(config, jax.random.key(seed))
+  params = model.canonical_params()
+  for i in range(config.num_layers):
+    layer = dict(params[f"layers_{i}"])
+    layer["router"] = layer["router"] * 50.0
+    params = dict(params, **{f"layers_{i}": layer})
+  return model.replace(params=params).with_plan(model.plan)
+
+
+@pytest.fixture(scope="module")
+def moe_pair():
+  target = _moe_model(TINY_MOE, 0)
+  draft = models.init_random(testing.TINY_DRAFT, jax.random.key(1))
+  return target, draft
+
+
+@pytest.fixture(scope="module")
+def moe_baseline(moe_pair):
+  return decode.generate(moe_pair[0], PROMPTS, max_new_tokens=MAX_NEW)
+
+
+# The default suite keeps the draft model; lookup and trees run slow.
+@pytest.mark.parametrize("kind", [
+    "model", pytest.param("lookup", marks=pytest.mark.slow),
+    pytest.param("tree", marks=pytest.mark.slow)])
+def test_speculative_greedy_equals_generate(moe_pair, moe_baseline, kind):
+  target, draft = moe_pair
+  if kind == "lookup":
+    draft = drafters.PromptLookup(target.vocab_size)
+  extra = {"num_nodes": 8} if kind == "tree" else {}
+  out = decode.speculative_generate(target, draft, PROMPTS, gamma=3,
+                                    max_new_tokens=MAX_NEW, **extra)
+  np.testing.assert_array_equal(out.tokens, moe_baseline.tokens)
+  np.testing.assert_array_equal(out.lengths, moe_baseline.lengths)
+
+
+def _consumers(jaxpr, var):
+  """The equations of `jaxpr` (recursively) that read `var`, with the
+  jaxpr variable each sub-jaxpr binds it to."""
+  found = []
+  for eqn in jaxpr.eqns:
+    for i, v in enumerate(eqn.invars):
+      if v is not var:
+        continue
+      if eqn.primitive.name == "while":  # cond consts, body consts, carry
+        sub, at = eqn.params["body_jaxpr"].jaxpr, (
+            i - eqn.params["cond_nconsts"])
+        if at >= 0:
+          found += _consumers(sub, sub.invars[at])
+        continue
+      inner = [p for p in eqn.params.values()
+               if isinstance(p, (jax.extend.core.ClosedJaxpr,
+                                 jax.extend.core.Jaxpr))]
+      if inner:
+        sub = getattr(inner[0], "jaxpr", inner[0])
+        found += _consumers(sub, sub.invars[i])
+      else:
+        found.append(eqn)
+  return found
+
+
+def test_decode_step_reads_only_the_active_experts(moe_pair):
+  target = moe_pair[0]
+  c = target.config
+  cache = target.init_cache(1, 8)
+  tokens = jnp.ones((1, 1), jnp.int32)
+  closed = jax.make_jaxpr(lambda p: target.replace(params=p)(tokens, cache)
+                          )(target.params)
+  leaves = jax.tree_util.tree_flatten_with_path(target.params)[0]
+  expert_vars = [v for (path, _), v in zip(leaves, closed.jaxpr.invars)
+                 if "experts_" in jax.tree_util.keystr(path)]
+  assert len(expert_vars) == 3 * c.num_layers
+  for var in expert_vars:
+    uses = _consumers(closed.jaxpr, var)
+    assert uses, "an expert stack is never read"
+    for eqn in uses:
+      # Only indexed one expert at a time ([in, out] or [1, in, out]),
+      # inside the loop over the distinct chosen experts, whose trip
+      # count (at most k for one token) `distinct_experts` gives.
+      assert eqn.primitive.name in ("gather", "dynamic_slice"), eqn
+      shape = eqn.outvars[0].aval.shape
+      assert int(np.prod(shape)) * c.num_experts == int(
+          np.prod(var.aval.shape)), eqn
+
+
+def test_scan_layout_equals_per_layer(moe_pair):
+  target = moe_pair[0]
+  scanned = target.with_plan("in_out/xla/scan")
+  assert scanned.params["layers"]["experts_gate"].shape == (
+      2, 8, 64, 32)  # [L, X, E, F]
+  tokens = jnp.asarray(np.random.default_rng(3).integers(0, 128, (B, 7)))
+  want, _ = _step(target, tokens, target.init_cache(B, S))
+  got, _ = _step(scanned, tokens, scanned.init_cache(B, S))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_partition_rules_cover_every_expert_parameter():
+  mesh = sharding.make_mesh(data=1, model=1)
+  config = TINY_MOE.replace(arch="qwen2_moe", shared_expert_size=48,
+                            router_weights_float32=False)
+  specs = sharding.rules.param_specs(config, mesh)
+  assert len(specs["layers_0"]["experts_gate"]) == 3
+  assert len(specs["layers_0"]["experts_down"]) == 3
+  assert "shared_expert_gate" in specs["layers_1"]
+
+
+def test_inactive_expert_bytes_prices_k_of_x_experts(moe_pair):
+  target = moe_pair[0]
+  c = target.config
+  per_layer = 3 * c.num_experts * c.hidden_size * c.intermediate_size * 4
+  assert moe.inactive_expert_bytes(c, target.params) == (
+      c.num_layers * per_layer * (c.num_experts - 2) // c.num_experts)
+  dense = sum(x.nbytes for x in jax.tree.leaves(target.params)) - (
+      target.params["embed"].nbytes)
+  assert target.weight_bytes_per_token == dense - (
+      c.num_layers * per_layer * (c.num_experts - 2) // c.num_experts)
+  # An early exit after layer 1 of L reads the active experts of one
+  # layer: what is not a layer, plus one layer's share.
+  layers = sum(x.nbytes for k, v in target.params.items()
+               if k.startswith("layers") for x in jax.tree.leaves(v))
+  active = layers - moe.inactive_expert_bytes(c, target.params)
+  subset = models.LayerSubset.create(target, exit_layer=1)
+  assert subset.weight_bytes_per_token == (
+      target.weight_bytes_per_token - active + active // c.num_layers)
+
+
+@pytest.mark.parametrize("config, missing", [
+    ({"architectures": ["DeepseekV3ForCausalLM"]}, "latent attention"),
+    ({"model_type": "deepseek_v2"}, "grouped routing"),
+    ({"architectures": ["GptOssForCausalLM"]}, "attention sinks"),
+    ({"architectures": ["Qwen2MoeForCausalLM"], "hidden_size": 8,
+      "num_attention_heads": 2, "num_hidden_layers": 2,
+      "mlp_only_layers": [1]}, "dense MLP layers"),
+    ({"architectures": ["OlmoeForCausalLM"], "hidden_size": 8,
+      "num_attention_heads": 2, "num_hidden_layers": 2, "clip_qkv": 8.0},
+     "clip_qkv"),
+])
+def test_unsupported_moe_variants_name_what_is_missing(config, missing):
+  with pytest.raises(ValueError, match=missing):
+    convert.config_from_hf(config)
+
+
+def test_incomplete_experts_are_named(checkpoint, tmp_path):
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  model, torch_model = checkpoint("mixtral")
+  del model
+  torch_model.save_pretrained(tmp_path)
+  path = os.path.join(tmp_path, "model.safetensors")
+  tensors = load_file(path)
+  del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+  save_file(tensors, path)
+  with pytest.raises(ValueError, match=r"layers\.1.*experts \[3\] missing"):
+    hf.load_hf(tmp_path)
+
+
+# The enumeration test (test_distribution.py's): 20 000 sampled
+# generations of 3 tokens against the target's exact joint law.
+@pytest.mark.slow
+@pytest.mark.parametrize("draft_kind", ["dense", "moe"])
+def test_sampling_matches_exact_distribution(draft_kind):
+  small = dict(vocab_size=dist.VOCAB)
+  target = _moe_model(TINY_MOE.replace(**small), 4)
+  target = target.replace(params=dict(
+      target.params, lm_head=target.params["lm_head"] * 10.0))
+  if draft_kind == "dense":
+    draft = dist._peaked(testing.TINY_DRAFT, 5)
+  else:
+    draft = _moe_model(TINY_MOE.replace(
+        num_layers=1, num_experts=4, num_experts_per_tok=1, **small), 5)
+  settings = (1.0, 0, 1.0)
+  joint = dist._exact_joint(target, settings)
+  samples = dist._spec_samples((target, draft), 2, settings, seed=7)
+  stat, critical = dist._chi_square(samples, joint)
+  assert stat < critical, (stat, critical)
