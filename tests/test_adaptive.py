@@ -114,7 +114,7 @@ def test_greedy_equals_autoregressive(pair, baseline, policy, kind):
   assert scored.max() <= GAMMA
 
 
-def test_auto_compiles_only_the_widths_worth_a_pass(pair, baseline):
+def test_auto_compiles_only_the_widths_worth_a_pass():
   # G = 8: widths 1, 2, 3, 5, 9. Passes that cost within 5% of the next
   # larger width kept are dropped; a compute-bound table keeps them all.
   flat = policies.StepCosts(max_gamma=8, target_ms=(10.0, 10.2, 10.3, 10.4,
@@ -127,6 +127,13 @@ def test_auto_compiles_only_the_widths_worth_a_pass(pair, baseline):
   mixed = policies.StepCosts(max_gamma=8, target_ms=(10.0, 12.0, 12.1, 20.0,
                                                      20.5))
   assert mixed.worth_compiling().widths == (1, 3, 9)
+  with pytest.raises(ValueError, match="widths must ascend from 1"):
+    policies.Auto.create(max_gamma=GAMMA, target_ms=[1.0, 2.0],
+                         widths=(2, GAMMA + 1))
+
+
+@pytest.mark.slow  # a whole generation; the slow step
+def test_auto_over_two_widths_decodes_exactly(pair, baseline):
   # A policy over (1, G + 1) prices a 2-token proposal at the wide pass
   # and still decodes exactly.
   target, draft = pair
@@ -143,9 +150,6 @@ def test_auto_compiles_only_the_widths_worth_a_pass(pair, baseline):
                                     PROMPTS, gamma=policy,
                                     max_new_tokens=MAX_NEW)
   np.testing.assert_array_equal(out.tokens, baseline.tokens)
-  with pytest.raises(ValueError, match="widths must ascend from 1"):
-    policies.Auto.create(max_gamma=GAMMA, target_ms=[1.0, 2.0],
-                         widths=(2, GAMMA + 1))
 
 
 @pytest.mark.slow  # a whole generation per regime; the slow step

@@ -100,11 +100,15 @@ def test_call_mix_compiles_at_most_four_programs_per_api():
 
 def test_a_large_batch_gets_the_cache_its_call_needs():
   # Up to 64 rows the class floor is 256 positions; past it, B * S stays
-  # under 64 * 256 down to what the call needs, and the tokens are those
-  # of the same call in a 256-position cache.
+  # under 64 * 256 down to what the call needs.
   assert [padding.cache_class(9, b) for b in (1, 64, 65, 1000, 24000)] == [
       256, 256, 128, 16, 16]
   assert padding.cache_class(300, 24000) == 512
+
+
+@pytest.mark.slow  # two speculative programs at B = 200; the slow step
+def test_a_large_batch_decodes_as_in_a_full_cache():
+  # The tokens are those of the same call in a 256-position cache.
   target, draft = testing.tiny_pair(seed=5)
   prompts = [[1, 2, 3, 4, 5], [7, 8]] * 100  # B = 200: S = 64
   kw = dict(gamma=3, max_new_tokens=6, temperature=1.0, key=2)
