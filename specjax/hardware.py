@@ -53,7 +53,7 @@ DATASHEETS = (
 
 def default_dtype() -> jnp.dtype:
   """The parameter and cache dtype of `dtype="auto"`: bfloat16 on GPU and
-  TPU, float32 on CPU (XLA CPU's bf16 matmuls are far slower: DESIGN.md).
+  TPU, float32 on CPU (XLA CPU's bf16 matmuls are far slower there).
   Attention logits, softmax and the sampler's probabilities are fp32 in
   either (`specjax.models.transformer`, `specjax.sampling`)."""
   return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu"
@@ -172,7 +172,7 @@ def nominal_rates() -> dict[str, float]:
   the keywords of `specjax.policies.Roofline`.
 
   On GPU and TPU, `DATASHEETS` by device kind, float32 at half the bf16
-  peak (TF32); on CPU, below what machines measure (DESIGN.md), 10 GB/s
+  peak (TF32); on CPU, below what machines measure, 10 GB/s
   and, with AVX-512 (AVX2), 100 (50) GFLOP/s per core
   (`specjax.tuning.machine` measures them).
   """
