@@ -165,20 +165,9 @@ class Relaxed:
 
   def judge(self, key: jax.Array, drafts: Drafts
             ) -> tuple[jax.Array, jax.Array]:
-    batch, gamma = drafts.tokens.shape
-    if gamma == 0:
-      return rejection.no_drafts(key, drafts.p)
-    accept_key, next_key = jax.random.split(key)
-    proposed = rejection.proposed_mask(drafts.num_drafted, batch, gamma)
-    p_x = rejection.gather(drafts.p[:, :gamma], drafts.tokens)  # [B, G]
-    q_x = 1.0 if drafts.q is None else rejection.gather(drafts.q,
-                                                        drafts.tokens)
-    u = jax.random.uniform(accept_key, (batch, gamma))
-    num_accepted = rejection.leading_true(
-        (u * self.threshold * q_x < p_x) & proposed)
-    return num_accepted, rejection.next_token(
-        next_key, num_accepted, drafts.q, drafts.p, drafts.tokens, proposed,
-        self.threshold)
+    return rejection.rejection_sample(key, drafts.tokens, drafts.q,
+                                      drafts.p, drafts.num_drafted,
+                                      scale=self.threshold)
 
 
 @flax.struct.dataclass(kw_only=True)

@@ -123,6 +123,7 @@ def rejection_sample(
     q: jax.Array | None,
     p: jax.Array,
     num_drafted: jax.Array | None = None,
+    scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Verifies a block of draft tokens against the target.
 
@@ -135,6 +136,8 @@ def rejection_sample(
       after them.
     num_drafted: optional [B] int32 <= G, how many leading positions were
       proposed (a drafter may stop early); default all G.
+    scale: [] λ, or None for 1 (exact): accept against λq, draw the next
+      token from norm(max(0, p - λq)) (`acceptance.Relaxed`).
 
   Returns:
     num_accepted [B] int32 in [0, G] and next_token [B] int32.
@@ -146,8 +149,11 @@ def rejection_sample(
   p_x = gather(p[:, :gamma], draft_tokens)  # [B, G]
   q_x = 1.0 if q is None else gather(q, draft_tokens)  # [B, G]
   u = jax.random.uniform(accept_key, (batch, gamma))
+  if scale is not None:
+    u = u * scale
   proposed = proposed_mask(num_drafted, batch, gamma)
   # u < p/q without dividing: q = 0 accepts iff p > 0 (ratio +inf).
   num_accepted = leading_true((u * q_x < p_x) & proposed)
   return num_accepted, next_token(next_key, num_accepted, q, p,
-                                  draft_tokens, proposed)
+                                  draft_tokens, proposed,
+                                  1.0 if scale is None else scale)

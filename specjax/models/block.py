@@ -139,11 +139,8 @@ class Block(nn.Module):
     e = c.hidden_size
     gate = self._dense(h, f"{prefix}gate", e, size)
     up = self._dense(h, f"{prefix}up", e, size)
-    if c.activation == "gelu_tanh":
-      gate = jax.nn.gelu(gate, approximate=True)
-    else:
-      gate = jax.nn.silu(gate)
-    return self._dense(gate * up, f"{prefix}down", size, e)
+    return self._dense(moe.activate(gate, up, c.activation),
+                       f"{prefix}down", size, e)
 
   def _moe(self, h: jax.Array) -> jax.Array:
     """The routed experts, plus the sigmoid-gated shared expert if any:

@@ -36,9 +36,9 @@ from specjax.models.config import EXPERT_PARAMS
 from specjax.models.config import flatten
 from specjax.models.config import ModelConfig
 
-__all__ = ["Experts", "STRATEGIES", "apply_experts", "experts_dense",
-           "experts_gather", "experts_ragged", "inactive_expert_bytes",
-           "route", "strategy"]
+__all__ = ["Experts", "STRATEGIES", "activate", "apply_experts",
+           "experts_dense", "experts_gather", "experts_ragged",
+           "inactive_expert_bytes", "route", "strategy"]
 
 STRATEGIES = ("loop", "gather", "dense", "ragged")
 # Chunks of at most this many token rows loop over their distinct experts
@@ -82,8 +82,9 @@ def route(logits: jax.Array, top_k: int, normalize: bool
   return weights, experts.astype(jnp.int32)
 
 
-def _activate(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
-  """[..., F] gate and up -> act(gate) * up."""
+def activate(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
+  """[..., F] gate and up -> act(gate) * up, the gated MLP's product
+  (`ModelConfig.activation`: GeGLU for "gelu_tanh", else SwiGLU)."""
   if activation == "gelu_tanh":
     return jax.nn.gelu(gate, approximate=True) * up
   return jax.nn.silu(gate) * up
@@ -114,7 +115,7 @@ def experts_gather(x: jax.Array, experts: jax.Array, ws: Experts,
   rows = jnp.repeat(x, k, axis=0)  # [M, E]
   gate = _dot(rows, ws.gate[flat], "me,mef->mf")  # [M, F]
   up = _dot(rows, ws.up[flat], "me,mef->mf")
-  out = _dot(_activate(gate, up, activation), ws.down[flat],
+  out = _dot(activate(gate, up, activation), ws.down[flat],
              "mf,mfe->me")  # [M, E]
   return out.reshape(n, k, -1)
 
@@ -147,7 +148,7 @@ def experts_loop(x: jax.Array, experts: jax.Array, weights: jax.Array,
     coef = jnp.sum(jnp.where(experts == j, weights, 0), axis=1)  # [N]
     gate = _dot(x, ws.gate[j], "ne,ef->nf")  # [N, F]
     up = _dot(x, ws.up[j], "ne,ef->nf")
-    y = _dot(_activate(gate, up, activation), ws.down[j], "nf,fe->ne")
+    y = _dot(activate(gate, up, activation), ws.down[j], "nf,fe->ne")
     return i + 1, out + (y * coef[:, None]).astype(x.dtype)
 
   _, out = jax.lax.while_loop(lambda s: s[0] < count, body,
@@ -172,7 +173,7 @@ def experts_dense(x: jax.Array, experts: jax.Array, ws: Experts,
   """
   gate = _dot(x, ws.gate, "ne,xef->nxf")  # [N, X, F]
   up = _dot(x, ws.up, "ne,xef->nxf")
-  out = _dot(_activate(gate, up, activation), ws.down,
+  out = _dot(activate(gate, up, activation), ws.down,
              "nxf,xfe->nxe")  # [N, X, E]
   return jnp.take_along_axis(out, experts[..., None], axis=1)  # [N, k, E]
 
@@ -198,7 +199,7 @@ def experts_ragged(x: jax.Array, experts: jax.Array, ws: Experts,
                               preferred_element_type=jnp.float32
                               ).astype(a.dtype)
 
-  h = _activate(grouped(rows, ws.gate), grouped(rows, ws.up), activation)
+  h = activate(grouped(rows, ws.gate), grouped(rows, ws.up), activation)
   out = grouped(h, ws.down)  # [M, E], sorted
   out = jnp.zeros_like(out).at[order].set(out)  # [M, E], pair order
   return out.reshape(n, k, -1)
