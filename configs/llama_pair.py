@@ -43,7 +43,9 @@ adds int8 activations; default `auto`: the GGUF file's own blocks where
 they are the faster model here, else float weights; `quantize=` keeps
 float weights) and `draft_quantize=...` (weight quantization of each
 model; with `--config.draft=same`, the target's own weights quantized
-draft for it).
+draft for it), `draft_experts=1` (with `--config.draft=same` and a
+mixture-of-experts target, the target routing each token to fewer
+experts drafts for it).
 
 Generation controls (`specjax.decode.generate`; the baseline and every
 speculative run get the same): `stop=S1/S2` (stop strings, `/`-separated,
@@ -136,9 +138,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       n=8, tokens=64, temperature=0.0, dtype="auto", matmul="auto",
       drafter="", drafters="", policies="", max_gamma=8, nodes=0,
       nodes_sweep="", exit=0, medusa="", eagle="", mesh="", quantize="auto",
-      draft_quantize="", stop="", repetition="", presence="", frequency="",
-      min_p="", bias="", regex="", schema="", acceptance="exact",
-      acceptances="", pass_at_1=False)
+      draft_quantize="", draft_experts=0, stop="", repetition="",
+      presence="", frequency="", min_p="", bias="", regex="", schema="",
+      acceptance="exact", acceptances="", pass_at_1=False)
   if arg["pair"] not in PAIRS:
     raise ValueError(f"Unknown pair {arg['pair']!r} in the config argument "
                      f"'pair='; known pairs: {sorted(PAIRS)}.")
@@ -176,6 +178,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.quantize = arg["quantize"]
   # The same for the draft, independently of the target.
   config.draft_quantize = arg["draft_quantize"]
+  # With `draft=same` and a mixture-of-experts target: k in [1, the
+  # target's k) drafts with the target itself routing each token to its
+  # top k experts (`specjax.models.moe.fewer_experts`: the same arrays,
+  # no training); 0 keeps every expert the target runs.
+  config.draft_experts = arg["draft_experts"]
 
   # What drafts (`specjax.drafters`): `model` (config.draft), `lookup`
   # (n-gram prompt lookup in each row's own context, no model), `fallback`

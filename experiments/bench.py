@@ -153,6 +153,8 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
   fixed = isinstance(gamma, int) and not num_nodes
   width = gamma if isinstance(gamma, int) else config.max_gamma
   lossy = parse_acceptance(acceptance)[0] != "exact"
+  # Int8 activations: verification matches decode steps up to rounding.
+  rounding = bool(getattr(pair.target, "int8_activations", False))
   greedy_check = (config.temperature == 0
                   and config.synthetic_acceptance is None)
   drafter = make_drafter(drafter_name, config, pair)
@@ -214,7 +216,8 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
           "spec_tokens_per_s": _ratio(spec_tokens, call.seconds),
           # A lossy rule is never lossless, even where (greedy) its tokens
           # match the baseline's: `matches_baseline` says whether they do.
-          "lossless": (False if lossy else (mismatch is None)
+          "lossless": (False if lossy else
+                       (mismatch is None and not rounding)
                        if greedy_check else None),
           "matches_baseline": (mismatch is None) if greedy_check else None,
           "first_mismatch": mismatch if greedy_check else None,
@@ -269,6 +272,8 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
       # lossy (not the target's distribution).
       "acceptance": acceptance,
       "lossy": lossy,
+      # Int8 activations (`Model.int8_activations`): exact up to rounding.
+      "rounding": rounding,
       "draft_cost_ratio": draft_cost,
       # Drafting cost per target forward: draft forwards (every component,
       # weighted by its c) per speculative step.
@@ -300,9 +305,14 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
       # Draft slots the target scored per step (an adaptive policy's
       # choices; 0 is an autoregressive step).
       "mean_scored_drafts": float(np.mean(scored[scored >= 0])),
+      # A mixture-of-experts target: distinct experts per layer that a
+      # verification pass woke (None for a dense target).
+      "experts_per_pass": metrics.experts_per_pass(
+          merged, getattr(getattr(pair.target, "config", None),
+                          "num_layers", 1)),
       "autoregressive_steps": float(np.mean(scored[scored >= 0] == 0)),
       "verify_cost_ratio": verify_ratio,
-      "lossless": (False if lossy else all(lossless_rows)
+      "lossless": (False if lossy else (all(lossless_rows) and not rounding)
                    if greedy_check else None),
       # Prompts whose greedy output equals the baseline's.
       "lossless_prompts": sum(bool(x) for x in lossless_rows),
@@ -377,7 +387,9 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
   cache_size = decode.default_cache_size(
       max(len(p) for p in encoded), config.max_new_tokens,
       reserve=widest + 1 + extra)
-  memory_info = memory_plan(config, pair, cache_size, widest)
+  memory_info = memory_plan(
+      config, pair, cache_size, widest,
+      decode.prompt_bucket(max(len(p) for p in encoded), cache_size))
   eos = None if config.ignore_eos else list(pair.tokenizer.eos_ids)
   # The generation controls apply to the baseline and every run alike.
   run_kwargs = dict(max_new_tokens=config.max_new_tokens,
@@ -484,7 +496,7 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
   keys = ("acceptance_rate", "mean_accepted_tokens", "per_position_acceptance",
           "draft_cost_ratio", "baseline_tokens_per_s", "spec_tokens_per_s",
           "speedup", "decode_speedup", "predicted_speedup", "lossless",
-          "acceptance", "lossy")
+          "acceptance", "lossy", "rounding")
   head_base = baselines[str(head_batch)]
   scored = {k: head[k] for k in ("json_valid_rate", "json_valid_lenient_rate",
                                  "regex_match_rate", "pass_at_1")

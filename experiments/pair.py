@@ -33,13 +33,15 @@ from specjax import registry
 from specjax import sharding
 from specjax import testing
 from specjax.cpu import plans as tuning
+from specjax.cpu import quantize as cpu_quantize
 from specjax.heads import train as heads_train
 from specjax.models import quantized
 from specjax.sharding import memory
 
 __all__ = ["Pair", "default_skip", "drafter_names", "encode_prompts",
            "load_pair", "make_drafter", "make_mesh", "matmul_info",
-           "memory_plan", "model_info", "needs_draft", "tune_rows"]
+           "memory_plan", "model_info", "needs_draft", "tune_rows",
+           "workload"]
 
 # Drafter kinds that draft with the pair's draft model (`config.draft`).
 MODEL_DRAFTERS = ("model", "fallback", "cascade")
@@ -111,7 +113,7 @@ def load_pair(config: Any) -> Pair:
       choice = registry.auto_quantize(
           config.target, dtype, cache_dir=config.cache_dir or None,
           progress=config.progress, matmul=config.matmul, tune_rows=rows,
-          mesh=mesh)
+          mesh=mesh, workload=workload(config))
       logging.info("quantize=auto: %s", choice.why)
       quantize, choice = choice.quantize, choice.to_json()
     logging.info("Loading target %s (%s)", config.target, dtype)
@@ -152,17 +154,33 @@ def _same(config: Any, target: Any, load: Any) -> Any:
   self-speculation: no second model, no training). The copy has its own
   parameters and, as a draft, its own cache, so the target is untouched
   and speculation stays exact. `gguf` reads the target's GGUF file's own
-  blocks (`load`: the pair's loader; None for the tiny pair)."""
+  blocks (`load`: the pair's loader; None for the tiny pair). With
+  `draft_experts` = k, that draft routes each token to its top k experts
+  (`models.moe.fewer_experts`: a mixture of experts' own arrays, shared).
+
+  Raises:
+    ConfigError: `draft_quantize=gguf` without a GGUF target, or
+      `draft_experts` for a dense target or outside [1, the target's k).
+  """
   spec = config.get("draft_quantize")
   if not spec:
-    return target
-  if quantized.split_activations(spec)[0] == "gguf":
+    draft = target
+  elif quantized.split_activations(spec)[0] == "gguf":
     if load is None:
       raise ConfigError(f"config.draft_quantize={spec!r} needs a GGUF "
                         f"target (config.target={config.target!r}).")
     logging.info("Loading the target's GGUF blocks as its draft")
-    return load(config.target, quantize=spec)[0]
-  return target.quantize(spec)
+    draft = load(config.target, quantize=spec)[0]
+  else:
+    draft = target.quantize(spec)
+  experts = config.get("draft_experts", 0)
+  if not experts:
+    return draft
+  try:
+    return models.moe.fewer_experts(draft, experts)
+  except ValueError as e:
+    raise ConfigError(f"config.draft_experts={experts!r} for "
+                      f"config.target={config.target!r}: {e}") from e
 
 
 def make_mesh(config: Any) -> jax.sharding.Mesh | None:
@@ -181,11 +199,11 @@ def make_mesh(config: Any) -> jax.sharding.Mesh | None:
   return sharding.make_mesh(data=data, model=model)
 
 
-def memory_plan(config: Any, pair: Pair, cache_size: int,
-                widest: int) -> dict[str, Any]:
-  """The weights and caches of the largest batch, per device, checked
-  against device memory before anything compiles (results.json
-  `memory`).
+def memory_plan(config: Any, pair: Pair, cache_size: int, widest: int,
+                prompt_width: int | None = None) -> dict[str, Any]:
+  """The weights, caches and widest pass of the largest batch, per device,
+  checked against device memory before anything compiles (results.json
+  `memory`); `prompt_width`: P of the widest prompt bucket.
 
   Raises:
     MemoryError: naming the sizes, when a device cannot hold them.
@@ -195,7 +213,7 @@ def memory_plan(config: Any, pair: Pair, cache_size: int,
   if pair.draft is not None:
     models["draft"] = pair.draft
   plan = memory.plan(models, batch=batch, cache_size=cache_size,
-                     chunk=widest + 1)
+                     chunk=widest + 1, prompt_width=prompt_width)
   plan.check()
   return {"table": plan.table(), "per_device_bytes": plan.per_device,
           "limit_bytes": plan.limit, "devices": plan.devices,
@@ -245,6 +263,20 @@ def default_skip(num_layers: int) -> tuple[int, ...]:
 def drafter_names(config: Any) -> tuple[str, ...]:
   """The drafters a run compares: the sweep, else `config.drafter`."""
   return tuple(config.get("drafters", ())) or (config.drafter,)
+
+
+def workload(config: Any) -> cpu_quantize.Workload:
+  """The speculative call the run times, for `quantize="auto"` to price:
+  its prompts' mean length (the target's tokenizer alone is loaded), N,
+  B and γ, or a tree's T + 1 rows where the config drafts trees."""
+  tokenizer = registry.load_tokenizer(config.target,
+                                      cache_dir=config.cache_dir or None)
+  lengths = [len(p) for p in encode_prompts(config, tokenizer)[1]]
+  nodes = config.get("num_nodes", 0)
+  return cpu_quantize.Workload.decoding(
+      batch=config.batch_size, prompt_tokens=sum(lengths) / len(lengths),
+      new_tokens=config.max_new_tokens, gamma=config.gamma,
+      width=nodes + 1 if nodes else None)
 
 
 def tune_rows(config: Any) -> tuple[int, int]:

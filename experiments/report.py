@@ -66,6 +66,8 @@ def drafter_label(name: str, config: dict[str, Any]) -> str:
   if draft == "same":
     quantized = config.get("draft_quantize")
     draft = f"the target in {quantized}" if quantized else "the target"
+    if config.get("draft_experts"):
+      draft += f" with {config['draft_experts']} expert(s) per token"
   return {
       "model": draft,
       "lookup": "prompt lookup",
@@ -99,7 +101,8 @@ def _lossless(run: dict[str, Any]) -> str:
     return "lossy"
   if run.get("lossless") is None:
     return "n/a"
-  return f"{run['lossless_prompts']}/{run['num_prompts']}"
+  equal = f"{run['lossless_prompts']}/{run['num_prompts']}"
+  return f"rounding {equal}" if run.get("rounding") else equal
 
 
 def _acceptance(run: dict[str, Any]) -> str:
@@ -227,9 +230,15 @@ def _matmul_lines(results: dict[str, Any]) -> list[str]:
     lines.append(f"matmul plan ({m}): {info['plan']} [{info['source']}]"
                  + (f"; layer stack at M={'/'.join(map(str, rows))} rows: "
                     f"{timed}" if timed else ""))
-  if results.get("quantize"):
-    lines.append(f"weights (target, quantize=auto): "
-                 f"{results['quantize']['why']}")
+  choice = results.get("quantize")
+  if choice:
+    measured = "; ".join(
+        f"{name} " + "/".join(f"{ms:.1f}" for ms in t.values())
+        + f" ms at {'/'.join(t)} rows"
+        for name, t in choice["model_ms"].items())
+    lines.append(f"weights (target, quantize=auto): {choice['why']}"
+                 + (f"; one forward's products: {measured}"
+                    if measured else ""))
   return ([""] + lines) if lines else []
 
 
@@ -264,8 +273,9 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
   lines.append(table(["B", "draft ms", "target ms", "c",
                       "target verify (γ+1, or nodes+1, tokens)"], cost_rows))
   if results.get("memory"):
-    lines += ["", "memory plan (weights, caches and logits of the largest "
-              "batch, per device; checked before compiling):",
+    lines += ["", "memory plan (weights, caches, logits and the widest "
+              "pass's activations of the largest batch, per device; "
+              "checked before compiling):",
               results["memory"]["table"]]
   lines += _roofline_lines(results)
   lines += _matmul_lines(results)
@@ -273,6 +283,7 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
   run_rows = []
   rules = any(r.get("acceptance", "exact") != "exact"
               for r in results["runs"])
+  moe = any(r.get("experts_per_pass") is not None for r in results["runs"])
   for r in results["runs"]:
     run_rows.append([
         r.get("drafter", "model")] + ([_acceptance(r)] if rules else []) + [
@@ -285,13 +296,19 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
         _f(r.get("decode_speedup"), ".2f", "x"),
         _f(r["predicted_speedup"], ".2f", "x"),
         _f(r.get("predicted_speedup_measured_verify"), ".2f", "x"),
-        _f(r.get("predicted_speedup_extended"), ".2f", "x"),
-        _lossless(r)])
+        _f(r.get("predicted_speedup_extended"), ".2f", "x")]
+        + ([_f(r.get("experts_per_pass"), ".2f")] if moe else [])
+        + [_lossless(r)])
   lines.append(table(["drafter"] + (["acceptance"] if rules else []) + [
                       "B", "γ", "nodes", "α", "τ", "draft/step",
                       "base tok/s", "spec tok/s", "speedup", "decode",
-                      "predicted", "pred. (verify)", "pred. (ext.)",
-                      "lossless"], run_rows))
+                      "predicted", "pred. (verify)", "pred. (ext.)"]
+                     + (["experts/pass"] if moe else []) + ["lossless"],
+                     run_rows))
+  if moe:
+    lines.append("experts/pass: distinct experts a verification pass of "
+                 "the mixture-of-experts target woke, per layer (a decode "
+                 "step wakes k).")
   lines.append("draft/step: drafting cost per speculative step in target "
                "forwards (each component's forwards times its c). speedup: "
                "end to end, prompt passes included; decode: after the first "
@@ -306,7 +323,9 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
                "policies (specjax.policies); predictions assume a fixed "
                "chain. lossless: prompts whose greedy output equals the "
                "baseline's; `lossy` marks a lossy acceptance rule "
-               "(typical, relaxed), never lossless.")
+               "(typical, relaxed), never lossless; `rounding` a target "
+               "with int8 activations, exact only up to rounding (its "
+               "prompts equal to the baseline's follow).")
   lines += _quality_lines(results)
   head = (f"{results.get('drafter', 'model')}, B={results['batch_size']}, "
           f"γ={results['gamma']}")
@@ -332,7 +351,9 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
             f"{_f(results['speedup'], '.2f', 'x')}, decoding phase "
             f"{_f(results.get('decode_speedup'), '.2f', 'x')} (predicted "
             f"{_f(results['predicted_speedup'], '.2f', 'x')}), lossless="
-            f"{results['lossless']}" + "".join(
+            f"{results['lossless']}"
+            + (" (int8 activations: exact up to rounding)"
+               if results.get("rounding") else "") + "".join(
                 f", {label} {_f(results[k], '.3f')} (autoregressive "
                 f"{_f(results.get('baseline_' + k), '.3f')})"
                 for k, label in (("json_valid_rate", "valid"),
@@ -348,9 +369,10 @@ def _prompt_lossless(row: dict[str, Any], results: dict[str, Any]) -> str:
     return "lossy" + ("" if row.get("matches_baseline") is None else
                       " (= base)" if row["matches_baseline"] else
                       f" (@{row['first_mismatch']})")
-  if row["lossless"] is None:
+  if row.get("matches_baseline") is None:
     return "n/a"
-  return "yes" if row["lossless"] else f"no @{row['first_mismatch']}"
+  equal = "yes" if row["matches_baseline"] else f"no @{row['first_mismatch']}"
+  return f"rounding ({equal})" if results.get("rounding") else equal
 
 
 # ------------------------------------------------------------------- plots

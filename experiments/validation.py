@@ -413,6 +413,15 @@ def validate_config(config: Any) -> None:
       quantized.parse(quantized.split_activations(value or None)[0])
     except ValueError as e:
       check(False, f"config.{name}={value!r}: {e}")
+  experts = config.get("draft_experts", 0)
+  check(_is_int(experts) and experts >= 0,
+        f"config.draft_experts must be an integer >= 0 (0: the draft "
+        f"routes as the target does), got {experts!r}.")
+  check(not experts or (config.draft == "same" and config.target != "tiny"),
+        f"config.draft_experts={experts!r} drafts with a mixture-of-experts "
+        f"target's own experts: it needs config.draft='same' and a "
+        f"mixture-of-experts config.target (got draft={config.draft!r}, "
+        f"target={config.target!r}; the tiny target is dense).")
   for name in ("gamma", "batch_size"):
     value = config[name]
     check(_is_int(value) and value >= 1,

@@ -341,12 +341,13 @@ class SpeculativeDecoder:
     tokens, lengths, cache_size = self._pad(rows, target.vocab_size,
                                             max_new_tokens, drafter)
     cap = output_cap(max_new_tokens, self.tokens_cap, cache_size)
+    planned = dict(cache_size=cache_size, prompt_width=tokens.shape[1])
     if drafter is None:
-      where.check_memory({"model": target}, cache_size=cache_size, chunk=1)
+      where.check_memory({"model": target}, chunk=1, **planned)
     else:
       where.check_memory({"target": target, "draft": draft},
-                         cache_size=cache_size,
-                         chunk=(self.num_nodes or self._bound) + 1)
+                         chunk=(self.num_nodes or self._bound) + 1,
+                         **planned)
     policy = None if drafter is None else resolve_policy(
         self.gamma, max_gamma=self.max_gamma, target=target,
         drafter=drafter, batch=len(rows), cache_size=cache_size,

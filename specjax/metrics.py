@@ -89,6 +89,17 @@ def predicted_speedup(alpha: float, gamma: int, cost_ratio: float,
           / (gamma * cost_ratio + verify_ratio))
 
 
+def experts_per_pass(stats: Any, num_layers: int = 1) -> float | None:
+  """Distinct experts a verification pass of a mixture-of-experts target
+  woke, per layer and pass (over `num_layers`); None for a dense target
+  or no pass. A decode step wakes k; a pass of T tokens up to min(T·k,
+  X)."""
+  passes = int(getattr(stats, "expert_passes", 0))
+  if not passes:
+    return None
+  return float(stats.experts) / passes / num_layers
+
+
 def drafted_fraction(stats: Any) -> list[float]:
   """d_i: the fraction of (row, step) pairs that drafted position i."""
   pairs = np.sum(np.asarray(stats.accepted) >= 0)
@@ -157,6 +168,8 @@ def summarize(result: SpecOutput | Any, gamma: int | None = None,
       "draft_forwards": int(np.sum(stats.draft_forwards)),
       "draft_forwards_by_component": np.asarray(
           stats.draft_forwards).reshape(-1).tolist(),
+      # Summed over layers; per layer: experts_per_pass(stats, L).
+      "experts_per_pass": experts_per_pass(stats),
       **extra,
   }
   if cost_ratio is not None:

@@ -23,6 +23,7 @@ it. Nothing runs at import time.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -127,7 +128,9 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
                     tune_rows: Sequence[int] = (1, 5),
                     mesh: jax.sharding.Mesh | None = None,
                     split: bool = True,
-                    quantize: str | None = None) -> tuple[Model, Tokenizer]:
+                    quantize: str | None = None,
+                    workload: cpu.quantize.Workload | None = None
+                    ) -> tuple[Model, Tokenizer]:
   """A model and its tokenizer from a registry name, directory, file or id.
 
   Args:
@@ -150,7 +153,8 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
       kept, without the CPU kernel (GSPMD cannot split a custom call).
     split: with `mesh`, split the model (False replicates it: a draft).
     quantize: "auto" keeps a GGUF file's own blocks where they are the
-      faster model on this machine, else float weights (`auto_quantize`);
+      faster model on this machine for `workload`, else float weights
+      (`auto_quantize`);
       None keeps float weights; "gguf" keeps a GGUF file's own
       blocks (registry names and `.gguf` files: the model dequantises to
       the float loader's weights bit for bit, `load_gguf`); "int8" /
@@ -161,7 +165,10 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
       int8 and int4 codes), else "in_out/xla". Not with `mesh`. A ":a8"
       suffix ("gguf:a8", "int4:a8") also quantizes the activations to
       int8 (`Model.with_activations`: llama.cpp's arithmetic, integer
-      dot products in the CPU kernel).
+      dot products in the CPU kernel; speculation on it is exact only up
+      to rounding).
+    workload: the calls `quantize="auto"` prices (`cpu.quantize.Workload`;
+      default: speculative decoding at the γ of `tune_rows`).
 
   Returns:
     (model, tokenizer).
@@ -174,7 +181,8 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
   gguf_file = None  # a registry model's GGUF file, once fetched
   if quantize == "auto":
     choice, gguf_file = _auto_quantize(name_or_path, dtype, cache_dir,
-                                       progress, matmul, tune_rows, mesh)
+                                       progress, matmul, tune_rows, mesh,
+                                       workload)
     quantize = choice.quantize
   quantize, act_bits = quantized.split_activations(quantize)
   spec = quantized.parse(quantize)
@@ -206,41 +214,48 @@ def auto_quantize(name_or_path: str | os.PathLike, dtype: Any = None, *,
                   progress: bool = True,
                   matmul: str | MatmulPlan | None = "auto",
                   tune_rows: Sequence[int] = (1, 5),
-                  mesh: jax.sharding.Mesh | None = None
+                  mesh: jax.sharding.Mesh | None = None,
+                  workload: cpu.quantize.Workload | None = None
                   ) -> cpu.quantize.QuantizeChoice:
   """What `load_pretrained(name_or_path, quantize="auto")` loads.
 
   A GGUF source (registry name or `.gguf` file) keeps its own blocks where
-  a decode step and a verification pass of them cost less than of its
-  float weights on this machine (`specjax.cpu.quantize`: measured once,
+  the products of `workload`'s call cost less on them than on its float
+  weights on this machine (`specjax.cpu.quantize`: timings measured once,
   cached); anything else, or a model placed on a mesh, gets float weights.
   Both are the same model, bit for bit. Arguments as `load_pretrained`.
   """
   return _auto_quantize(name_or_path, dtype, cache_dir, progress, matmul,
-                        tune_rows, mesh)[0]
+                        tune_rows, mesh, workload)[0]
 
 
 def _auto_quantize(name_or_path: str | os.PathLike, dtype: Any,
                    cache_dir: str | os.PathLike | None, progress: bool,
                    matmul: str | MatmulPlan | None, tune_rows: Sequence[int],
-                   mesh: jax.sharding.Mesh | None
+                   mesh: jax.sharding.Mesh | None,
+                   workload: cpu.quantize.Workload | None
                    ) -> tuple[cpu.quantize.QuantizeChoice,
                               pathlib.Path | None]:
   """`auto_quantize`, and the GGUF file it read (None if none), so that
   loading the blocks does not fetch and verify the file again."""
   rows = tuple(int(m) for m in tune_rows)
-  fixed = cpu.quantize.QuantizeChoice.fixed
+  if workload is None:
+    workload = cpu.quantize.Workload.decoding(
+        batch=rows[0], gamma=max(rows[-1] // rows[0] - 1, 0))
+  fixed = functools.partial(cpu.quantize.QuantizeChoice.fixed,
+                            workload=workload)
   if mesh is not None:
-    return fixed("quantized matrices are not placed on a mesh", rows), None
+    return fixed("quantized matrices are not placed on a mesh"), None
   path = _gguf_path(name_or_path, cache_dir, progress)
   if path is None:
     return fixed(f"{os.fspath(name_or_path)!r} is not a GGUF file or a "
-                 "registry model", rows), None
+                 "registry model"), None
   dtype = hardware.resolve_dtype(dtype)
   return cpu.quantize.choose_for_file(
       path, dtype, lambda: gguf_lib.load_gguf(path, dtype, progress=progress,
                                               quantize="gguf"),
-      matmul_plan=matmul, rows=rows, cache_dir=cache_dir), path
+      workload=workload, matmul_plan=matmul, rows=rows,
+      cache_dir=cache_dir), path
 
 
 def _gguf_path(name_or_path: str | os.PathLike,

@@ -114,6 +114,7 @@ def speculate_step(state: SpecState, *, target: LanguageModel,
       last_token=jnp.where(active, verification.next_token,
                            state.last_token),
       target_cache=target_cache, drafter_state=drafter_state, key=key,
-      stats=state.stats.update(proposal, num_accepted, active, scored),
+      stats=state.stats.update(proposal, num_accepted, active, scored,
+                               verification.experts),
       policy_state=policy.update(state.policy_state, budget, proposal,
                                  num_accepted, active))

@@ -123,6 +123,9 @@ class Verification:
       (node + 1) by depth, the unaccepted tail 0 (`tree.path_slots`), so a
       tree drafter can keep the path it drafted (`DraftModel.commit`);
       None for a chain.
+    experts: [] int32 for a mixture-of-experts target, the distinct
+      experts its pass woke, summed over layers (`ModelOutput.experts`);
+      else None.
   """
 
   num_accepted: jax.Array
@@ -132,6 +135,7 @@ class Verification:
   probs: jax.Array
   hidden: jax.Array | None = None
   path: jax.Array | None = None
+  experts: jax.Array | None = None
 
   @property
   def num_emitted(self) -> jax.Array:
@@ -169,6 +173,10 @@ class SpecStats:
     scored: [B, M] int32 draft slots the step's target pass scored, per
       row and step, -1 where the row was done: G under a fixed γ (T for a
       tree); under an adaptive policy 0 (an autoregressive step) to G.
+    experts: [] int32 distinct experts the verification passes of a
+      mixture-of-experts target woke, summed over passes and layers (0
+      for a dense target).
+    expert_passes: [] int32 the passes `experts` counts.
   """
 
   accepted: jax.Array
@@ -179,6 +187,8 @@ class SpecStats:
   target_forwards: jax.Array
   draft_forwards: jax.Array
   scored: jax.Array
+  experts: jax.Array
+  expert_passes: jax.Array
 
   @classmethod
   def zeros(cls, batch: int, gamma: int, max_steps: int,
@@ -191,7 +201,8 @@ class SpecStats:
                proposed_by_position=jnp.zeros((gamma,), jnp.int32),
                steps=zero, target_forwards=jnp.int32(1),
                draft_forwards=jnp.asarray(prefill, jnp.int32),
-               scored=jnp.full((batch, max_steps), -1, jnp.int32))
+               scored=jnp.full((batch, max_steps), -1, jnp.int32),
+               experts=zero, expert_passes=zero)
 
   @classmethod
   def autoregressive(cls, lengths: np.ndarray, gamma: int, max_steps: int,
@@ -230,14 +241,16 @@ class SpecStats:
         accepted_by_position=total("accepted_by_position"),
         proposed_by_position=total("proposed_by_position"),
         steps=total("steps"), target_forwards=total("target_forwards"),
-        draft_forwards=total("draft_forwards"))
+        draft_forwards=total("draft_forwards"), experts=total("experts"),
+        expert_passes=total("expert_passes"))
 
   def update(self, proposal: Proposal, num_accepted: jax.Array,
-             active: jax.Array, scored: jax.Array | int | None = None
-             ) -> "SpecStats":
+             active: jax.Array, scored: jax.Array | int | None = None,
+             experts: jax.Array | None = None) -> "SpecStats":
     """Counts one step: `num_accepted` [B] of the proposal, for rows where
     `active` [B] (rows already done count nothing), in a target pass that
-    scored `scored` ([] int32, default G) draft slots."""
+    scored `scored` ([] int32, default G) draft slots and, for a mixture
+    of experts, woke `experts` ([] int32, `Verification.experts`)."""
     gamma = proposal.max_depth
     scored = gamma if scored is None else scored
     positions = jnp.arange(gamma)[None]  # [1, G] draft depth - 1
@@ -257,7 +270,9 @@ class SpecStats:
         + jnp.sum(proposed, axis=0, dtype=jnp.int32),
         steps=self.steps + 1,
         target_forwards=self.target_forwards + 1,
-        draft_forwards=self.draft_forwards + proposal.num_forwards)
+        draft_forwards=self.draft_forwards + proposal.num_forwards,
+        experts=self.experts + (0 if experts is None else experts),
+        expert_passes=self.expert_passes + (experts is not None))
 
   def plain(self, ran: jax.Array, steps: jax.Array) -> "SpecStats":
     """Counts `steps` ([] int32) plain steps (no draft proposed or

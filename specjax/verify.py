@@ -110,7 +110,7 @@ def _score(target: LanguageModel, cache: Any, last_token: jax.Array,
   verification = Verification(
       num_accepted=num_accepted, next_token=next_token,
       emitted=emitted_tokens(proposal.tokens, num_accepted, next_token),
-      logits=out.logits, probs=p, hidden=out.hidden)
+      logits=out.logits, probs=p, hidden=out.hidden, experts=out.experts)
   return verification, out, cache
 
 
@@ -167,7 +167,7 @@ def verify_tree(target: LanguageModel, cache: Any, last_token: jax.Array,
       emitted=emitted_tokens(path_tokens, result.num_accepted,
                              result.next_token),
       logits=take(out.logits), probs=take(p), hidden=take(out.hidden),
-      path=slots)
+      path=slots, experts=out.experts)
   return verification, cache.rollback(start + 1 + result.num_accepted)
 
 
@@ -241,15 +241,15 @@ def verify_within(widths: Sequence[int], target: LanguageModel,
                           acceptance=acceptance)
       return (v.num_accepted, v.next_token,
               _pad_steps(v.logits, gamma + 1), _pad_steps(v.probs, gamma + 1),
-              _pad_steps(v.hidden, gamma + 1), cache)
+              _pad_steps(v.hidden, gamma + 1), v.experts, cache)
     return run
 
-  num_accepted, next_token, logits, probs, hidden, result = jax.lax.switch(
-      branch, [at(w) for w in widths], cache)
+  (num_accepted, next_token, logits, probs, hidden, experts,
+   result) = jax.lax.switch(branch, [at(w) for w in widths], cache)
   cache = (cache.write(*result, start) if deferred else result).rollback(
       start + 1 + num_accepted)
   verification = Verification(
       num_accepted=num_accepted, next_token=next_token,
       emitted=emitted_tokens(proposal.tokens, num_accepted, next_token),
-      logits=logits, probs=probs, hidden=hidden)
+      logits=logits, probs=probs, hidden=hidden, experts=experts)
   return verification, cache, jnp.asarray(widths, jnp.int32)[branch] - 1

@@ -7,10 +7,12 @@ import itertools
 import json
 import types
 
+import jax
 import numpy as np
 import pytest
 
 from specjax import metrics
+from specjax import models
 from specjax import policies
 from specjax import testing
 from specjax.policies.costs import expected_steps
@@ -307,3 +309,45 @@ def test_extended_prediction_by_hand():
       draft_forwards=np.array([4]))
   assert metrics.predicted_speedup_extended(full, [0.3], 1.1) == (
       pytest.approx(metrics.predicted_speedup(0.75, 2, 0.3, 1.1)))
+
+
+def test_a_pass_of_a_mixture_of_experts_reads_the_union_of_its_experts():
+  """E[distinct experts] of rows choosing k of X at random, against
+  enumeration; the roofline then prices a longer verification pass of a
+  mixture of experts by the experts it wakes, a dense one by its weights
+  once."""
+  x, k = 5, 2
+  geometry = models.CostGeometry(weight_bytes=100.0, num_experts=x,
+                                 experts_per_token=k, expert_bytes=10.0)
+  subsets = list(itertools.combinations(range(x), k))
+  for rows in (1, 2, 3):
+    union = [len(set().union(*pick))
+             for pick in itertools.product(subsets, repeat=rows)]
+    assert geometry.distinct_experts(rows) == pytest.approx(np.mean(union))
+  assert geometry.bytes_read(1) == 100.0
+  assert geometry.bytes_read(3) == pytest.approx(
+      100.0 + 10.0 * (np.mean(union) - k))
+  assert geometry.bytes_read(10_000) == pytest.approx(100.0 + 10.0 * (x - k))
+  dense = models.CostGeometry(weight_bytes=100.0)
+  assert dense.bytes_read(1) == dense.bytes_read(9) == 100.0
+  # A tiny Mixtral (8 experts, top 2): its k active experts per token are
+  # its weight_bytes; on a memory-bound roofline its 9-token pass costs
+  # the 9 rows' union of experts, a dense model's the same as one token.
+  model = models.init_random(models.ModelConfig(
+      arch="mixtral", vocab_size=128, hidden_size=64, intermediate_size=32,
+      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8,
+      num_experts_per_tok=2), jax.random.key(0))
+  g = model.cost_geometry()
+  one = sum(w.size * w.dtype.itemsize for path, w in jax.tree_util.
+            tree_leaves_with_path(model.params)
+            if "experts_" in jax.tree_util.keystr(path)) / 8
+  assert g.expert_bytes == pytest.approx(one)
+  roofline = policies.costs.Roofline(bandwidth=1e9, flops=1e30,
+                                     overhead_ms=0.0)
+  for m, more in ((model, True), (testing.tiny_pair()[0], False)):
+    ms = roofline.forward(m, batch=1, chunks=(1, 9), cache_size=8).forward_ms
+    geo = m.cost_geometry()
+    kv = geo.kv_bytes_per_slot * 8
+    assert ms[9] / ms[1] == pytest.approx(
+        (geo.bytes_read(9) + kv) / (geo.bytes_read(1) + kv))
+    assert (ms[9] > ms[1]) == more

@@ -336,6 +336,7 @@ def _record_loads(monkeypatch) -> list[str]:
   monkeypatch.setattr(registry, "auto_quantize", lambda *a, **k: (
       types.SimpleNamespace(quantize=None, why="stub",
                             to_json=lambda: {"why": "stub"})))
+  monkeypatch.setattr(pair_lib, "workload", lambda config: None)
   return loaded
 
 
@@ -407,6 +408,10 @@ def test_plot_titles_name_the_drafter_that_ran(tmp_path, monkeypatch):
   assert report.drafter_label("model", {"draft": "same",
                                         "draft_quantize": "int4"}) == (
                                             "the target in int4")
+  assert report.drafter_label("model", {"draft": "same",
+                                        "draft_experts": 1}) == (
+                                            "the target with 1 expert(s) "
+                                            "per token")
 
 
 @pytest.mark.slow  # a tiny run: about 10 s on a 2-core CPU
@@ -855,3 +860,11 @@ def test_report_labels_lossy_runs():
   assert any("autoregressive" in l and "0.750" in l for l in lines)
   assert report._lossless(results["runs"][1]) == "lossy"
   assert report._lossless(results["runs"][0]) == "n/a"
+  # Int8 activations: greedy equality counted, never claimed lossless.
+  a8 = dict(run("exact", False, 0.75), rounding=True, lossless=False,
+            lossless_prompts=3)
+  assert report._lossless(a8) == "rounding 3/4"
+  row = {"matches_baseline": False, "first_mismatch": 80, "lossless": False}
+  assert report._prompt_lossless(row, a8) == "rounding (no @80)"
+  assert report._prompt_lossless(dict(row, matches_baseline=True),
+                                 {}) == "yes"

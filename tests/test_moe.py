@@ -8,7 +8,10 @@ random checkpoints it saves; speculative outputs must equal `generate`'s
 token for token, and sampled ones the target's exact law (by enumeration,
 as test_distribution.py). A decode step must read only its tokens'
 experts: its program may touch the stacked experts only by gathering k of
-them per token.
+them per token. The fewer-experts self-draft (`moe.fewer_experts`) is
+checked against transformers run with fewer experts per token, and GGUF
+files against transformers on the weights they hold, written as llama.cpp
+names and stacks them (gguf's own tensor name map).
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import torch
 
 from specjax import decode
 from specjax import drafters
+from specjax import metrics
 from specjax import models
 from specjax import sharding
 from specjax import testing
 from specjax.checkpoints import convert
+from specjax.checkpoints import gguf as gguf_lib
 from specjax.checkpoints import hf
 from specjax.models import moe
 from tests import test_distribution as dist
@@ -127,6 +132,30 @@ def test_logits_cached_decode_and_greedy_match_transformers(checkpoint,
   np.testing.assert_array_equal(ours, seqs)
 
 
+@pytest.mark.parametrize("arch", [
+    "mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
+def test_a_pass_counts_the_experts_transformers_routes_to(checkpoint, arch):
+  """`ModelOutput.experts`: the distinct experts of each layer's top-k
+  over the chunk's tokens, summed over layers, as transformers' own
+  router logits choose them (a chunk of 5 tokens over B rows, then one
+  token of one row)."""
+  model, torch_model = checkpoint(arch)
+  k = model.config.num_experts_per_tok
+  tokens = np.random.default_rng(2).integers(0, 128, (B, 5))
+  for chunk in (tokens, tokens[:1, :1]):
+    with torch.no_grad():
+      routers = torch_model(torch.as_tensor(chunk),
+                            output_router_logits=True).router_logits
+    want = sum(len(np.unique(np.asarray(r).argsort(-1)[:, -k:]))
+               for r in routers)
+    out, _ = model(jnp.asarray(chunk), model.init_cache(chunk.shape[0], S))
+    assert int(out.experts) == want
+  # A dense model counts none.
+  dense = models.init_random(testing.TINY_DRAFT, jax.random.key(1))
+  out, _ = dense(jnp.asarray(tokens), dense.init_cache(B, S))
+  assert out.experts is None
+
+
 def test_strategies_compute_the_same_function():
   config = models.ModelConfig(
       arch="qwen3_moe", vocab_size=16, hidden_size=16, intermediate_size=8,
@@ -166,14 +195,17 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 9, 8, 5, 6], [42], [7, 8, 9, 10, 11, 12]]
 MAX_NEW = 12
 
 
-def _moe_model(config, seed):
+def _moe_model(config, seed, expert_scale=1.0):
   """A random model whose router logits spread over a few nats, so that
-  tokens choose different experts."""
+  tokens choose different experts (each expert's matrices times
+  `expert_scale`)."""
   model = models.init_random(config, jax.random.key(seed))
   params = model.canonical_params()
   for i in range(config.num_layers):
     layer = dict(params[f"layers_{i}"])
     layer["router"] = layer["router"] * 50.0
+    for name in ("experts_gate", "experts_up", "experts_down"):
+      layer[name] = layer[name] * expert_scale
     params = dict(params, **{f"layers_{i}": layer})
   return model.replace(params=params).with_plan(model.plan)
 
@@ -203,6 +235,134 @@ def test_speculative_greedy_equals_generate(moe_pair, moe_baseline, kind):
                                     max_new_tokens=MAX_NEW, **extra)
   np.testing.assert_array_equal(out.tokens, moe_baseline.tokens)
   np.testing.assert_array_equal(out.lengths, moe_baseline.lengths)
+  # Each verification pass's distinct experts are counted: over 3 rows
+  # of up to 4 tokens, more than a decode step's k per layer, at most X.
+  c = target.config
+  per_pass = metrics.experts_per_pass(out.stats, c.num_layers)
+  assert int(out.stats.expert_passes) == int(out.stats.steps) > 0
+  assert c.num_experts_per_tok < per_pass <= c.num_experts
+  assert metrics.summarize(out)["experts_per_pass"] == pytest.approx(
+      per_pass * c.num_layers)
+  assert metrics.experts_per_pass(decode.SpecStats.zeros(1, 3, 4)) is None
+
+
+@pytest.fixture(scope="module")
+def self_target():
+  """A target whose experts outweigh the rest of its residual stream, so
+  that its top-1 self-draft's argmax often differs; and its greedy
+  output."""
+  target = _moe_model(TINY_MOE, 0, expert_scale=4.0)
+  return target, decode.generate(target, PROMPTS, max_new_tokens=MAX_NEW)
+
+
+# The fewer-experts self-draft: the target routing to its top 1, alone,
+# falling back from prompt lookup, and growing token trees.
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["chain", "lookup", "tree"])
+def test_self_draft_greedy_equals_generate(self_target, kind):
+  target, want = self_target
+  draft = drafters.DraftModel(moe.fewer_experts(target, 1))
+  if kind == "lookup":
+    draft = drafters.Fallback(drafters.PromptLookup(target.vocab_size),
+                              draft)
+  extra = {"num_nodes": 8} if kind == "tree" else {}
+  out = decode.speculative_generate(target, draft, PROMPTS, gamma=3,
+                                    max_new_tokens=MAX_NEW, **extra)
+  np.testing.assert_array_equal(out.tokens, want.tokens)
+  np.testing.assert_array_equal(out.lengths, want.lengths)
+  if kind == "chain":  # drafts are both accepted and rejected
+    assert 0 < metrics.acceptance_rate(out.stats) < 1
+
+
+@pytest.mark.slow
+def test_self_draft_greedy_equals_generate_unnormalised_shared_expert():
+  """Qwen2-MoE's routing: top-1 weights are the raw top probability (no
+  renormalisation), plus the shared expert."""
+  target = _moe_model(TINY_MOE.replace(
+      arch="qwen2_moe", shared_expert_size=48, norm_topk_prob=False,
+      router_weights_float32=False), 2, expert_scale=4.0)
+  want = decode.generate(target, PROMPTS, max_new_tokens=MAX_NEW)
+  out = decode.speculative_generate(
+      target, moe.fewer_experts(target, 1), PROMPTS, gamma=3,
+      max_new_tokens=MAX_NEW)
+  np.testing.assert_array_equal(out.tokens, want.tokens)
+  np.testing.assert_array_equal(out.lengths, want.lengths)
+  assert 0 < metrics.acceptance_rate(out.stats) < 1
+
+
+def test_fewer_experts_shares_the_targets_arrays(moe_pair):
+  target = moe_pair[0]
+  c = target.config
+  draft = moe.fewer_experts(target, 1)
+  assert draft.config == c.replace(num_experts_per_tok=1)
+  assert draft.plan == target.plan
+  pairs = zip(jax.tree.leaves(draft.params), jax.tree.leaves(target.params))
+  assert all(a is b for a, b in pairs)  # no copy
+  # It reads one expert per layer fewer, and is priced apart.
+  expert = 3 * c.hidden_size * c.intermediate_size * 4
+  assert target.weight_bytes_per_token - draft.weight_bytes_per_token == (
+      c.num_layers * expert)
+  assert draft.cost_geometry().key != target.cost_geometry().key
+  for k in (0, 2, 1.5, True):
+    with pytest.raises(ValueError, match=r"in \[1, 2\) .* got"):
+      moe.fewer_experts(target, k)
+  dense = models.Model(config=testing.TINY_DRAFT, params={})
+  with pytest.raises(ValueError, match="dense"):
+    moe.fewer_experts(dense, 1)
+
+
+def test_draft_experts_config(moe_pair):
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from configs import llama_pair  # pylint: disable=g-import-not-at-top
+  from experiments import pair  # pylint: disable=g-import-not-at-top
+  from experiments import validation  # pylint: disable=g-import-not-at-top
+  target = moe_pair[0]
+  config = ml_collections.ConfigDict(dict(
+      target="tiny-moe", draft="same", draft_quantize="", draft_experts=1))
+  draft = pair._same(config, target, None)
+  assert draft.config.num_experts_per_tok == 1
+  assert draft.params is target.params
+  config.draft_experts = 2
+  with pytest.raises(validation.ConfigError,
+                     match=r"config.draft_experts=2 .*\[1, 2\)"):
+    pair._same(config, target, None)
+  config.draft_experts = 1
+  dense = models.Model(config=testing.TINY_TARGET, params={})
+  with pytest.raises(validation.ConfigError, match="draft_experts.*dense"):
+    pair._same(config, dense, None)
+  # Checked before loading: an integer >= 0, with draft=same and a
+  # target that may be a mixture of experts (the tiny one is dense).
+  for arg, bad in (("pair=tiny,draft_experts=1", "draft='same'"),
+                   ("pair=qwen,draft_experts=1", "draft='same'")):
+    with pytest.raises(validation.ConfigError, match=bad):
+      validation.validate_config(llama_pair.get_config(arg))
+  good = llama_pair.get_config("pair=qwen,draft_experts=1")
+  good.draft = "same"
+  validation.validate_config(good)
+  good.draft_experts = -1
+  with pytest.raises(validation.ConfigError, match="integer >= 0"):
+    validation.validate_config(good)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fewer_experts_match_transformers_top_k(checkpoint, arch):
+  """The self-draft is the target's checkpoint as transformers runs it
+  with num_experts_per_tok=1 (Mixtral's and Qwen3-MoE's renormalised
+  single weight is one; Qwen2-MoE's and OLMoE's the top probability)."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  model, torch_model = checkpoint(arch)
+  hf_config = tiny_moe_hf_config(arch)
+  hf_config.num_experts_per_tok = 1
+  top1 = transformers.AutoModelForCausalLM.from_config(hf_config).to(
+      torch.float32).eval()
+  top1.load_state_dict(torch_model.state_dict())
+  tokens = np.random.default_rng(2).integers(0, 128, (B, 10))
+  want = _hf_logits(top1, tokens)
+  assert np.abs(want - _hf_logits(torch_model, tokens)).max() > 0.1
+  draft = moe.fewer_experts(model, 1)
+  logits, _ = _step(draft, jnp.asarray(tokens), draft.init_cache(B, S))
+  np.testing.assert_allclose(logits, want, atol=ATOL)
 
 
 def _consumers(jaxpr, var):
@@ -311,6 +471,165 @@ def test_unsupported_moe_variants_name_what_is_missing(config, missing):
     convert.config_from_hf(config)
 
 
+# GGUF files as llama.cpp's converter writes them: gguf's own tensor name
+# map, the experts stacked [X, out, in], Mixtral as `llama` with permuted
+# Q/K rows.
+_GGUF_ARCHS = {"mixtral": "llama", "qwen2_moe": "qwen2moe",
+               "qwen3_moe": "qwen3moe"}
+
+
+def _write_moe_gguf(path, arch, model, torch_model, quantized=False):
+  """Writes `torch_model` (a `checkpoint`) as a GGUF file; with
+  `quantized`, experts, shared expert and q in Q8_0 (rows of 32n only).
+
+  Returns:
+    HF name -> float32 values the file holds (dequantised).
+  """
+  import gguf  # pylint: disable=g-import-not-at-top
+  from tests import test_gguf  # pylint: disable=g-import-not-at-top
+  c = model.config
+  file_arch = _GGUF_ARCHS[arch]
+  names = gguf.get_tensor_name_map(
+      gguf.MODEL_ARCH[file_arch.upper()], c.num_layers)
+  writer = gguf.GGUFWriter(str(path), file_arch)
+  writer.add_block_count(c.num_layers)
+  writer.add_context_length(c.max_position_embeddings)
+  writer.add_embedding_length(c.hidden_size)
+  # A Qwen-MoE's feed_forward_length is its (unused) dense MLP size.
+  writer.add_feed_forward_length(
+      c.intermediate_size if arch == "mixtral" else 4 * c.hidden_size)
+  writer.add_head_count(c.num_heads)
+  writer.add_head_count_kv(c.num_kv_heads)
+  writer.add_key_length(c.head_dim)
+  writer.add_value_length(c.head_dim)
+  writer.add_rope_freq_base(c.rope_theta)
+  writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+  writer.add_expert_count(c.num_experts)
+  writer.add_expert_used_count(c.num_experts_per_tok)
+  if arch != "mixtral":
+    writer.add_expert_feed_forward_length(c.intermediate_size)
+  if c.shared_expert_size:
+    writer.add_expert_shared_feed_forward_length(c.shared_expert_size)
+  tensors = {}
+  for name, w in torch_model.state_dict().items():
+    w = w.numpy()
+    if name.endswith("experts.gate_up_proj"):  # [X, 2F, E], gate first
+      f = w.shape[1] // 2
+      stem = name[:-len("gate_up_proj")]
+      tensors[stem + "gate_proj"], tensors[stem + "up_proj"] = (
+          w[:, :f], w[:, f:])
+    else:
+      tensors[name] = w
+  held = {}
+  for name, w in tensors.items():
+    # (llama.cpp names the stacked experts `...experts.w1.weight`.)
+    suffixed = name if name.endswith(("weight", "bias")) else name + ".weight"
+    gname = names.get_name(suffixed, try_suffixes=(".weight", ".bias"))
+    stored = w
+    if arch == "mixtral" and ".q_proj." in name:
+      stored = test_gguf.llama_cpp_permute(w, c.num_heads, c.num_heads)
+    elif arch == "mixtral" and ".k_proj." in name:
+      stored = test_gguf.llama_cpp_permute(w, c.num_heads, c.num_kv_heads)
+    if name.endswith("shared_expert_gate.weight"):
+      stored = w[0]  # llama.cpp's [E]
+    if quantized and w.shape[-1] % 32 == 0 and any(
+        part in name for part in ("experts", "shared_expert.", "q_proj.w")):
+      data = gguf.quants.quantize(np.ascontiguousarray(stored),
+                                  gguf.GGMLQuantizationType.Q8_0)
+      writer.add_tensor(gname, data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+      w = gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q8_0)
+      if arch == "mixtral" and ".q_proj." in name:
+        w = gguf_lib.unpermute_qk(w, c.num_heads)
+    else:
+      writer.add_tensor(gname, np.ascontiguousarray(stored))
+    held[name] = np.asarray(w, np.float32)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return held
+
+
+def _refit(torch_model, held):
+  """A copy of `torch_model` holding `held` (fused experts again)."""
+  import copy  # pylint: disable=g-import-not-at-top
+  state = {}
+  for name, w in held.items():
+    if name.endswith("experts.gate_proj"):
+      stem = name[:-len("gate_proj")]
+      w = np.concatenate([w, held[stem + "up_proj"]], 1)
+      name = stem + "gate_up_proj"
+    elif name.endswith("experts.up_proj"):
+      continue
+    state[name] = torch.from_numpy(w)
+  refit = copy.deepcopy(torch_model)
+  refit.load_state_dict(state)
+  return refit
+
+
+@pytest.mark.parametrize("arch", list(_GGUF_ARCHS))
+def test_gguf_experts_match_transformers(checkpoint, arch, tmp_path):
+  model, torch_model = checkpoint(arch)
+  path = tmp_path / f"{arch}.gguf"
+  _write_moe_gguf(path, arch, model, torch_model)
+  loaded = gguf_lib.load_gguf(path, progress=False).with_plan(model.plan)
+  # The file holds eps in float32, as the activations use it: the same
+  # model, whose program is then the cached one.
+  eps = np.float32(model.config.rms_norm_eps)
+  assert loaded.config == model.config.replace(rms_norm_eps=float(eps))
+  loaded = loaded.replace(config=model.config)
+  tokens = np.random.default_rng(1).integers(0, 128, (B, 6))
+  logits, _ = _step(loaded, jnp.asarray(tokens), loaded.init_cache(B, S))
+  np.testing.assert_allclose(logits, _hf_logits(torch_model, tokens),
+                             atol=ATOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", list(_GGUF_ARCHS))
+def test_gguf_q8_0_experts_match_transformers(checkpoint, arch, tmp_path):
+  """Q8_0 experts, shared expert and q rows, loaded dequantised and with
+  `quantize="gguf"` (the experts then still dequantised), against
+  transformers holding the same dequantised values."""
+  model, torch_model = checkpoint(arch)
+  path = tmp_path / f"{arch}.gguf"
+  held = _write_moe_gguf(path, arch, model, torch_model, quantized=True)
+  tokens = np.random.default_rng(1).integers(0, 128, (B, 6))
+  want = _hf_logits(_refit(torch_model, held), tokens)
+  assert np.abs(want - _hf_logits(torch_model, tokens)).max() > 1e-4
+  for quantize in (None, "gguf"):
+    loaded = gguf_lib.load_gguf(path, progress=False, quantize=quantize)
+    kept = loaded.quantization
+    assert kept == (None if quantize is None else "q8_0")
+    assert not models.is_quantized(loaded.params["layers_0"]["experts_up"])
+    logits, _ = _step(loaded, jnp.asarray(tokens), loaded.init_cache(B, S))
+    np.testing.assert_allclose(logits, want, atol=ATOL)
+
+
+@pytest.mark.parametrize("key, value, missing", [
+    ("expert_gating_func", 2, "sigmoid"),
+    ("expert_weights_scale", 2.5, "scaled or grouped"),
+    ("expert_group_count", 4, "scaled or grouped")])
+def test_gguf_routing_specjax_does_not_run_is_named(tmp_path, key, value,
+                                                    missing):
+  import gguf  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "routing.gguf"
+  writer = gguf.GGUFWriter(str(path), "qwen3moe")
+  for name, v in (("block_count", 1), ("embedding_length", 64),
+                  ("feed_forward_length", 32), ("attention.head_count", 4),
+                  ("expert_count", 8), ("expert_used_count", 2)):
+    writer.add_uint32(f"qwen3moe.{name}", v)
+  writer.add_float32("qwen3moe.attention.layer_norm_rms_epsilon", 1e-5)
+  add = writer.add_float32 if isinstance(value, float) else writer.add_uint32
+  add(f"qwen3moe.{key}", value)
+  writer.add_tensor("token_embd.weight", np.zeros((16, 64), np.float32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  with pytest.raises(ValueError, match=missing):
+    gguf_lib.load_gguf(path, progress=False)
+
+
 def test_incomplete_experts_are_named(checkpoint, tmp_path):
   from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
@@ -328,14 +647,17 @@ def test_incomplete_experts_are_named(checkpoint, tmp_path):
 # The enumeration test (test_distribution.py's): 20 000 sampled
 # generations of 3 tokens against the target's exact joint law.
 @pytest.mark.slow
-@pytest.mark.parametrize("draft_kind", ["dense", "moe"])
+@pytest.mark.parametrize("draft_kind", ["dense", "moe", "self"])
 def test_sampling_matches_exact_distribution(draft_kind):
   small = dict(vocab_size=dist.VOCAB)
-  target = _moe_model(TINY_MOE.replace(**small), 4)
+  target = _moe_model(TINY_MOE.replace(**small), 4,
+                      expert_scale=4.0 if draft_kind == "self" else 1.0)
   target = target.replace(params=dict(
       target.params, lm_head=target.params["lm_head"] * 10.0))
   if draft_kind == "dense":
     draft = dist._peaked(testing.TINY_DRAFT, 5)
+  elif draft_kind == "self":  # the target routing to its top expert
+    draft = moe.fewer_experts(target, 1)
   else:
     draft = _moe_model(TINY_MOE.replace(
         num_layers=1, num_experts=4, num_experts_per_tok=1, **small), 5)

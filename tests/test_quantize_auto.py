@@ -41,21 +41,28 @@ def _auto(path, cache, **kwargs):
 
 
 @needs_kernel
-def test_measures_once_then_loads_what_the_cache_says(gguf_file, tmp_path):
+def test_measures_once_then_prices_each_workload(gguf_file, tmp_path):
   cache = tmp_path / "cache"
   first = _auto(gguf_file, cache)
   assert first.source == "measured"
-  assert set(first.model_ms) == {"float", "gguf"}
-  assert all(set(t) == {"1", "3"} for t in first.model_ms.values())
-  faster = min(first.model_ms, key=lambda n: sum(first.model_ms[n].values()))
-  assert first.quantize == ("gguf" if faster == "gguf" else None)
+  # tune_rows (1, 3): speculation at γ = 2, after 64-row prefill chunks.
+  assert all(set(t) == {"3", "64"} for t in first.model_ms.values())
+  assert first.quantize == ("gguf" if first.call_ms["gguf"]
+                            < first.call_ms["float"] else None)
   second = _auto(gguf_file, cache)
   assert (second.source, second.quantize) == ("cache", first.quantize)
-  # The loader obeys the cached choice, whichever way it points.
+  # A workload of new rows measures those only; the cached rows stay.
+  wide = tuning.Workload.decoding(gamma=2, width=8)
+  third = _auto(gguf_file, cache, workload=wide)
+  assert third.source == "measured"
+  assert third.model_ms["gguf"]["64"] == first.model_ms["gguf"]["64"]
+  # The loader obeys the cached timings, whichever way they point.
   path = tuning.cache_file(cache)
-  for choice, quantization in ((None, None), ("gguf", "q8_0")):
+  for fast, quantization in (("float", None), ("gguf", "q8_0")):
     entries = json.loads(path.read_text())
-    entries[first.key]["quantize"] = choice
+    for name, ms in entries[first.key]["model_ms"].items():
+      entries[first.key]["model_ms"][name] = {
+          x: 1.0 if name == fast else 2.0 for x in ms}
     path.write_text(json.dumps(entries))
     model, _ = registry.load_pretrained(gguf_file, quantize="auto",
                                         cache_dir=cache, tune_rows=(1, 3),
@@ -63,19 +70,51 @@ def test_measures_once_then_loads_what_the_cache_says(gguf_file, tmp_path):
     assert model.quantization == quantization
 
 
-def test_the_smaller_total_over_rows_wins(gguf_file, tmp_path, monkeypatch):
+def _choose(config, ms, workload, cache):
+  return tuning.choose(config, lambda: None, types=str(ms),
+                       float_plan=tuning.KERNEL_PLAN, workload=workload,
+                       cache_dir=cache)
+
+
+def test_the_workload_decides(gguf_file, tmp_path, monkeypatch):
+  """Costs injected as a machine where the blocks win a decode step and
+  lose a verification pass and a prefill chunk: `generate` keeps the
+  blocks, speculation takes float weights."""
   config = registry.load_pretrained(gguf_file, matmul=None,
                                     progress=False)[0].config
-  for ms, want in (({"float": {"1": 9.0, "3": 9.0},
-                     "gguf": {"1": 4.0, "3": 13.0}}, "gguf"),
-                   ({"float": {"1": 9.0, "3": 9.0},
-                     "gguf": {"1": 4.0, "3": 15.0}}, None)):
-    monkeypatch.setattr(tuning, "_measure", lambda *a, ms=ms: ms)
-    choice = tuning.choose(config, lambda: None, types=str(ms),
-                           float_plan=tuning.KERNEL_PLAN, rows=(1, 3),
-                           cache_dir=tmp_path)
-    assert (choice.source, choice.quantize) == ("measured", want)
-    assert "(rows 1, 3)" in choice.why
+  ms = {"float": {"1": 230.0, "9": 300.0, "64": 800.0},
+        "gguf": {"1": 70.0, "9": 302.0, "64": 1300.0}}
+  monkeypatch.setattr(tuning, "_measure",
+                      lambda *a: {n: {str(x): t[str(x)] for x in a[-1]}
+                                  for n, t in ms.items()})
+  generate = tuning.Workload.decoding(prompt_tokens=150, new_tokens=64)
+  speculate = tuning.Workload.decoding(prompt_tokens=150, new_tokens=64,
+                                       gamma=8)
+  assert generate.passes == ((1, 64.0), (64, 3.0))
+  assert [x for x, _ in speculate.passes] == [9, 64]
+  for workload, want in ((generate, "gguf"), (speculate, None)):
+    choice = _choose(config, ms, workload, tmp_path)
+    assert choice.quantize == want
+    assert choice.call_ms["gguf"] == pytest.approx(sum(
+        n * ms["gguf"][str(x)] for x, n in workload.passes))
+    assert workload.label in choice.why
+  # Where the blocks also win the pass of γ + 1 rows, speculation keeps
+  # them: the call, not one kind of pass, decides.
+  ms["gguf"]["9"] = 150.0
+  assert _choose(config, ms, speculate, tmp_path / "b").quantize == "gguf"
+
+
+def test_speculative_steps_follow_the_acceptance():
+  """E[steps] at acceptance a per position: N / E[τ] plus the last
+  step's overshoot; a tree's width replaces γ + 1."""
+  high = tuning.Workload.decoding(new_tokens=64, gamma=4, acceptance=1.0)
+  assert high.passes == ((5, pytest.approx(64 / 5, abs=1)), (64, 2.0))
+  low = tuning.Workload.decoding(new_tokens=64, gamma=4, acceptance=0.0)
+  assert low.passes == ((5, 64.0), (64, 2.0))
+  tree = tuning.Workload.decoding(batch=2, gamma=4, width=17)
+  assert tree.rows == (34, 128)
+  with pytest.raises(ValueError, match="gamma"):
+    tuning.Workload.decoding(gamma=-1)
 
 
 def test_float_where_blocks_cannot_win(gguf_file, tmp_path, monkeypatch):

@@ -94,6 +94,8 @@ def test_int8_activations_api(tmp_path):
   target, draft = tiny.tiny_pair()
   a8, int4 = target.quantize("int4:a8"), target.quantize("int4")
   assert (bits(int4), bits(a8), a8.quantization) == ({0}, {8}, "int4")
+  assert (target.int8_activations, int4.int8_activations,
+          a8.int8_activations) == (False, False, True)
   tokens = jnp.array([[5, 9, 2]])
   want, got = _logits(int4, tokens), _logits(a8, tokens)
   assert 0 < np.abs(got - want).max() < 3e-2 * np.abs(want).max()

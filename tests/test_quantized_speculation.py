@@ -81,7 +81,9 @@ def test_greedy_speculation_equals_the_quantized_targets_generate(models_,
 def test_greedy_speculation_on_an_int8_activation_target(models_):
   """int4 weights with int8 activations (llama.cpp's arithmetic) through
   the CPU kernel where it is available: speculation equals the target's
-  own greedy generate (a model whose logits are not its int4 self's)."""
+  own greedy generate (a model whose logits are not its int4 self's) on
+  prompts without a near-tie; in general only up to rounding
+  (`Model.int8_activations`)."""
   target, draft = models_
   plan = "out_in/kernel" if cpu.SMALLM.available() else "in_out/xla"
   quant = target.quantize("int4:a8").with_plan(cpu.plan(plan))

@@ -10,11 +10,19 @@ first, i.e. reversed with respect to numpy: a PyTorch `[out, in]` weight is
 `gguf.quants.dequantize` returns `[out, in]` float32, the layout of the
 Hugging Face checkpoint the file was converted from. So this loader renames
 the tensors to their Hugging Face names, undoes llama.cpp's Q/K row
-permutation for the `llama` architecture and the +1 it adds to every Gemma 3
-norm scale (its converter stores Gemma's (1 + w) as w + 1, as transformers'
-GGUF loader undoes too), and hands them to
+permutation for the `llama` architecture (Mixtral included) and the +1 it
+adds to every Gemma 3 norm scale (its converter stores Gemma's (1 + w) as
+w + 1, as transformers' GGUF loader undoes too), and hands them to
 `specjax.checkpoints.convert.params_from_tensors`, the one place that knows
 how Hugging Face tensors map to specjax parameters.
+
+Mixtures of experts: a `llama` file with `llama.expert_count` > 0 is
+Mixtral, and `qwen2moe` (with its shared expert) and `qwen3moe` (q/k norms
+per head) are their own architectures. Each layer's router
+`ffn_gate_inp` [X, E] and stacked experts `ffn_gate_exps`, `ffn_up_exps`
+[X, F, E] and `ffn_down_exps` [X, E, F] (numpy order) are already the
+stacks `specjax.checkpoints.experts` makes of a Hugging Face checkpoint's
+per-expert tensors, so they take those names.
 
 Tensors are dequantized lazily, one at a time, as the converter asks for
 them (their shapes are known from the header), so the peak host memory stays
@@ -34,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import progress as progress_lib
+from specjax.checkpoints import experts
 from specjax.checkpoints import gguf_blocks
 from specjax.checkpoints.gguf_reader import GGUFFile
 from specjax.models import check_params
@@ -45,7 +54,17 @@ from specjax.models import quantized
 
 GGMLQuantizationType = gguf.GGMLQuantizationType
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3", "qwen2moe",
+                           "qwen3moe")
+# Architectures whose Q and K rows llama.cpp permutes (`unpermute_qk`):
+# specjax's names for `llama` files, dense or Mixtral.
+_PERMUTED = ("llama", "mixtral")
+# GGUF mixture-of-experts architectures -> specjax's (a `llama` file with
+# experts is Mixtral), and whether llama.cpp renormalises the top-k
+# weights when the file does not say (`expert_weights_norm`).
+_MOE_ARCHS = {"llama": "mixtral", "qwen2moe": "qwen2_moe",
+              "qwen3moe": "qwen3_moe"}
+_MOE_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 # Per-layer GGUF tensor names -> Hugging Face names (`{i}` is the layer).
 _LAYER_NAMES = {
@@ -71,6 +90,23 @@ _GEMMA3_LAYER_NAMES = {
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# A mixture of experts' layer tensors: the router, the stacked experts
+# (`experts.stack_experts`'s names), Qwen2-MoE's shared expert and its
+# gate ([E] or [1, E]), Qwen3-MoE's q/k norms.
+_MOE_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if not k.startswith("ffn_")},
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
 # Gemma 3 hyper-parameters llama.cpp fixes in code rather than the file.
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
@@ -98,14 +134,16 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
 
   Args:
     gguf_name: the llama.cpp tensor name.
-    arch: the file's `general.architecture`, which fixes the norms' names.
+    arch: the specjax arch (`read_config`), which fixes the norms' and
+      experts' names.
 
   Raises:
     ValueError: the tensor has no Hugging Face counterpart in `arch`.
   """
   if gguf_name in _GLOBAL_NAMES:
     return _GLOBAL_NAMES[gguf_name]
-  names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+  names = (_GEMMA3_LAYER_NAMES if arch == "gemma3" else _MOE_LAYER_NAMES
+           if arch in experts.MOE_ARCHS else _LAYER_NAMES)
   m = _LAYER_RE.match(gguf_name)
   if m and m.group(2) in names:
     return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
@@ -182,6 +220,13 @@ def read_config(reader: GGUFFile) -> ModelConfig:
                      f"dim {head_dim}) are unsupported.")
   # ne = [E, V]: the vocabulary is the embedding's slow (second) dimension.
   vocab_size = int(tensors["token_embd.weight"].shape[1])
+  intermediate = int(get("feed_forward_length"))
+  moe = {}
+  if arch in _MOE_ARCHS and (arch != "llama" or get(
+      "expert_count", 0, required=False)):
+    moe = _moe_fields(get, arch, tensors)
+    intermediate = int(get("expert_feed_forward_length", intermediate,
+                           required=False))
   gemma = {}
   if arch == "gemma3":
     # llama.cpp scales queries by head_dim ** -0.5 (27B aside), which is
@@ -197,10 +242,10 @@ def read_config(reader: GGUFFile) -> ModelConfig:
         scale_embeddings=True, query_pre_attn_scalar=float(head_dim),
         final_logit_softcap=get("final_logit_softcapping", required=False))
   return ModelConfig(
-      arch=arch,
+      arch=_MOE_ARCHS[arch] if moe else arch,
       vocab_size=vocab_size,
       hidden_size=hidden,
-      intermediate_size=int(get("feed_forward_length")),
+      intermediate_size=intermediate,
       num_layers=int(get("block_count")),
       num_heads=num_heads,
       num_kv_heads=int(num_kv_heads),
@@ -212,7 +257,49 @@ def read_config(reader: GGUFFile) -> ModelConfig:
       tie_embeddings="output.weight" not in tensors,
       max_position_embeddings=int(get("context_length", 4096)),
       **gemma,
+      **moe,
   )
+
+
+def _moe_fields(get: Any, arch: str, tensors: Mapping[str, Any]
+                ) -> dict[str, Any]:
+  """The `ModelConfig` fields of a GGUF mixture of experts (`arch` the
+  file's), routed as llama.cpp routes it: softmax over the experts, top-k,
+  renormalised as `expert_weights_norm` says (else llama.cpp's default
+  for the architecture).
+
+  Args:
+    get: reads `{arch}.{key}` metadata (`read_config`'s).
+    arch: "llama" (Mixtral), "qwen2moe" or "qwen3moe".
+    tensors: the file's tensors by GGUF name.
+
+  Raises:
+    ValueError: routing specjax does not run (sigmoid gating, scaled
+      weights, grouped experts).
+  """
+  gating = get("expert_gating_func", None, required=False)
+  if gating not in (None, int(gguf.ExpertGatingFuncType.SOFTMAX)):
+    raise ValueError(f"GGUF {arch}.expert_gating_func={gating} (sigmoid) "
+                     "is not supported: specjax routes by softmax.")
+  scale = get("expert_weights_scale", None, required=False)
+  if scale not in (None, 1.0) or get("expert_group_count", 0,
+                                     required=False):
+    raise ValueError(f"GGUF {arch} with scaled or grouped expert routing "
+                     "is not supported.")
+  fields = dict(
+      num_experts=int(get("expert_count")),
+      num_experts_per_tok=int(get("expert_used_count")),
+      norm_topk_prob=bool(get("expert_weights_norm", _MOE_NORM_TOPK[arch],
+                              required=False)),
+      router_weights_float32=arch == "llama")
+  shared = tensors.get("blk.0.ffn_gate_shexp.weight")
+  if shared is not None:  # ne = [E, F_s]
+    fields["shared_expert_size"] = int(get(
+        "expert_shared_feed_forward_length", shared.shape[1],
+        required=False))
+  if arch == "qwen3moe":
+    fields.update(qk_norm=True, qk_norm_per_head=True)
+  return fields
 
 
 def _window_pattern(value: Any, num_layers: int) -> int:
@@ -254,6 +341,8 @@ class LazyTensor:
     self._on_load = on_load
     self.name = name
     self.shape = tuple(reversed([int(n) for n in tensor.shape]))
+    if name.endswith(".shared_expert_gate.weight") and self.ndim == 1:
+      self.shape = (1, *self.shape)  # llama.cpp may store [E] for [1, E]
 
   @property
   def ndim(self) -> int:
@@ -274,7 +363,7 @@ class LazyTensor:
     # Quantized data comes as [rows, bytes per row]; restore the full shape.
     w = np.asarray(w, np.float32).reshape(self.shape)
     c = self._config
-    if c.arch == "llama":
+    if c.arch in _PERMUTED:
       if ".q_proj." in self.name:
         w = unpermute_qk(w, c.num_heads)
       elif ".k_proj." in self.name:
@@ -306,7 +395,7 @@ class LazyTensor:
     heads = {".q_proj.": self._config.num_heads,
              ".k_proj.": self._config.num_kv_heads}
     for part, n in heads.items():
-      if self._config.arch == "llama" and part in self.name:
+      if self._config.arch in _PERMUTED and part in self.name:
         # Rows are output channels in every packed array.
         w = jax.tree.map(lambda a, n=n: unpermute_qk(a, n), w)
     if self._on_load is not None:
@@ -363,7 +452,8 @@ class HFTensors(Mapping):
 
 def load_gguf(path: str | os.PathLike, dtype: Any = jnp.float32,
               progress: bool = True, *, quantize: str | None = None) -> Model:
-  """Loads a Llama, Qwen2 or Gemma 3 GGUF file.
+  """Loads a Llama, Qwen2 or Gemma 3 GGUF file, or a Mixtral (`llama`
+  with experts), Qwen2-MoE or Qwen3-MoE one.
 
   Args:
     path: the `.gguf` file.
@@ -374,6 +464,11 @@ def load_gguf(path: str | os.PathLike, dtype: Any = jnp.float32,
       own blocks (`gguf_blocks`: Q4_K, Q5_0, Q6_K, Q8_0) as
       `QuantizedMatrix`es that dequantise to the same values bit for bit;
       "int8" / "int4" (`QuantSpec.parse`) dequantizes, then re-quantizes.
+      A mixture of experts' stacked experts are never quantized
+      (`specjax.models.moe` gathers float experts): under every
+      `quantize` they are dequantized to `dtype`, so a quantized file's
+      experts take their float size in memory; its router and shared
+      expert are matrices like any other.
 
   Returns:
     A `Model` whose config comes from the file's metadata.

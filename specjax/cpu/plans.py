@@ -101,13 +101,16 @@ def _shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
           "head": (e, min(config.vocab_size, _HEAD_ROWS))}
 
 
-def cache_key(config: ModelConfig, dtype: Any, rows: Sequence[int]) -> str:
-  """Names the machine, kernel sources, candidates, dtype, shapes, rows."""
+def cache_key(config: ModelConfig, dtype: Any,
+              rows: Sequence[int] | None) -> str:
+  """Names the machine, kernel sources, candidates, dtype, shapes and rows
+  (None: an entry that holds timings per row count)."""
   shapes = ",".join(f"{k}={i}x{o}" for k, (i, o) in _shapes(config).items())
   # The candidates are in the key: a new candidate plan re-measures.
   return (f"{hardware.machine_key()}|kernel={kernels.source_hash()}|"
           f"plans={'+'.join(candidates(dtype))}|"
-          f"{jnp.dtype(dtype).name}|{shapes}|rows={','.join(map(str, rows))}")
+          f"{jnp.dtype(dtype).name}|{shapes}"
+          + ("" if rows is None else f"|rows={','.join(map(str, rows))}"))
 
 
 def stack(config: ModelConfig, dtype: Any, plan: MatmulPlan,

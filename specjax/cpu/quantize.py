@@ -11,9 +11,18 @@ either), so the choice is about speed alone, and speed depends on the CPU:
 the block kernel is bound by compute (unpacking), the float product by
 memory (BENCHMARKS.md "Quantized weights").
 
-`choose` times, at each X in `rows` (a decode step and a verification
-pass, as `specjax.cpu.plans`), every matrix product of one forward of each
-candidate, interleaved round-robin:
+The choice is priced by the job the caller will run, a `Workload`: the
+matrix products of one decoding call by rows per product. `generate` is
+its prefill chunks (B · 64 rows each) and one B-row step per token; a
+speculative call at γ is the same chunks and one B(γ+1)-row verification
+pass per step, E[steps] at the acceptance `gamma="auto"` assumes before
+measuring (`policies.auto.PRIOR`). A draft model's passes are the same for
+either target and are not priced. The blocks can win a decode step (they
+read a quarter of the bytes) and lose a verification pass or a prefill
+chunk (their unpacking is compute), so the job, not one step, decides.
+
+`choose` times, at each X the workload needs, every matrix product of one
+forward of each candidate, interleaved round-robin:
 
 - "gguf": the model's own block matrices, all L layers and the head,
   through the plan a quantized model gets (the CPU kernel, which its
@@ -22,11 +31,11 @@ candidate, interleaved round-robin:
   float model's plan (`specjax.cpu.plans.tune`), on enough layers to
   exceed the caches, scaled to L, and the whole [V, E] head.
 
-It keeps the candidate of least total time over `rows`. Prefill chunks are
-not weighed: a call's decoding steps are its bulk. The choice and the
-estimates are cached in `<cache>/tuning/quantize.json` under a key
-naming the machine, kernel sources, both plans, dtype, shapes, the file's
-block types and rows; deleting the file re-measures.
+It keeps the candidate of least time over the workload. The timings are
+cached in `<cache>/tuning/quantize.json` under a key naming the machine,
+kernel sources, both plans, dtype, shapes and the file's block types,
+per X: a later workload measures only the X it adds; deleting the file
+re-measures.
 """
 
 from __future__ import annotations
@@ -35,9 +44,10 @@ import collections
 import dataclasses
 import datetime
 import functools
+import math
 import os
 import pathlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import gguf
 import jax
@@ -55,14 +65,72 @@ from specjax.models import Model
 from specjax.models import ModelConfig
 from specjax.models import quantized
 from specjax.models.matmul import LayerPick
+from specjax.models.decoder import PREFILL_CHUNK
 from specjax.models.matmul import project
+from specjax.policies import auto
+from specjax.policies import costs
 
-__all__ = ["KERNEL_PLAN", "QuantizeChoice", "block_types", "cache_file",
-           "choose", "choose_for_file"]
+__all__ = ["KERNEL_PLAN", "QuantizeChoice", "Workload", "block_types",
+           "cache_file", "choose", "choose_for_file"]
 
 # The plan `load_pretrained` gives a quantized model where the kernels are.
 KERNEL_PLAN = MatmulPlan.parse("out_in/kernel", SMALLM)
 _REPEATS = 7
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """The matrix products of one decoding call, by rows per product.
+
+  Attributes:
+    passes: ((X, passes per call), ...), X rows per product, X ascending.
+    label: the call, for reports.
+  """
+
+  passes: tuple[tuple[int, float], ...]
+  label: str
+
+  @classmethod
+  def decoding(cls, *, batch: int = 1, prompt_tokens: float = 128,
+               new_tokens: int = 128, gamma: int = 0, width: int | None = None,
+               acceptance: float = auto.PRIOR) -> "Workload":
+    """`generate` (γ = 0) or a speculative call at γ.
+
+    Args:
+      batch: B rows.
+      prompt_tokens: the prompts' mean length; prefill runs ceil(P / 64)
+        chunks of B · 64 rows (`models.decoder.PREFILL_CHUNK`).
+      new_tokens: N per row.
+      gamma: γ draft tokens per step (0: autoregressive).
+      width: rows per row of a verification pass (default γ + 1; a tree
+        of T nodes verifies T + 1).
+      acceptance: each position's acceptance, for E[steps] to N tokens.
+    """
+    if batch < 1 or new_tokens < 1 or prompt_tokens < 1 or gamma < 0:
+      raise ValueError(f"batch, new_tokens and prompt_tokens must be >= 1 "
+                       f"and gamma >= 0, got {batch}, {new_tokens}, "
+                       f"{prompt_tokens}, {gamma}.")
+    width = gamma + 1 if width is None else width
+    chunks = math.ceil(prompt_tokens / PREFILL_CHUNK)
+    steps = (costs.expected_steps([acceptance] * gamma, gamma, new_tokens,
+                                  batch) if gamma else new_tokens)
+    passes: dict[int, float] = {}
+    for rows, n in ((batch * PREFILL_CHUNK, chunks), (batch * width, steps)):
+      passes[rows] = passes.get(rows, 0.0) + n
+    call = (f"speculative decoding at γ={gamma} ({steps:.1f} passes of "
+            f"{batch * width} rows at acceptance {acceptance})" if gamma
+            else f"generate ({steps} steps of {batch} rows)")
+    return cls(tuple(sorted(passes.items())),
+               f"{call} after {chunks} prefill chunk(s) of "
+               f"{batch * PREFILL_CHUNK} rows, B={batch}, N={new_tokens}")
+
+  @property
+  def rows(self) -> tuple[int, ...]:
+    return tuple(x for x, _ in self.passes)
+
+  def cost(self, ms: Mapping[str, float]) -> float:
+    """ms of one call, from {str(X): ms of one forward's products}."""
+    return sum(n * ms[str(x)] for x, n in self.passes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +142,9 @@ class QuantizeChoice:
     source: "measured", "cache", or "fixed" (nothing to measure: `why`).
     model_ms: "float" / "gguf" -> {str(X): estimated ms of one forward's
       matrix products at X rows}; empty when fixed.
-    rows: the X values timed.
+    workload: the call priced (`Workload.label`).
+    call_ms: "float" / "gguf" -> ms of the workload's products; empty
+      when fixed.
     why: one sentence for reports.
     key: the cache key ("" when fixed).
   """
@@ -82,19 +152,18 @@ class QuantizeChoice:
   quantize: str | None
   source: str
   model_ms: dict[str, dict[str, float]]
-  rows: tuple[int, ...]
+  workload: str
+  call_ms: dict[str, float]
   why: str
   key: str = ""
 
   @classmethod
-  def fixed(cls, why: str, rows: Sequence[int]) -> "QuantizeChoice":
+  def fixed(cls, why: str, workload: Workload) -> "QuantizeChoice":
     """Float weights, nothing measured: `why` the blocks cannot win."""
-    return cls(None, "fixed", {}, tuple(rows), f"float weights: {why}")
+    return cls(None, "fixed", {}, workload.label, {}, f"float weights: {why}")
 
   def to_json(self) -> dict[str, Any]:
-    return {"quantize": self.quantize, "source": self.source,
-            "rows": list(self.rows), "model_ms": self.model_ms,
-            "why": self.why, "key": self.key}
+    return dataclasses.asdict(self)
 
 
 def cache_file(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
@@ -109,10 +178,8 @@ def block_types(reader: GGUFFile) -> collections.Counter:
 
 
 def _check_entry(entry: Any) -> None:
-  if entry["quantize"] not in ("gguf", None):
-    raise ValueError(f"unknown choice {entry['quantize']!r}")
-  if not isinstance(entry["model_ms"], dict):
-    raise ValueError("an entry has no timings")
+  if set(entry["model_ms"]) != {"float", "gguf"}:
+    raise ValueError("an entry lacks a candidate's timings")
 
 
 def _layers(model: Model) -> list[dict[str, Any]]:
@@ -167,12 +234,11 @@ def _measure(config: ModelConfig, dtype: Any, float_plan: MatmulPlan,
 
 
 def choose(config: ModelConfig, blocks: Callable[[], Model], *,
-           types: str, float_plan: MatmulPlan,
+           types: str, float_plan: MatmulPlan, workload: Workload,
            blocks_plan: MatmulPlan = KERNEL_PLAN, dtype: Any = jnp.float32,
-           rows: Sequence[int] = (1, 5),
            cache_dir: str | os.PathLike | None = None) -> QuantizeChoice:
-  """Float or block weights for a GGUF model on this machine: cached, or
-  measured (then cached).
+  """Float or block weights for a GGUF model running `workload` on this
+  machine, from timings cached or measured (then cached).
 
   Args:
     config: the model's shapes.
@@ -180,50 +246,50 @@ def choose(config: ModelConfig, blocks: Callable[[], Model], *,
       called only when measuring.
     types: the file's block types, "Q4_K*169+Q6_K*29", for the cache key.
     float_plan: the plan of the float model.
+    workload: the call to price.
     blocks_plan: the plan of the block model.
     dtype: the float dtype.
-    rows: X of a decode step and a verification pass.
     cache_dir: cache root (default `$SPECJAX_CACHE` or ~/.cache/specjax).
 
   Returns:
     A `QuantizeChoice`.
   """
-  rows = tuple(int(m) for m in rows)
-  key = (f"{plans.cache_key(config, dtype, rows)}|float={float_plan.name}"
+  key = (f"{plans.cache_key(config, dtype, None)}|float={float_plan.name}"
          f"|blocks={blocks_plan.name}|{types}")
   path = cache_file(cache_dir)
   entries = store.read(path, _check_entry)
-  entry = entries.get(key)
+  model_ms = entries.get(key, {}).get("model_ms", {"float": {}, "gguf": {}})
+  missing = [x for x in workload.rows if str(x) not in model_ms["float"]
+             or str(x) not in model_ms["gguf"]]
   source = "cache"
-  if entry is None:
+  if missing:
     source = "measured"
-    model_ms = _measure(config, dtype, float_plan, blocks(), blocks_plan,
-                        rows)
-    best = min(model_ms, key=lambda n: sum(model_ms[n].values()))
-    entry = {"quantize": "gguf" if best == "gguf" else None,
-             "model_ms": model_ms,
-             "measured": datetime.datetime.now().isoformat(
-                 timespec="seconds")}
-    entries[key] = entry
+    for name, ms in _measure(config, dtype, float_plan, blocks(),
+                             blocks_plan, missing).items():
+      model_ms[name].update(ms)
+    entries[key] = {"model_ms": model_ms, "measured": datetime.datetime.now(
+        ).isoformat(timespec="seconds")}
     store.write(path, entries)
-  total = {n: sum(t.values()) for n, t in entry["model_ms"].items()}
-  chosen = "gguf" if entry["quantize"] else "float"
-  other = "float" if entry["quantize"] else "gguf"
-  why = (f"{chosen} weights: a decode step plus a verification pass "
-         f"(rows {', '.join(map(str, rows))}) cost {total[chosen]:.0f} ms "
-         f"of products against {total[other]:.0f} ms for {other} here "
-         f"({source})")
-  return QuantizeChoice(entry["quantize"], source, entry["model_ms"], rows,
-                        why, key)
+  call_ms = {name: workload.cost(ms) for name, ms in model_ms.items()}
+  chosen = min(call_ms, key=call_ms.get)
+  other = "float" if chosen == "gguf" else "gguf"
+  why = (f"{chosen} weights: {workload.label} costs "
+         f"{call_ms[chosen]:.0f} ms of products against "
+         f"{call_ms[other]:.0f} ms for {other} here ({source})")
+  return QuantizeChoice("gguf" if chosen == "gguf" else None, source,
+                        {n: {str(x): model_ms[n][str(x)]
+                             for x in workload.rows} for n in model_ms},
+                        workload.label, call_ms, why, key)
 
 
 def choose_for_file(path: str | os.PathLike, dtype: Any,
-                    load_blocks: Callable[[], Model], *,
+                    load_blocks: Callable[[], Model], *, workload: Workload,
                     matmul_plan: str | MatmulPlan | None = "auto",
                     rows: Sequence[int] = (1, 5),
                     cache_dir: str | os.PathLike | None = None
                     ) -> QuantizeChoice:
-  """What `quantize="auto"` means for the GGUF file `path`.
+  """What `quantize="auto"` means for the GGUF file `path` and a call of
+  `workload`.
 
   Float weights without measuring where the blocks cannot be the faster
   model: no specjax CPU kernel here, a float dtype other than float32 (an
@@ -233,13 +299,13 @@ def choose_for_file(path: str | os.PathLike, dtype: Any,
     path: the .gguf file.
     dtype: the float model's dtype.
     load_blocks: loads the file with `quantize="gguf"`.
+    workload: the call the model will run.
     matmul_plan: `load_pretrained`'s `matmul`: "auto" (both models get
       their tuned plans), a forced plan (both get it), or None.
-    rows: X of a decode step and a verification pass.
+    rows: X the float model's plan is tuned for (`plans.tune`).
     cache_dir: cache root.
   """
-  rows = tuple(int(m) for m in rows)
-  fixed = functools.partial(QuantizeChoice.fixed, rows=rows)
+  fixed = functools.partial(QuantizeChoice.fixed, workload=workload)
   if not SMALLM.available():
     return fixed("the specjax CPU kernels are not available here")
   if jnp.dtype(dtype) != jnp.float32:
@@ -256,11 +322,11 @@ def choose_for_file(path: str | os.PathLike, dtype: Any,
   if matmul_plan is None:
     float_plan = blocks_plan = MatmulPlan()
   else:
-    tuned = plans.tune(config, dtype, rows=rows, matmul=matmul_plan,
-                       cache_dir=cache_dir)
+    tuned = plans.tune(config, dtype, rows=tuple(int(m) for m in rows),
+                       matmul=matmul_plan, cache_dir=cache_dir)
     float_plan = tuned.plan
     blocks_plan = float_plan if tuned.source == "forced" else KERNEL_PLAN
   types = "+".join(f"{name}*{n}" for name, n in sorted(counts.items()))
   return choose(config, load_blocks, types=types, float_plan=float_plan,
-                blocks_plan=blocks_plan, dtype=dtype, rows=rows,
+                workload=workload, blocks_plan=blocks_plan, dtype=dtype,
                 cache_dir=cache_dir)

@@ -124,7 +124,9 @@ class Model(Decoder, DeclaredModel):
         itemsize=np.dtype(first.dtype).itemsize, layers=c.num_layers,
         num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
         head_dim=c.head_dim,
-        key=CostGeometry.identity(c, self.dtype, self.plan.name))
+        key=CostGeometry.identity(c, self.dtype, self.plan.name),
+        num_experts=c.num_experts, experts_per_token=c.num_experts_per_tok,
+        expert_bytes=moe.expert_bytes(c, self.params))
 
   @property
   def module(self) -> Transformer:
@@ -191,12 +193,20 @@ class Model(Decoder, DeclaredModel):
     model = self.replace(params=params)
     return model.with_activations(act_bits) if act_bits else model
 
+  @property
+  def int8_activations(self) -> bool:
+    """Whether its products quantize activations to int8
+    (`with_activations`): speculation on it is exact only up to rounding
+    (`quantized` module docstring)."""
+    return any(quantized.is_quantized(w) and w.act_bits == 8
+               for w in jax.tree.leaves(self.params, is_leaf=is_quantized))
+
   def with_activations(self, bits: int) -> "Model":
     """The same quantized weights multiplying int8 activations (bits 8:
     each row quantized per chunk of 64 inputs, integer dot products, as
     llama.cpp computes; `quantized.quantize_activations`) or float ones
-    (0). Speculation stays exact for the model this returns: its verify
-    pass and decode step compute the same function.
+    (0). Speculation on int8 activations is exact only up to rounding
+    (`int8_activations`).
 
     Raises:
       ValueError: the model has no quantized matrix, or bits not 0 or 8.
@@ -213,8 +223,15 @@ class Model(Decoder, DeclaredModel):
   def forward(self, tokens: jax.Array | None, cache: cache_lib.KVCache,
               **kwargs) -> TransformerOutput:
     """The full pass (`Transformer.__call__`, every keyword there):
-    hidden states, residual stream, chosen layers' outputs and the cache."""
-    return self.module.apply({"params": self.params}, tokens, cache, **kwargs)
+    hidden states, residual stream, chosen layers' outputs and the cache;
+    for a mixture of experts also the distinct experts it woke
+    (`TransformerOutput.experts`)."""
+    variables = {"params": self.params}
+    if not self.config.num_experts:
+      return self.module.apply(variables, tokens, cache, **kwargs)
+    out, sown = self.module.apply(variables, tokens, cache,
+                                  mutable=["intermediates"], **kwargs)
+    return out.replace(experts=sum(jax.tree.leaves(sown), jnp.int32(0)))
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """hidden [..., E] -> logits [..., V] float32."""

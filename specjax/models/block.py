@@ -152,6 +152,8 @@ class Block(nn.Module):
                      up=self._param("experts_up", (x, e, f)),
                      down=self._param("experts_down", (x, f, e)))
     out = moe.apply_experts(h, logits, ws, c)
+    # Read by `Model.forward` (`TransformerOutput.experts`).
+    self.sow("intermediates", "experts", moe.woken(logits, c))
     if c.shared_expert_size:
       shared = self._mlp(h, "shared_", c.shared_expert_size)
       gate = self._dense(h, "shared_expert_gate", e, 1)  # [B, T, 1]

@@ -19,6 +19,15 @@ from specjax.models.protocol import ModelOutput
 PREFILL_CHUNK = 64
 
 
+
+def chunked(width: int, size: int, chunk: int | None = PREFILL_CHUNK
+            ) -> bool:
+  """Whether `Decoder.prefill` runs a prompt buffer of P = `width` in a
+  cache of S = `size` in chunks of `chunk` rows (else one pass over the
+  whole buffer): P a multiple of the chunk, wider than one, within S."""
+  return not (chunk is None or width <= chunk or width % chunk
+              or width > size)
+
 class Decoder:
   """`__call__` and `prefill` of the `LanguageModel` protocol, for a class
   with `forward` (a `Transformer.__call__`), `logits`, `config`, `plan` and
@@ -36,7 +45,8 @@ class Decoder:
                        **kwargs)
     return ModelOutput(logits=self.logits(out.hidden), hidden=out.hidden,
                        residual=out.residual, layer_hidden=out.layer_hidden,
-                       keys=out.keys, values=out.values), out.cache
+                       keys=out.keys, values=out.values,
+                       experts=out.experts), out.cache
 
   def prefill(self, tokens: jax.Array, lengths: jax.Array,
               cache: cache_lib.KVCache, chunk: int | None = PREFILL_CHUNK,
@@ -54,7 +64,7 @@ class Decoder:
     positions.
     """
     batch, width = tokens.shape
-    if chunk is None or width <= chunk or width % chunk or width > cache.size:
+    if not chunked(width, cache.size, chunk):
       out = self.forward(tokens, cache, cache_is_empty=True)
       hidden, cache = out.hidden, out.cache
       last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)

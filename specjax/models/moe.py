@@ -21,6 +21,10 @@ densely (`experts_dense`, prefill only) and the grouped matmul
 CPU lowering expands it to every group's masked product), as
 `scripts/bench_moe.py` measured them. Every strategy computes the same
 function: only float rounding differs.
+
+`fewer_experts` is the target as its own draft: the same parameter arrays
+routing each token to fewer experts (top-1 instead of top-2), a cheaper
+model with the target's vocabulary and no training.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from specjax.models.config import ModelConfig
 
 __all__ = ["Experts", "STRATEGIES", "activate", "apply_experts",
            "experts_dense", "experts_gather", "experts_ragged",
-           "inactive_expert_bytes", "route", "strategy"]
+           "expert_bytes", "fewer_experts", "inactive_expert_bytes", "route",
+           "strategy", "woken"]
 
 STRATEGIES = ("loop", "gather", "dense", "ragged")
 # Chunks of at most this many token rows loop over their distinct experts
@@ -156,6 +161,15 @@ def experts_loop(x: jax.Array, experts: jax.Array, weights: jax.Array,
   return out
 
 
+def woken(logits: jax.Array, config: ModelConfig) -> jax.Array:
+  """[..., X] a chunk's router logits -> [] int32 the distinct experts its
+  tokens choose: what a pass of the chunk reads (`route`'s choice)."""
+  _, experts = route(logits.reshape(-1, logits.shape[-1]),
+                     config.num_experts_per_tok, config.norm_topk_prob)
+  chosen = jnp.zeros((config.num_experts,), jnp.int32)
+  return jnp.sum(chosen.at[experts.reshape(-1)].max(1))
+
+
 def distinct_experts(experts: jax.Array, num_experts: int) -> jax.Array:
   """[N, k] chosen experts -> the distinct ones ascending, padded with X to
   min(N·k, X) entries."""
@@ -261,16 +275,58 @@ def apply_experts(x: jax.Array, logits: jax.Array, ws: Experts,
   return out.reshape(*lead, e)
 
 
+def expert_bytes(config: ModelConfig, params: Any) -> float:
+  """Bytes of one expert's matrices summed over the layers in `params`
+  (per-layer or stacked [L, ...] alike): what each further distinct
+  expert a pass wakes in every layer costs it to read. 0 for a dense
+  model."""
+  if not config.num_experts:
+    return 0.0
+  total = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize
+              for path, w in flatten(params).items()
+              if path.rpartition("/")[2] in EXPERT_PARAMS)
+  return total / config.num_experts
+
+
 def inactive_expert_bytes(config: ModelConfig, params: Any) -> int:
   """Bytes of expert weights one token does not read: (X - k) / X of every
-  layer's stacked experts (per-layer or stacked [L, ...] params alike).
-  `Model.weight_bytes_per_token` subtracts them, so that a decode step is
-  priced by its k active experts."""
-  if not config.num_experts:
-    return 0
-  unread = 1.0 - config.num_experts_per_tok / config.num_experts
-  total = 0
-  for path, w in flatten(params).items():
-    if path.rpartition("/")[2] in EXPERT_PARAMS:
-      total += int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize
-  return int(total * unread)
+  layer's stacked experts. `Model.weight_bytes_per_token` subtracts them,
+  so that a decode step is priced by its k active experts."""
+  return int(expert_bytes(config, params)
+             * (config.num_experts - config.num_experts_per_tok))
+
+
+def fewer_experts(model: Any, k: int) -> Any:
+  """The mixture of experts `model` running each token's top `k` experts
+  instead of its config's k: a self-draft for `model` (fewer expert
+  reads per token, no second model, no training).
+
+  It is `model` with only `num_experts_per_tok` replaced: the same
+  parameter arrays (no copy) and matmul plan, its own cost key, and, as
+  the model of a `specjax.drafters.DraftModel`, a cache of its own, so
+  the target's output is untouched and speculation stays exact. Routing
+  stays well defined at k = 1: renormalised weights (`norm_topk_prob`,
+  Mixtral) are each one exactly, unnormalised ones the top probability.
+
+  Args:
+    model: a `specjax.models.Model` with `num_experts` > 0.
+    k: experts per token, in [1, the model's k).
+
+  Returns:
+    The draft `Model`, whose `weight_bytes_per_token` counts k experts
+    per layer.
+
+  Raises:
+    ValueError: a dense model, or k not an integer in [1, the model's k).
+  """
+  c = model.config
+  if not c.num_experts:
+    raise ValueError(f"fewer_experts needs a mixture of experts; this "
+                     f"{c.arch} model is dense (num_experts=0).")
+  top = c.num_experts_per_tok
+  if (isinstance(k, bool) or not isinstance(k, (int, np.integer))
+      or not 1 <= k < top):
+    raise ValueError(f"fewer_experts k must be an integer in [1, {top}) "
+                     f"for a model routing to {top} of {c.num_experts} "
+                     f"experts per token, got {k!r}.")
+  return model.replace(config=c.replace(num_experts_per_tok=int(k)))

@@ -28,6 +28,8 @@ class ModelOutput:
     keys: [L, B, T, K, D] the chunk's keys when the model was asked not to
       write its cache (`write_cache=False`, a `Model`), else None.
     values: [L, B, T, K, D] the same for values.
+    experts: [] int32 for a mixture of experts, the distinct experts the
+      pass woke, summed over its layers; else None.
   """
 
   logits: jax.Array
@@ -36,6 +38,7 @@ class ModelOutput:
   layer_hidden: tuple[jax.Array, ...] = ()
   keys: jax.Array | None = None
   values: jax.Array | None = None
+  experts: jax.Array | None = None
 
 
 def model_output(result: jax.Array | ModelOutput) -> ModelOutput:
@@ -122,6 +125,10 @@ class CostGeometry:
     head_dim: D.
     key: what tells this model's measured cost tables from another's on
       one machine (config, layers run, dtype, matmul plan; `identity`).
+    num_experts: X experts per layer of a mixture of experts (0: dense).
+    experts_per_token: k experts each token row wakes per layer.
+    expert_bytes: bytes of one expert's matrices over the layers run;
+      `weight_bytes` counts k of them.
   """
 
   weight_bytes: float
@@ -131,6 +138,25 @@ class CostGeometry:
   num_kv_heads: int = 0
   head_dim: int = 0
   key: str = ""
+  num_experts: int = 0
+  experts_per_token: int = 0
+  expert_bytes: float = 0.0
+
+  def distinct_experts(self, rows: float) -> float:
+    """E[distinct experts per layer] a pass of `rows` token rows wakes,
+    each row choosing k of X as if at random: X (1 - (1 - k/X)^rows); k
+    for one row, and X as rows grow (0 for a dense model)."""
+    if not self.num_experts:
+      return 0.0
+    x, k = self.num_experts, self.experts_per_token
+    return x * (1.0 - (1.0 - k / x) ** rows)
+
+  def bytes_read(self, rows: float) -> float:
+    """Parameter bytes a pass of `rows` token rows reads: a dense model's
+    weights once, a mixture of experts' the union of its rows' experts
+    (`distinct_experts`), so that a longer verification pass costs more."""
+    extra = self.distinct_experts(rows) - self.experts_per_token
+    return self.weight_bytes + self.expert_bytes * max(extra, 0.0)
 
   @property
   def kv_bytes_per_slot(self) -> float:

@@ -120,10 +120,12 @@ class LayerSubset(Decoder, DeclaredModel):
   def cost_geometry(self) -> CostGeometry:
     """The model's, for the layers it runs; keyed apart from the full
     model's (`DeclaredModel`)."""
+    full = self.model.cost_geometry()
     return dataclasses.replace(
-        self.model.cost_geometry(),
-        weight_bytes=float(self.weight_bytes_per_token),
+        full, weight_bytes=float(self.weight_bytes_per_token),
         layers=self.num_layers_run,
+        expert_bytes=(full.expert_bytes * self.num_layers_run
+                      / self.model.config.num_layers),
         key=CostGeometry.identity(self.config, self.dtype, self.plan.name,
                                   f"layers={self.ranges}"))
 
@@ -146,14 +148,15 @@ class LayerSubset(Decoder, DeclaredModel):
       raise ValueError("LayerSubset writes its cache range by range; "
                        "write_cache=False is for a whole Model.")
     start = cache.lengths
-    out = None
+    out, woken = None, []
     for first, stop in self.ranges:
       if out is not None:
         cache = out.cache.rollback(start)
       out = self.model.forward(
           tokens if out is None else None, cache, layers=(first, stop),
           residual=None if out is None else out.residual, **kwargs)
-    return out
+      woken.append(out.experts)
+    return out.replace(experts=None if out.experts is None else sum(woken))
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """hidden [..., E] -> logits [..., V] float32, the model's head."""

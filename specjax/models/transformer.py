@@ -131,6 +131,8 @@ class TransformerOutput:
     keys: [l, B, T, K, D] the chunk's keys for the l layers run, when the
       pass did not write them (`write_cache=False`), else None.
     values: [l, B, T, K, D] the same for values.
+    experts: [] int32 for a mixture of experts, the distinct experts the
+      pass woke, summed over its layers (`Model.forward`); else None.
   """
 
   hidden: jax.Array
@@ -139,6 +141,7 @@ class TransformerOutput:
   layer_hidden: tuple[jax.Array, ...] = ()
   keys: jax.Array | None = None
   values: jax.Array | None = None
+  experts: jax.Array | None = None
 
 class Transformer(nn.Module):
   """The decoder. `__call__` returns hidden states; `logits` projects them.
@@ -402,24 +405,28 @@ class Transformer(nn.Module):
           k_cache = window_slots(k_cache, start, window)
           v_cache = window_slots(v_cache, start, window)
       params = stacking.take_layer(stacked, i)
-      return blocks[j].apply({"params": params}, x, k_cache, v_cache,
-                             positions, cache_m, chunk_m)
+      # A nested apply: its experts' count (`Block._moe`) is sown again
+      # here, in this module's own collection.
+      (x, k, v), sown = blocks[j].apply(
+          {"params": params}, x, k_cache, v_cache, positions, cache_m,
+          chunk_m, mutable=["intermediates"])
+      return x, k, v, sum(jax.tree.leaves(sown), jnp.int32(0))
 
     def unrolled(x, layers):
       pieces = []
       for i in layers:
         with jax.named_scope(f"layer_{i}"):
-          x, k, v = layer(x, i, i % period)
-        pieces.append((k[None], v[None], x[None]))
+          x, k, v, n = layer(x, i, i % period)
+        pieces.append((k[None], v[None], x[None], n[None]))
       return x, pieces
 
     def group(x, g):
       parts = []
       for j in range(period):
-        x, k, v = layer(x, g * period + j, j)
-        parts.append((k, v, x))
-      k, v, h = (jnp.stack(p) for p in zip(*parts))  # [P, ...]
-      return x, (k, v, h if hidden_layers else None)
+        x, k, v, n = layer(x, g * period + j, j)
+        parts.append((k, v, x, n))
+      k, v, h, n = (jnp.stack(p) for p in zip(*parts))  # [P, ...]
+      return x, (k, v, h if hidden_layers else None, n)
 
     # Layers [first, head) unrolled, whole groups g0..g1-1 scanned, the
     # rest unrolled.
@@ -428,12 +435,15 @@ class Transformer(nn.Module):
     x, pieces = unrolled(x, range(first, head))
     if g1 > g0:
       with jax.named_scope("layers"):
-        x, (k, v, h) = jax.lax.scan(
+        x, (k, v, h, n) = jax.lax.scan(
             group, x, jnp.arange(g0, g1, dtype=jnp.int32))  # [G, P, ...]
       flat = lambda a: a.reshape(-1, *a.shape[2:])  # [G * P, ...]
-      pieces.append((flat(k), flat(v), flat(h) if hidden_layers else None))
+      pieces.append((flat(k), flat(v), flat(h) if hidden_layers else None,
+                     flat(n)))
     x, tail = unrolled(x, range(g1 * period if g1 > g0 else head, stop))
-    ks, vs, hs = zip(*(pieces + tail))
+    ks, vs, hs, ns = zip(*(pieces + tail))
+    if c.num_experts:
+      self.sow("intermediates", "experts", jnp.sum(jnp.concatenate(ns)))
     chosen = {}
     if hidden_layers:
       outs = jnp.concatenate(hs)  # [l, B, T, E]

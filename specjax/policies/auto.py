@@ -54,7 +54,11 @@ from specjax.policies.estimates import Estimates
 from specjax.verify import verify_widths
 from specjax.verify import width_index
 
-__all__ = ["Auto"]
+__all__ = ["Auto", "PRIOR"]
+
+# Acceptance assumed before any is measured: of position 1 for `Auto`, and
+# of every position where a cost is priced ahead of a run.
+PRIOR = 0.7
 
 
 @flax.struct.dataclass
@@ -125,7 +129,7 @@ class Auto(Estimates, PlainRuns):
   @classmethod
   def create(cls, *, max_gamma: int, target_ms: Sequence[float],
              draft_ms: float = 0.0, first_draft_ms: float | None = None,
-             prior: float = 0.7, rate: float = 0.05, probe_every: int = 16,
+             prior: float = PRIOR, rate: float = 0.05, probe_every: int = 16,
              probe_max: int = 128, probe_first: bool = True,
              optimism: float = 1.0, margin: float = 0.03, horizon: int = 64,
              serial_finish: bool | None = None,

@@ -16,7 +16,11 @@ reads anything itself:
 - else a roofline: each forward costs the larger of its bytes read
   (weights, and the whole static KV cache that attention reads) over the
   memory bandwidth and its FLOPs over the peak rate, plus a fixed launch
-  overhead (`Roofline`). The machine's bandwidth and peak come from the
+  overhead (`Roofline`). A mixture of experts' pass of B·T token rows
+  reads the union of the experts its rows choose
+  (`CostGeometry.bytes_read`), so a longer draft costs its verification
+  the experts it wakes; measured tables time passes of distinct tokens,
+  which wake them as drafts do. The machine's bandwidth and peak come from the
   tuning step's measurement where it ran (`Roofline.cached`), else from
   nominal figures per backend and device (`Roofline.nominal`,
   `specjax.hardware.nominal_rates`).
@@ -173,9 +177,10 @@ class Roofline:
     ms = {}
     for t in chunks:
       rows = batch * t
+      # Each row multiplies its own k experts; the pass reads their union.
       flops = (2.0 * g.weight_bytes / g.itemsize * rows
                + g.attention_flops_per_slot * rows * cache_size)
-      seconds = max((g.weight_bytes + kv_bytes) / self.bandwidth,
+      seconds = max((g.bytes_read(rows) + kv_bytes) / self.bandwidth,
                     flops / self.flops)
       ms[int(t)] = 1e3 * seconds + self.overhead_ms
     return ForwardCosts(batch, ms, "roofline")

@@ -5,7 +5,8 @@
 - `shard(model, mesh)` / `placer`: models placed on a mesh (loaders take
   `mesh=` and place tensor by tensor);
 - `batch.Placement`: how the decoders pad and split a batch;
-- `memory`: bytes per device of weights and caches before compiling;
+- `memory`: bytes per device of weights, caches and activations before
+  compiling;
 - `distributed`: `jax.distributed` set-up for multi-host runs.
 
 `generate(..., mesh=mesh)` and `speculative_generate(..., mesh=mesh)` run

@@ -99,11 +99,13 @@ class Placement:
             split(budget) if extra else budget)
 
   def check_memory(self, models: dict[str, Any], *, cache_size: int,
-                   chunk: int) -> None:
-    """`memory.plan(...).check()` for this call's shapes: fails, naming
-    the sizes, before compiling a program that cannot fit."""
+                   chunk: int, prompt_width: int | None = None) -> None:
+    """`memory.plan(...).check()` for this call's shapes (`prompt_width`:
+    P, the padded prompts' width): fails, naming the sizes and the largest
+    buffer, before compiling a program that cannot fit."""
     memory.plan(models, batch=self.padded, cache_size=cache_size,
-                chunk=chunk, mesh=self.mesh).check()
+                chunk=chunk, prompt_width=prompt_width,
+                mesh=self.mesh).check()
 
   def rows(self, tree: Any) -> Any:
     """Results -> numpy, those with a row axis [B_pad, ...] cut to

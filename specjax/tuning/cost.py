@@ -81,7 +81,10 @@ def forward_step(model: Any, prompts: Sequence[Sequence[int]],
   tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)  # [B, P], [B]
   _, cache = _prefill(model, tokens, lengths,
                       model.init_cache(tokens.shape[0], cache_size))
-  chunk = jnp.broadcast_to(tokens[:, :1], (tokens.shape[0], num_tokens))
+  # Distinct tokens, as drafts are: a mixture of experts routes them to
+  # as many experts as a real verification pass wakes, not to one token's.
+  chunk = (tokens[:, :1] + 13 * jnp.arange(num_tokens)[None]) % (
+      model.vocab_size - 1) + 1  # [B, T]
   state = {"cache": cache}
 
   def step():
