@@ -38,8 +38,13 @@ _RUNS = flags.DEFINE_list(
              "v6e:1:qwen1.5b:bf16", "v6e:1:qwen1.5b:int8",
              "v6e:1:llama8b:bf16", "v6e:1:llama8b:int8",
              "v6e:8:llama70b:bf16",
-             "v5e:8:llama70b:int8"],
-    "chip:chips:pair:weights[:full|:unrolled] runs.")
+             "v5e:8:llama70b:int8",
+             "v5e:8:mixtral8x7b:bf16:steps",
+             "v5e:8:mixtral8x7b:bf16:unrolled:steps",
+             "v5e:8:qwen3-30b-a3b:bf16:steps",
+             "v5e:8:qwen3-30b-a3b:bf16:unrolled:steps"],
+    "chip:chips:pair:weights[:full|:unrolled][:steps] runs (steps: the "
+    "decoding steps alone, report.STEPS).")
 _ONE = flags.DEFINE_string("one", "", "Internal: run one entry of --runs.")
 _APPEND = flags.DEFINE_bool(
     "append", False, "Keep --out's rows of runs not in --runs.")
@@ -51,6 +56,8 @@ def _one(spec: str) -> list[dict]:
   chip, chips, pair, weights, *extra = spec.split(":")
   only = (("generate step", "generate", "model γ=4 step", "model γ=4")
           if "unrolled" in extra else ())
+  if "steps" in extra:
+    only = report.STEPS
   return report.run(chip, pair, chips=int(chips),
                     quantize=None if weights == "bf16" else weights,
                     scan="unrolled" not in extra, full="full" in extra,

@@ -38,7 +38,10 @@ from specjax.cpu import plans
 # Real models' shapes, for random weights where no checkpoint is at hand
 # (from their config.json): the Qwen pair (Qwen2.5-Coder-1.5B/0.5B-Instruct)
 # and a Llama 3 pair (Meta-Llama-3-8B, and Llama-3.2-1B as its draft): what
-# the random-weight benchmarks and `scripts/accelerator_check.sh` run.
+# the random-weight benchmarks and `scripts/accelerator_check.sh` run; and
+# two mixtures of experts, Mixtral-8x7B (8 experts, top 2) and
+# Qwen3-30B-A3B (128 experts, top 8), as `checkpoints.convert.config_from_hf`
+# reads their config.json.
 _LLAMA3_ROPE = dict(low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=8192)
 REAL_SHAPES = {
@@ -66,6 +69,19 @@ REAL_SHAPES = {
         arch="qwen2", vocab_size=151936, hidden_size=896,
         intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
         head_dim=64, rope_theta=1e6, qkv_bias=True, tie_embeddings=True),
+    "mixtral-8x7b": ModelConfig(
+        arch="mixtral", vocab_size=32000, hidden_size=4096,
+        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, rope_theta=1e6, rms_norm_eps=1e-5,
+        tie_embeddings=False, max_position_embeddings=32768, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True,
+        router_weights_float32=True),
+    "qwen3-30b-a3b": ModelConfig(
+        arch="qwen3_moe", vocab_size=151936, hidden_size=2048,
+        intermediate_size=768, num_layers=48, num_heads=32, num_kv_heads=4,
+        head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+        tie_embeddings=False, max_position_embeddings=40960, qk_norm=True,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True),
 }
 
 

@@ -5,10 +5,12 @@ step: `pytest -m tpu_aot`). GPU: runs where jax >= 0.12 with jax[cuda12]
 is installed, in a process started with JAX_PLATFORMS=cpu
 (docs/accelerators.md). Each is skipped elsewhere, saying why. First the
 HLO byte count is checked on programs whose traffic is known, then the 1.5B
-pair is compiled from abstract weights for a v5e chip and for an H100.
+pair is compiled from abstract weights for a v5e chip and for an H100, and
+a 2-layer Mixtral for 8 v5e chips, each holding an eighth of its experts.
 """
 
 import importlib.util
+import math
 import os
 
 import pytest
@@ -31,6 +33,10 @@ from specjax.drafters import DraftModel  # pylint: disable=g-import-not-at-top
 from specjax.drafters import PromptLookup  # pylint: disable=g-import-not-at-top
 from specjax.aot import hlo  # pylint: disable=g-import-not-at-top
 from specjax.aot import programs  # pylint: disable=g-import-not-at-top
+from specjax.aot import report  # pylint: disable=g-import-not-at-top
+from specjax.models import moe  # pylint: disable=g-import-not-at-top
+from specjax.models.config import EXPERT_PARAMS  # pylint: disable=g-import-not-at-top
+from specjax.models.config import flatten  # pylint: disable=g-import-not-at-top
 from specjax.shapes import MODEL  # pylint: disable=g-import-not-at-top
 
 pytestmark = pytest.mark.tpu_aot
@@ -146,6 +152,47 @@ def test_qwen_pair_compiles_for_v5e_in_the_scan_layout(mesh):
   # The layers' slices feed the dots where they lie: a step writes its
   # cache entries and buffers, never a copy of a weight.
   assert step.count.hbm_written <= 0.05 * target.weight_bytes_per_token
+
+
+def _nbytes(x):
+  return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+
+
+def test_moe_pair_holds_an_eighth_of_the_experts_per_v5e_chip(
+    mesh, monkeypatch):
+  """Mixtral-8x7B's shapes at 2 layers, unrolled, on 8 v5e chips, with
+  its top-1 self-draft: each chip holds 1/8 of every expert, a decode step
+  reads its share of the k = 2 chosen experts and nothing else, and the
+  self-draft's program holds the weights once."""
+  del mesh  # requested for its skip where libtpu is missing
+  config = testing.REAL_SHAPES["mixtral-8x7b"].replace(num_layers=2)
+  monkeypatch.setitem(testing.REAL_SHAPES, "mixtral-8x7b", config)
+  mesh8 = programs.make_mesh(chips.devices(chips.CHIPS["v5e"], 8))
+  target = programs.abstract_model(config, mesh8, scan=False)
+  params = flatten(target.params)
+  experts = {p: w for p, w in params.items()
+             if p.rpartition("/")[2] in EXPERT_PARAMS}
+  assert len(experts) == 3 * config.num_layers
+  for path, w in experts.items():
+    shard = math.prod(w.sharding.shard_shape(w.shape))
+    assert 8 * shard == math.prod(w.shape), (path, w.sharding.spec)
+  expert_total = sum(_nbytes(w) for w in experts.values())
+  others = sum(_nbytes(w) for p, w in params.items() if p not in experts)
+  rows = {r["program"]: r for r in report.run(
+      "v5e", "mixtral8x7b", chips=8, scan=False,
+      only=("generate step", "model γ=4 step"))}
+  gib = lambda b: b / 2**30
+  for r in rows.values():  # XLA's own memory per chip
+    assert gib(expert_total / 8) < r["peak_hbm_gib"] < gib(
+        expert_total / 8 + others + 2**28), (r["program"], r["peak_hbm_gib"])
+  assert rows["model γ=4 step"]["peak_hbm_gib"] < (
+      rows["generate step"]["peak_hbm_gib"] + gib(expert_total / 16))
+  step = rows["generate step"]
+  # The HLO runs the expert loop once; the report adds the second expert.
+  one = gib(moe.expert_bytes(config, target.params) / 8)
+  assert step["step_read_gib"] == pytest.approx(step["step_read_gib_hlo"]
+                                                + one, abs=2e-3)
+  assert 0.99 <= step["step_ratio"] <= 1.05, step
 
 
 @pytest.mark.parametrize("name, fn, shapes, want, options", [

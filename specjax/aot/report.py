@@ -5,7 +5,10 @@ program: the compiler (`chips.compiler`), trace, lower and compile seconds
 on this CPU, HLO size, HBM one chip holds against its HBM and against
 `specjax.sharding.memory`'s plan; per decoding step: HBM bytes read
 (`hlo.count`) against weight plus KV-cache bytes, the step time the chip's
-bandwidth implies, and the speedup those step times predict.
+bandwidth implies, and the speedup those step times predict. A mixture of
+experts reads a number of experts its tokens choose: its steps are counted
+at the most experts each pass can wake, and at the fewest
+(`_expert_trips`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from specjax.aot import programs as programs_lib
 from specjax.drafters import DraftModel
 from specjax.drafters import PromptLookup
 from specjax.models import MatmulPlan
+from specjax.models import moe
 from specjax.policies.costs import expected_tokens
 from specjax.policies.costs import ForwardCosts
 from specjax.sharding import memory
@@ -42,16 +46,22 @@ class Pair:
   Attributes:
     name: what the report calls it.
     target: the target's `REAL_SHAPES` name.
-    draft: the draft's.
+    draft: the draft's, or None for a self-draft (`draft_experts`).
     split_draft: split the draft over the mesh like the target (an 8B
       draft copied to every chip would not leave room for a 70B target's
       share); False replicates it.
+    draft_experts: k > 0: the draft is the mixture-of-experts target
+      routing each token to its top k experts (`moe.fewer_experts`): the
+      target's own arrays, split as they are, built inside each program
+      from the target it is given, so the compiled program holds the
+      weights once.
   """
 
   name: str
   target: str
-  draft: str
+  draft: str | None
   split_draft: bool = False
+  draft_experts: int = 0
 
 
 PAIRS = {
@@ -60,7 +70,17 @@ PAIRS = {
     "llama8b": Pair("llama8b", "llama-3-8b", "llama-3.2-1b"),
     "llama70b": Pair("llama70b", "llama-3-70b", "llama-3-8b",
                      split_draft=True),
+    # Mixtures of experts drafting with fewer of their own experts: top 1
+    # of Mixtral's 2, top 2 of Qwen3-MoE's 8.
+    "mixtral8x7b": Pair("mixtral8x7b", "mixtral-8x7b", None,
+                        split_draft=True, draft_experts=1),
+    "qwen3-30b-a3b": Pair("qwen3-30b-a3b", "qwen3-30b-a3b", None,
+                          split_draft=True, draft_experts=2),
 }
+# The decoding steps alone (what `scripts/aot_report.py`'s ":steps" runs);
+# "lookup γ=4 step" is a verification pass of γ + 1 = 5 tokens whose draft
+# reads nothing, compiled for mixtures of experts only.
+STEPS = ("generate step", "model γ=4 step", "lookup γ=4 step")
 
 
 def _auto(chip: chips_lib.Chip, target_bytes: float, draft_bytes: float,
@@ -76,30 +96,72 @@ def _auto(chip: chips_lib.Chip, target_bytes: float, draft_bytes: float,
       "roofline").worth_compiling())
 
 
+def _self_drafted(build, k: int):
+  """A program of `build` (target, drafter, ...) whose drafter is made
+  inside it from the target: `moe.fewer_experts(target, k)`. Passed as an
+  argument of its own, the draft's parameters (the target's arrays) would
+  count twice in XLA's memory analysis."""
+  def built():
+    fn, (target, _, *rest), static = build()
+
+    def self_drafted(target, *rest, **kwargs):
+      drafter = DraftModel(moe.fewer_experts(target, k))
+      return fn(target, drafter, *rest, **kwargs)
+    return self_drafted, (target, *rest), static
+  return built
+
+
 def _programs(call: programs_lib.Call, draft: Any, full: bool,
-              auto: policies.Auto):
+              auto: policies.Auto, draft_experts: int = 0):
   """name -> (kind, γ, builder) of the programs to compile."""
   vocab = call.target.vocab_size
   model, lookup = DraftModel(draft), PromptLookup(vocab)
+  drafted = ((lambda b: _self_drafted(b, draft_experts)) if draft_experts
+             else (lambda b: b))
   out = {
       "generate step": ("ar", 0, call.generate_step),
-      "model γ=4 step": ("model", 4, lambda: call.speculative_step(
-          model, policies.Fixed(4))),
+      "model γ=4 step": ("model", 4, drafted(lambda: call.speculative_step(
+          model, policies.Fixed(4)))),
       "lookup γ=8 step": ("lookup", 8, lambda: call.speculative_step(
           lookup, policies.Fixed(8))),
       "generate": ("", 0, call.generate),
-      "model γ=4": ("", 4, lambda: call.speculative(model,
-                                                    policies.Fixed(4))),
+      "model γ=4": ("", 4, drafted(lambda: call.speculative(
+          model, policies.Fixed(4)))),
   }
+  if call.target.config.num_experts:
+    out["lookup γ=4 step"] = ("lookup", 4, lambda: call.speculative_step(
+        lookup, policies.Fixed(4)))
   if full:
     out.update({
         "lookup γ=8": ("", 8, lambda: call.speculative(
             lookup, policies.Fixed(8))),
-        "tree 16 nodes, depth 4": ("", 4, lambda: call.speculative(
-            model, policies.Fixed(4, 16), num_nodes=16)),
-        "model, γ auto": ("", 8, lambda: call.speculative(model, auto)),
+        "tree 16 nodes, depth 4": ("", 4, drafted(lambda: call.speculative(
+            model, policies.Fixed(4, 16), num_nodes=16))),
+        "model, γ auto": ("", 8, drafted(
+            lambda: call.speculative(model, auto))),
     })
   return out
+
+
+def _expert_trips(kind: str, gamma: int, target: Any, draft: Any
+                  ) -> tuple[list[int], list[int]]:
+  """Distinct experts per layer of each mixture-of-experts pass of one
+  decoding step, fewest and most: a pass of T tokens wakes between k (all
+  choose the same) and min(T·k, X) (none share one). `hlo.count` runs the
+  expert loop of each pass once (its trip count is data), so a step reads
+  (n - 1) more experts per layer and pass than it counts.
+
+  The passes: the target's (T = γ + 1 when verifying); a draft model's
+  catch-up (T = 2) and its γ - 1 single-token passes. A draft's wider
+  catch-up pass, which runs only after steps it sat out, stays counted
+  once, as it is for a dense draft.
+  """
+  passes = [(1 if kind == "ar" else gamma + 1, target)]
+  if kind == "model" and draft.num_experts:
+    passes += [(2, draft)] + [(1, draft)] * (gamma - 1)
+  fewest = [c.num_experts_per_tok for _, c in passes]
+  most = [min(t * c.num_experts_per_tok, c.num_experts) for t, c in passes]
+  return fewest, most
 
 
 def run(chip_name: str, pair_name: str, *, chips: int = 1,
@@ -142,11 +204,14 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
   shapes = dict(mesh=mesh, quantize=quantize, scan=scan, dtype=dtype)
   target = programs_lib.abstract_model(testing.REAL_SHAPES[pair.target],
                                        **shapes)
-  draft = programs_lib.abstract_model(testing.REAL_SHAPES[pair.draft],
-                                      split=pair.split_draft, **shapes)
+  if pair.draft_experts:
+    draft = moe.fewer_experts(target, pair.draft_experts)
+  else:
+    draft = programs_lib.abstract_model(testing.REAL_SHAPES[pair.draft],
+                                        split=pair.split_draft, **shapes)
   call = programs_lib.Call(target)
-  size = call.speculative(DraftModel(draft),
-                          policies.Fixed(8))[2]["cache_size"]
+  _, inputs, fixed = call.speculative(DraftModel(draft), policies.Fixed(8))
+  size = fixed["cache_size"]
   # Bytes per chip of a target forward and of a draft forward.
   target_bytes = (target.weight_bytes_per_token + programs_lib.kv_bytes(
       target.config, dtype, call.batch, size)) / chips
@@ -154,12 +219,16 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
       draft.config, dtype, call.batch, size)) / (
           chips if pair.split_draft else 1)
   plan = memory.plan({"target": target, "draft": draft}, batch=call.batch,
-                     cache_size=size, chunk=9, mesh=mesh,
+                     cache_size=size, chunk=9,
+                     prompt_width=inputs[2].shape[1], mesh=mesh,
                      limit=None).per_device
-  rows, step_s = [], {}
+  rows, step_s, fewest_s = [], {}, {}
   auto = _auto(chip, target_bytes, draft_bytes)
-  for name, (kind, gamma, build) in _programs(call, draft, full,
-                                              auto).items():
+  # One expert's share of every layer on one chip (experts split on F; a
+  # self-draft's experts are the target's).
+  expert_chip = moe.expert_bytes(target.config, target.params) / chips
+  for name, (kind, gamma, build) in _programs(
+      call, draft, full, auto, pair.draft_experts).items():
     if only and name not in only:
       continue
     fn, args, static = build()
@@ -190,6 +259,14 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
         unknown_trips=c.count.unknown_trips,
         largest=[(round(b / 2**30, 3), op, where[-90:])
                  for b, op, where in c.count.largest[:4]])
+    if kind and target.config.num_experts:
+      fewest, most = (expert_chip * sum(n - 1 for n in trips) for trips in
+                      _expert_trips(kind, gamma, target.config,
+                                    draft.config))
+      row.update(step_read_gib_hlo=round(read / 2**30, 3),
+                 step_read_gib_fewest=round((read + fewest) / 2**30, 3))
+      fewest_s[kind] = (read + fewest) / chip.bandwidth
+      read += most
     if kind:
       step_s[kind] = read / chip.bandwidth
       row.update(step_read_gib=round(read / 2**30, 3),
@@ -200,9 +277,17 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
                  gamma=gamma)
     if kind in CPU_ALPHA and "ar" in step_s:  # compiled before the others
       ratio = step_s["ar"] / step_s[kind]
+      # The CPU's α is a dense 0.5B draft's, not a self-draft's.
+      alphas = ALPHAS + (() if kind == "model" and pair.draft_experts
+                         else (CPU_ALPHA[kind],))
       row["predicted_speedup"] = {
           str(a): round(expected_tokens([a] * gamma, gamma) * ratio, 2)
-          for a in ALPHAS + (CPU_ALPHA[kind],)}
+          for a in alphas}
+      if kind in fewest_s:  # every pass's tokens sharing their experts
+        ratio = fewest_s["ar"] / fewest_s[kind]
+        row["predicted_speedup_fewest"] = {
+            str(a): round(expected_tokens([a] * gamma, gamma) * ratio, 2)
+            for a in alphas}
     rows.append(row)
   return rows
 

@@ -11,8 +11,11 @@ down) on their input, so each layer needs one all-reduce after o and one
 after down (Megatron's layout). A mixture of experts splits each expert
 the same way (experts [X, E, F] on F, their down [X, F, E] on F), so that
 gathering a token's experts needs no communication and the layer still
-ends in one all-reduce; the router [E, X] stays whole. Logical axes then
-map to mesh axes:
+ends in one all-reduce; the router [E, X] stays whole. Each device then
+holds 1/n of every expert. Splitting X instead (expert parallelism) would
+make `moe.experts_loop`'s index of a chosen expert all-gather the whole
+stack (docs/accelerators.md, "Mixtures of experts on 8 v5e chips").
+Logical axes then map to mesh axes:
 
 - `heads`, `mlp` -> `MODEL`;
 - `vocab` or `embed` -> `MODEL`, as `head` chooses. "vocab" (the default)
