@@ -21,6 +21,7 @@ from specjax.checkpoints import hf
 from specjax.models import LinearRopeScaling
 from specjax.models import ModelConfig
 from specjax.models import tiny
+import test_gguf
 
 
 def _text_config(**overrides):
@@ -115,19 +116,16 @@ def _write_gemma3_gguf(path, torch_model, pattern: int) -> None:
   import gguf  # pylint: disable=g-import-not-at-top
   c = torch_model.config
   writer = gguf.GGUFWriter(str(path), "gemma3")
-  writer.add_block_count(c.num_hidden_layers)
-  writer.add_context_length(c.max_position_embeddings)
-  writer.add_embedding_length(c.hidden_size)
-  writer.add_feed_forward_length(c.intermediate_size)
-  writer.add_head_count(c.num_attention_heads)
-  writer.add_head_count_kv(c.num_key_value_heads)
-  writer.add_key_length(c.head_dim)
-  writer.add_value_length(c.head_dim)
-  writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+  test_gguf.add_geometry(
+      writer, layers=c.num_hidden_layers, context=c.max_position_embeddings,
+      hidden=c.hidden_size, ffn=c.intermediate_size,
+      heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
+      head_dim=c.head_dim,
+      rope_theta=c.rope_parameters["full_attention"]["rope_theta"],
+      eps=c.rms_norm_eps)
   writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
   writer.add_rope_scaling_factor(
       c.rope_parameters["full_attention"]["factor"])
-  writer.add_layer_norm_rms_eps(c.rms_norm_eps)
   writer.add_sliding_window(c.sliding_window)
   writer.add_sliding_window_pattern([bool((i + 1) % pattern)
                                      for i in range(c.num_hidden_layers)])

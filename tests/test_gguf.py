@@ -36,6 +36,21 @@ def llama_cpp_permute(w, n_head, n_head_kv):
           .swapaxes(1, 2).reshape(w.shape))
 
 
+def add_geometry(writer, *, layers, context, hidden, ffn, heads, kv_heads,
+                 head_dim, rope_theta, eps):
+  """A GGUF header's model geometry, as llama.cpp's converter writes it."""
+  writer.add_block_count(layers)
+  writer.add_context_length(context)
+  writer.add_embedding_length(hidden)
+  writer.add_feed_forward_length(ffn)
+  writer.add_head_count(heads)
+  writer.add_head_count_kv(kv_heads)
+  writer.add_key_length(head_dim)
+  writer.add_value_length(head_dim)
+  writer.add_rope_freq_base(rope_theta)
+  writer.add_layer_norm_rms_eps(eps)
+
+
 def hf_weights(arch, seed=0):
   """Random Hugging Face-named tensors ([out, in]) of a tiny model."""
   rng = np.random.default_rng(seed)

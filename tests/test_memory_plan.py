@@ -14,14 +14,17 @@ with one 5-token prompt repeated B times, N = 2, γ = 3
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from specjax import compilation
 from specjax import decode
 from specjax import loops
+from specjax import models
 from specjax import testing
 from specjax.decoder import SpeculativeDecoder
+from specjax.models import moe
 from specjax.sharding import memory
 
 GAMMA = 3
@@ -111,3 +114,23 @@ def test_plan_is_within_20_percent_on_the_real_pair(real_pair, batch):
   target, draft, prompt = real_pair
   planned, compiled = planned_and_compiled(target, draft, prompt, batch)
   assert abs(planned / compiled - 1) < TOLERANCE, (planned, compiled)
+
+
+def test_a_self_draft_sharing_the_targets_arrays_is_held_once():
+  """The fewer-experts self-draft is the target's own arrays: the plan
+  counts them once (its cache and logits still count)."""
+  target = models.init_random(models.ModelConfig(
+      arch="mixtral", vocab_size=128, hidden_size=64, intermediate_size=32,
+      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8,
+      num_experts_per_tok=2), jax.random.key(0))
+  draft = moe.fewer_experts(target, 1)
+  kw = dict(batch=1, cache_size=64, chunk=4, limit=None)
+  both = memory.plan({"target": target, "draft": draft}, **kw)
+  alone = memory.plan({"target": target}, **kw)
+  assert both.bytes("draft", "weights") == 0
+  assert both.bytes("target", "weights") == alone.bytes("target", "weights")
+  assert both.bytes("draft", "cache") == alone.bytes("target", "cache") > 0
+  # A second model of its own arrays counts them.
+  other = memory.plan({"target": target, "draft": models.init_random(
+      target.config, jax.random.key(1))}, **kw)
+  assert other.bytes("draft", "weights") == alone.bytes("target", "weights")

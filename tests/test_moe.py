@@ -492,18 +492,13 @@ def _write_moe_gguf(path, arch, model, torch_model, quantized=False):
   names = gguf.get_tensor_name_map(
       gguf.MODEL_ARCH[file_arch.upper()], c.num_layers)
   writer = gguf.GGUFWriter(str(path), file_arch)
-  writer.add_block_count(c.num_layers)
-  writer.add_context_length(c.max_position_embeddings)
-  writer.add_embedding_length(c.hidden_size)
   # A Qwen-MoE's feed_forward_length is its (unused) dense MLP size.
-  writer.add_feed_forward_length(
-      c.intermediate_size if arch == "mixtral" else 4 * c.hidden_size)
-  writer.add_head_count(c.num_heads)
-  writer.add_head_count_kv(c.num_kv_heads)
-  writer.add_key_length(c.head_dim)
-  writer.add_value_length(c.head_dim)
-  writer.add_rope_freq_base(c.rope_theta)
-  writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+  test_gguf.add_geometry(
+      writer, layers=c.num_layers, context=c.max_position_embeddings,
+      hidden=c.hidden_size,
+      ffn=c.intermediate_size if arch == "mixtral" else 4 * c.hidden_size,
+      heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+      rope_theta=c.rope_theta, eps=c.rms_norm_eps)
   writer.add_expert_count(c.num_experts)
   writer.add_expert_used_count(c.num_experts_per_tok)
   if arch != "mixtral":

@@ -175,11 +175,16 @@ def plan(models: dict[str, Any], *, batch: int, cache_size: int,
   width = prompt_width or prompt_bucket(1, cache_size)  # P
   passes = {"prefill": prefill_pass(width, cache_size),
             "step": (chunk, cache_size + chunk)}
-  entries, activations = [], []
+  entries, activations, held = [], [], []
   for i, (name, model) in enumerate(models.items()):
     if not isinstance(model, Model):
       continue
-    entries.append(_weights(name, model, mesh, split=i == 0))
+    if any(model.params is params for params in held):
+      # The same arrays (a fewer-experts self-draft): held once.
+      entries.append(Entry(name, "weights", 0, 0, "the target's own"))
+    else:
+      entries.append(_weights(name, model, mesh, split=i == 0))
+      held.append(model.params)
     entries.append(_cache(name, model, batch, cache_size, mesh))
     logits = batch * chunk * model.config.vocab_size * 4
     data = 1 if mesh is None else mesh.shape[DATA]
