@@ -89,11 +89,12 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
   return cap * jnp.tanh(x / cap)
 
 def param(module: nn.Module, name: str, shape, dtype, init=_INIT):
-  """`module.param`, or a `QuantizedMatrix` or `LayerPick` given for it as
-  is (Flax's shape check would compare its arrays with the float shape)."""
+  """`module.param`, or a `QuantizedMatrix`, `LayerPick` or `moe.Stacked`
+  given for it as is (Flax's shape check would compare its arrays with
+  the float shape)."""
   if module.has_variable("params", name):
     w = module.get_variable("params", name)
-    if quantized.is_quantized(w) or isinstance(w, LayerPick):
+    if quantized.is_quantized(w) or isinstance(w, (LayerPick, moe.Stacked)):
       return w
   return module.param(name, init, shape, dtype)
 
@@ -148,9 +149,9 @@ class Block(nn.Module):
     c = self.config
     e, f, x = c.hidden_size, c.intermediate_size, c.num_experts
     logits = self._dense(h, "router", e, x)  # [B, T, X]
-    ws = moe.Experts(gate=self._param("experts_gate", (x, e, f)),
-                     up=self._param("experts_up", (x, e, f)),
-                     down=self._param("experts_down", (x, f, e)))
+    ws = moe.Experts.of(self._param("experts_gate", (x, e, f)),
+                        self._param("experts_up", (x, e, f)),
+                        self._param("experts_down", (x, f, e)))
     out = moe.apply_experts(h, logits, ws, c)
     # Read by `Model.forward` (`TransformerOutput.experts`).
     self.sow("intermediates", "experts", moe.woken(logits, c))

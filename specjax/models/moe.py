@@ -40,7 +40,7 @@ from specjax.models.config import EXPERT_PARAMS
 from specjax.models.config import flatten
 from specjax.models.config import ModelConfig
 
-__all__ = ["Experts", "STRATEGIES", "activate", "apply_experts",
+__all__ = ["Experts", "STRATEGIES", "Stacked", "activate", "apply_experts",
            "experts_dense", "experts_gather", "experts_ragged",
            "expert_bytes", "fewer_experts", "inactive_expert_bytes", "route",
            "strategy", "woken"]
@@ -53,18 +53,57 @@ LOOP_MAX_ROWS = 128
 
 
 @flax.struct.dataclass
+class Stacked:
+  """Layer `index` of a stacked [L, X, ...] expert array, not sliced: a
+  scanned layer (`Transformer._scanned`) hands its experts over this way,
+  so that a pass reads only the experts it picks (`Experts.pick`) instead
+  of copying the layer's whole [X, ...] stack out of the [L, ...] one.
+
+  Attributes:
+    array: [L, X, ...] every layer's experts.
+    index: [] int32 the layer.
+  """
+
+  array: jax.Array
+  index: jax.Array
+
+
+@flax.struct.dataclass
 class Experts:
   """One layer's experts, stacked.
 
   Attributes:
-    gate: [X, E, F] gate projections.
-    up: [X, E, F] up projections.
-    down: [X, F, E] down projections.
+    gate: [X, E, F] gate projections ([L, X, E, F] with `layer`).
+    up: [X, E, F] up projections (likewise).
+    down: [X, F, E] down projections (likewise).
+    layer: [] int32, the layer of [L, ...] arrays, or None.
   """
 
   gate: jax.Array
   up: jax.Array
   down: jax.Array
+  layer: jax.Array | None = None
+
+  @classmethod
+  def of(cls, gate: Any, up: Any, down: Any) -> "Experts":
+    """A layer's three parameters: arrays, or `Stacked` layers of them."""
+    if isinstance(gate, Stacked):
+      return cls(gate.array, up.array, down.array, layer=gate.index)
+    return cls(gate, up, down)
+
+  def pick(self, j: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Expert j's gate [E, F], up [E, F] and down [F, E]."""
+    if self.layer is None:
+      return self.gate[j], self.up[j], self.down[j]
+    return (self.gate[self.layer, j], self.up[self.layer, j],
+            self.down[self.layer, j])
+
+  def whole(self) -> "Experts":
+    """The layer's [X, ...] stacks (a copy out of [L, ...] ones)."""
+    if self.layer is None:
+      return self
+    return Experts(self.gate[self.layer], self.up[self.layer],
+                   self.down[self.layer])
 
 
 def route(logits: jax.Array, top_k: int, normalize: bool
@@ -143,7 +182,7 @@ def experts_loop(x: jax.Array, experts: jax.Array, weights: jax.Array,
     [N, E] the weighted sum, in x's dtype.
   """
   n, k = experts.shape
-  num = ws.gate.shape[0]
+  num = ws.gate.shape[0 if ws.layer is None else 1]
   chosen = distinct_experts(experts, num)  # [min(M, X)], X-padded
   count = jnp.sum(chosen < num)
 
@@ -151,9 +190,10 @@ def experts_loop(x: jax.Array, experts: jax.Array, weights: jax.Array,
     i, out = state
     j = chosen[i]
     coef = jnp.sum(jnp.where(experts == j, weights, 0), axis=1)  # [N]
-    gate = _dot(x, ws.gate[j], "ne,ef->nf")  # [N, F]
-    up = _dot(x, ws.up[j], "ne,ef->nf")
-    y = _dot(activate(gate, up, activation), ws.down[j], "nf,fe->ne")
+    w_gate, w_up, w_down = ws.pick(j)
+    gate = _dot(x, w_gate, "ne,ef->nf")  # [N, F]
+    up = _dot(x, w_up, "ne,ef->nf")
+    y = _dot(activate(gate, up, activation), w_down, "nf,fe->ne")
     return i + 1, out + (y * coef[:, None]).astype(x.dtype)
 
   _, out = jax.lax.while_loop(lambda s: s[0] < count, body,
@@ -269,7 +309,8 @@ def apply_experts(x: jax.Array, logits: jax.Array, ws: Experts,
   if how == "loop":
     out = experts_loop(x2, experts, weights, ws, config.activation)
   else:
-    out = _PAIRWISE[how](x2, experts, ws, config.activation)  # [N, k, E]
+    out = _PAIRWISE[how](x2, experts, ws.whole(),
+                         config.activation)  # [N, k, E]
     # Each expert's weighted output in x's dtype, summed over the k slots.
     out = (out * weights[..., None]).astype(x.dtype).sum(axis=1)  # [N, E]
   return out.reshape(*lead, e)

@@ -20,6 +20,8 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from specjax.models import moe
+
 __all__ = ["KEY", "is_stacked", "layer_period", "stack_layers", "take_layer",
            "unstack_layers"]
 
@@ -84,11 +86,15 @@ def unstack_layers(params: dict[str, Any], num_layers: int
   return out
 
 
-def take_layer(stacked: dict[str, Any], index: int | jax.Array
-               ) -> dict[str, Any]:
+def take_layer(stacked: dict[str, Any], index: int | jax.Array,
+               keep: tuple[str, ...] = ()) -> dict[str, Any]:
   """Layer `index` (an int, or a traced scalar inside a scan) of a stacked
-  layers dict: every leaf [L, ...] -> [...]."""
-  return jax.tree.map(lambda w: w[index], stacked)
+  layers dict: every leaf [L, ...] -> [...], except the arrays named in
+  `keep`, handed over unsliced as `moe.Stacked(array, index)` (a mixture
+  of experts' stacks, read one expert at a time)."""
+  return {name: moe.Stacked(w, jnp.asarray(index, jnp.int32))
+          if name in keep else jax.tree.map(lambda a: a[index], w)
+          for name, w in stacked.items()}
 
 
 def layer_period(signature: Callable[[int], Any], num_layers: int) -> int:

@@ -37,6 +37,7 @@ from specjax.models.block import Block
 from specjax.models.block import param
 from specjax.models.block import rms_norm
 from specjax.models.block import softcap
+from specjax.models.config import EXPERT_PARAMS
 from specjax.models.config import ModelConfig
 from specjax.models.matmul import LayerPick
 from specjax.models.matmul import MatmulPlan
@@ -404,7 +405,7 @@ class Transformer(nn.Module):
           window = c.layer_window(j)
           k_cache = window_slots(k_cache, start, window)
           v_cache = window_slots(v_cache, start, window)
-      params = stacking.take_layer(stacked, i)
+      params = stacking.take_layer(stacked, i, keep=EXPERT_PARAMS)
       # A nested apply: its experts' count (`Block._moe`) is sown again
       # here, in this module's own collection.
       (x, k, v), sown = blocks[j].apply(
