@@ -74,9 +74,9 @@ def main(argv):
   machine = hardware.machine()
   print(f"CPU: {machine['cpu_model']} ({machine['cpu_simd']}); JAX "
         f"{jax.__version__}")
-  print(f"B = {batch}, S = {_CACHE.value or 'default'}: {seconds:.1f} s, peak RSS {rss:.2f} GiB; chi-square "
-        f"{chi2:.1f} against {critical:.1f} (p = 0.001, "
-        f"{int(keep.sum()) - 1} dof): "
+  print(f"B = {batch}, S = {_CACHE.value or 'default'}: {seconds:.1f} s, "
+        f"peak RSS {rss:.2f} GiB; chi-square {chi2:.1f} against "
+        f"{critical:.1f} (p = 0.001, {int(keep.sum()) - 1} dof): "
         f"{'PASS' if chi2 < critical else 'FAIL'}")
 
 

@@ -169,7 +169,7 @@ def summarize(result: SpecOutput | Any, gamma: int | None = None,
       "draft_forwards_by_component": np.asarray(
           stats.draft_forwards).reshape(-1).tolist(),
       # Summed over layers; per layer: experts_per_pass(stats, L).
-      "experts_per_pass": experts_per_pass(stats),
+      "experts_per_pass_all_layers": experts_per_pass(stats),
       **extra,
   }
   if cost_ratio is not None:

@@ -276,18 +276,15 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
                  step_ms_roofline=round(1e3 * read / chip.bandwidth, 3),
                  gamma=gamma)
     if kind in CPU_ALPHA and "ar" in step_s:  # compiled before the others
-      ratio = step_s["ar"] / step_s[kind]
       # The CPU's α is a dense 0.5B draft's, not a self-draft's.
       alphas = ALPHAS + (() if kind == "model" and pair.draft_experts
                          else (CPU_ALPHA[kind],))
-      row["predicted_speedup"] = {
-          str(a): round(expected_tokens([a] * gamma, gamma) * ratio, 2)
-          for a in alphas}
+      predict = lambda seconds: {  # τ(α, γ) x the step-time ratio
+          str(a): round(expected_tokens([a] * gamma, gamma)
+                        * seconds["ar"] / seconds[kind], 2) for a in alphas}
+      row["predicted_speedup"] = predict(step_s)
       if kind in fewest_s:  # every pass's tokens sharing their experts
-        ratio = fewest_s["ar"] / fewest_s[kind]
-        row["predicted_speedup_fewest"] = {
-            str(a): round(expected_tokens([a] * gamma, gamma) * ratio, 2)
-            for a in alphas}
+        row["predicted_speedup_fewest"] = predict(fewest_s)
     rows.append(row)
   return rows
 

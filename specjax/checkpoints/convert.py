@@ -198,8 +198,8 @@ def config_from_hf(config: Mapping[str, Any]) -> ModelConfig:
   num_heads = int(required("num_attention_heads"))
   num_layers = int(required("num_hidden_layers"))
 
-  moe_fields = experts.config_fields(config, arch, num_layers) if arch in experts.MOE_ARCHS \
-      else {}
+  moe_fields = (experts.config_fields(config, arch, num_layers)
+                if arch in experts.MOE_ARCHS else {})
   act = get("hidden_act", "silu")
   if act not in ("silu", "swish"):
     raise ValueError(f"hidden_act={act!r} is not supported; specjax "

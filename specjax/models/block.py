@@ -152,9 +152,9 @@ class Block(nn.Module):
     ws = moe.Experts.of(self._param("experts_gate", (x, e, f)),
                         self._param("experts_up", (x, e, f)),
                         self._param("experts_down", (x, f, e)))
-    out = moe.apply_experts(h, logits, ws, c)
+    out, woken = moe.apply_experts(h, logits, ws, c)
     # Read by `Model.forward` (`TransformerOutput.experts`).
-    self.sow("intermediates", "experts", moe.woken(logits, c))
+    self.sow("intermediates", "experts", woken)
     if c.shared_expert_size:
       shared = self._mlp(h, "shared_", c.shared_expert_size)
       gate = self._dense(h, "shared_expert_gate", e, 1)  # [B, T, 1]

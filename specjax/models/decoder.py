@@ -19,7 +19,6 @@ from specjax.models.protocol import ModelOutput
 PREFILL_CHUNK = 64
 
 
-
 def chunked(width: int, size: int, chunk: int | None = PREFILL_CHUNK
             ) -> bool:
   """Whether `Decoder.prefill` runs a prompt buffer of P = `width` in a
@@ -27,6 +26,7 @@ def chunked(width: int, size: int, chunk: int | None = PREFILL_CHUNK
   whole buffer): P a multiple of the chunk, wider than one, within S."""
   return not (chunk is None or width <= chunk or width % chunk
               or width > size)
+
 
 class Decoder:
   """`__call__` and `prefill` of the `LanguageModel` protocol, for a class

@@ -43,7 +43,7 @@ from specjax.models.config import ModelConfig
 __all__ = ["Experts", "STRATEGIES", "Stacked", "activate", "apply_experts",
            "experts_dense", "experts_gather", "experts_ragged",
            "expert_bytes", "fewer_experts", "inactive_expert_bytes", "route",
-           "strategy", "woken"]
+           "strategy", "count_distinct"]
 
 STRATEGIES = ("loop", "gather", "dense", "ragged")
 # Chunks of at most this many token rows loop over their distinct experts
@@ -201,12 +201,10 @@ def experts_loop(x: jax.Array, experts: jax.Array, weights: jax.Array,
   return out
 
 
-def woken(logits: jax.Array, config: ModelConfig) -> jax.Array:
-  """[..., X] a chunk's router logits -> [] int32 the distinct experts its
-  tokens choose: what a pass of the chunk reads (`route`'s choice)."""
-  _, experts = route(logits.reshape(-1, logits.shape[-1]),
-                     config.num_experts_per_tok, config.norm_topk_prob)
-  chosen = jnp.zeros((config.num_experts,), jnp.int32)
+def count_distinct(experts: jax.Array, num_experts: int) -> jax.Array:
+  """[N, k] chosen experts -> [] int32 how many distinct ones: what a pass
+  of the N rows reads."""
+  chosen = jnp.zeros((num_experts,), jnp.int32)
   return jnp.sum(chosen.at[experts.reshape(-1)].max(1))
 
 
@@ -292,7 +290,8 @@ def apply_experts(x: jax.Array, logits: jax.Array, ws: Experts,
     how: one of `STRATEGIES`, or None for `strategy`'s choice.
 
   Returns:
-    [..., E] in x's dtype.
+    [..., E] in x's dtype, and [] int32 the distinct experts the tokens
+    chose (`count_distinct`: what the pass read).
   """
   lead, e = x.shape[:-1], x.shape[-1]
   rows = int(np.prod(lead, dtype=np.int64))
@@ -313,7 +312,7 @@ def apply_experts(x: jax.Array, logits: jax.Array, ws: Experts,
                          config.activation)  # [N, k, E]
     # Each expert's weighted output in x's dtype, summed over the k slots.
     out = (out * weights[..., None]).astype(x.dtype).sum(axis=1)  # [N, E]
-  return out.reshape(*lead, e)
+  return out.reshape(*lead, e), count_distinct(experts, config.num_experts)
 
 
 def expert_bytes(config: ModelConfig, params: Any) -> float:

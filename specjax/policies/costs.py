@@ -20,9 +20,9 @@ reads anything itself:
   reads the union of the experts its rows choose
   (`CostGeometry.bytes_read`), so a longer draft costs its verification
   the experts it wakes; measured tables time passes of distinct tokens,
-  which wake them as drafts do. The machine's bandwidth and peak come from the
-  tuning step's measurement where it ran (`Roofline.cached`), else from
-  nominal figures per backend and device (`Roofline.nominal`,
+  which wake them as drafts do. The machine's bandwidth and peak come
+  from the tuning step's measurement where it ran (`Roofline.cached`),
+  else from nominal figures per backend and device (`Roofline.nominal`,
   `specjax.hardware.nominal_rates`).
 
 So a user's first call and every later one cost what the steady state
