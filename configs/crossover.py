@@ -22,7 +22,8 @@ memory on a small machine: run one B per process, then merge:
 Arguments: `weights=real|random`, `target=`, `draft=` (registry names, or
 `tiny` for a smoke run), `drafter=model|lookup`, `batches=1/2/4`,
 `gammas=1/2/4`, `max_gamma=4`, `alphas=` (random weights only), `tokens=32`,
-`repeats=3`, `timings=1`, `keep=mean|fastest`, `refresh`, `prompt_tokens=128`.
+`repeats=3`, `timings=1`, `keep=mean|fastest`, `refresh`, `prompt_tokens=128`,
+`quantize=` ('' float32, `gguf`), `prompts=humaneval|mtbench`.
 """
 
 from __future__ import annotations
@@ -46,13 +47,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       arg, weights="real", target="qwen2.5-coder-1.5b-instruct",
       draft="qwen2.5-coder-0.5b-instruct", drafter="model", batches="1/2/4",
       gammas="1/2/4", max_gamma=4, alphas="", tokens=32, repeats=3,
-      timings=1, keep="mean", refresh=False, prompt_tokens=128)
+      timings=1, keep="mean", refresh=False, prompt_tokens=128,
+      quantize="", prompts="humaneval")
   config = ml_collections.ConfigDict()
   # Which experiment `experiments.run` runs: this sweep.
   config.experiment = "crossover"
   # `real` checkpoints (`specjax.registry`), or `random` weights at their
   # shapes (`specjax.testing.random_model`), whose acceptance is synthetic.
   config.weights = arg["weights"]
+  # Weights of both real models: '' (float32) or a `load_pretrained`
+  # quantize mode (`gguf`: the GGUF blocks).
+  config.quantize = arg["quantize"]
+  # The real prompts' set (`experiments.prompts.PROMPT_SETS`); B beyond
+  # its size repeats it.
+  config.prompts = arg["prompts"]
   # Target and draft: registry names, or `tiny` (the random tiny pair).
   config.target = arg["target"]
   config.draft = arg["draft"]

@@ -73,7 +73,8 @@ def _load(config: Any, name: str, seed: int):
     return testing.tiny_pair(0)[seed], None
   if config.weights == "real":
     return registry.load_pretrained(name, progress=False,
-                                    cache_dir=config.cache_dir or None)
+                                    cache_dir=config.cache_dir or None,
+                                    quantize=config.quantize or None)
   return testing.random_model(name, seed), None
 
 
@@ -81,9 +82,11 @@ def _prompts(config: Any, tokenizer, batch: int,
              vocab: int) -> list[list[int]]:
   if tokenizer is None:
     return testing.random_prompts(batch, vocab, config.prompt_tokens)
-  prompt_set = prompts_lib.load_prompts("humaneval", batch)
-  return [prompts_lib.encode_prompt(tokenizer, p, chat_template=True)
-          for p in prompt_set.prompts]
+  # Rows beyond the set's size take its prompts again, in order.
+  prompt_set = prompts_lib.load_prompts(config.prompts)
+  return [prompts_lib.encode_prompt(
+      tokenizer, prompt_set.prompts[i % len(prompt_set.prompts)],
+      chat_template=True) for i in range(batch)]
 
 
 def _conditional_acceptance(stats, gamma: int) -> list[float]:

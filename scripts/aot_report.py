@@ -14,6 +14,12 @@ rows:
 
   JAX_PLATFORMS=cpu python scripts/aot_report.py --append \
       --runs=h100:1:qwen1.5b:bf16,h100:8:llama70b:bf16
+
+The batch crossover (`specjax.aot.crossover`: the decoding steps at each
+B, priced by the roofline, estimated):
+
+  python scripts/aot_report.py --crossover=v5e:1:llama8b:int8 \
+      --out=results/aot/crossover_v5e1_llama8b_int8.json
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from absl import flags
 
 from specjax import hardware
 from specjax.aot import chips
+from specjax.aot import crossover
 from specjax.aot import report
 
 _OUT = flags.DEFINE_string("out", "results/aot/report.json", "JSON rows.")
@@ -48,18 +55,27 @@ _RUNS = flags.DEFINE_list(
 _ONE = flags.DEFINE_string("one", "", "Internal: run one entry of --runs.")
 _APPEND = flags.DEFINE_bool(
     "append", False, "Keep --out's rows of runs not in --runs.")
+_CROSSOVER = flags.DEFINE_string(
+    "crossover", "", "chip:chips:pair:weights: compile the decoding steps "
+    "at each of --batches instead of --runs (specjax.aot.crossover).")
+_BATCHES = flags.DEFINE_list(
+    "batches", [str(b) for b in crossover.BATCHES], "B of --crossover.")
 _TABLES = flags.DEFINE_string(
     "tables", "", "Print the markdown tables of this report JSON and exit.")
 
 
 def _one(spec: str) -> list[dict]:
   chip, chips, pair, weights, *extra = spec.split(":")
+  quantize = None if weights == "bf16" else weights
+  if _CROSSOVER.value:
+    return crossover.run(chip, pair, chips=int(chips), quantize=quantize,
+                         batches=[int(b) for b in _BATCHES.value])
   only = (("generate step", "generate", "model γ=4 step", "model γ=4")
           if "unrolled" in extra else ())
   if "steps" in extra:
     only = report.STEPS
   return report.run(chip, pair, chips=int(chips),
-                    quantize=None if weights == "bf16" else weights,
+                    quantize=quantize,
                     scan="unrolled" not in extra, full="full" in extra,
                     only=only)
 
@@ -71,13 +87,16 @@ def main(argv):
     return
   if _TABLES.value:
     with open(_TABLES.value) as f:
-      print(report.markdown(json.load(f)["rows"]))
+      rows = json.load(f)["rows"]
+    print((crossover if "batch" in rows[0] else report).markdown(rows))
     return
   rows = []
-  for spec in _RUNS.value:
+  for spec in [_CROSSOVER.value] if _CROSSOVER.value else _RUNS.value:
     print(f"compiling {spec} ...", file=sys.stderr, flush=True)
     env = chips.environment(chips.CHIPS[spec.split(":")[0]])
-    out = subprocess.run([sys.executable, __file__, f"--one={spec}"],
+    out = subprocess.run([sys.executable, __file__, f"--one={spec}",
+                          f"--crossover={_CROSSOVER.value}",
+                          f"--batches={','.join(_BATCHES.value)}"],
                          capture_output=True, text=True, check=False,
                          env={**os.environ, "JAX_PLATFORMS": "", **env})
     if out.returncode:
@@ -104,7 +123,7 @@ def main(argv):
                "compilers": sorted({r["compiler"] for r in rows
                                     if r.get("compiler")}),
                "rows": rows}, f, indent=1)
-  print(report.markdown(rows))
+  print((crossover if _CROSSOVER.value else report).markdown(rows))
 
 
 if __name__ == "__main__":

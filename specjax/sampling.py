@@ -25,6 +25,10 @@ from specjax import controls as controls_lib
 from specjax import processors
 
 
+# The name scope of the choice between greedy and sampled probabilities.
+SCOPE = "sampling"
+
+
 @flax.struct.dataclass(kw_only=True)
 class SamplingParams:
   """Traced sampling settings, shared by every row of a batch.
@@ -244,7 +248,10 @@ def probabilities(logits: jax.Array, params: SamplingParams) -> jax.Array:
       probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
     return probs
 
-  return jax.lax.cond(params.greedy, greedy_probs, sampled, logits)
+  # Named, so a count of the compiled program can price a greedy run by
+  # the branch it takes (`specjax.aot.hlo.count`'s `cheapest`).
+  with jax.named_scope(SCOPE):
+    return jax.lax.cond(params.greedy, greedy_probs, sampled, logits)
 
 
 def _first(mask: jax.Array) -> jax.Array:

@@ -31,6 +31,7 @@ from specjax import policies  # pylint: disable=g-import-not-at-top
 from specjax import testing  # pylint: disable=g-import-not-at-top
 from specjax.drafters import DraftModel  # pylint: disable=g-import-not-at-top
 from specjax.drafters import PromptLookup  # pylint: disable=g-import-not-at-top
+from specjax.aot import crossover  # pylint: disable=g-import-not-at-top
 from specjax.aot import hlo  # pylint: disable=g-import-not-at-top
 from specjax.aot import programs  # pylint: disable=g-import-not-at-top
 from specjax.aot import report  # pylint: disable=g-import-not-at-top
@@ -123,6 +124,57 @@ def test_xla_bytes_accessed_counts_a_while_body_once(mesh):
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   assert cost["bytes accessed"] < 1.1 * MATRIX
   assert hlo.count(compiled.as_text()).hbm_bytes >= L * MATRIX
+
+
+def _attention(q, k):
+  scores = jnp.einsum("bhtd,bhsd->bhts", q, k)
+  return jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(scores), k)
+
+
+@pytest.mark.parametrize("name, fn, shapes, want", [
+    ("5 rows", lambda w, x: x @ w,
+     [((N, N), jnp.bfloat16), ((5, N), jnp.bfloat16)], 2 * 5 * N * N),
+    ("scan of 8", _scan,
+     [((L, N, N), jnp.bfloat16), ((5, N), jnp.bfloat16)], L * 2 * 5 * N * N),
+    ("unrolled 8, 64 rows", _unrolled,
+     [((L, N, N), jnp.bfloat16), ((64, N), jnp.bfloat16)],
+     L * 2 * 64 * N * N),
+    # TPU writes the batched products as convolutions over dilated inputs.
+    ("attention", _attention,
+     [((4, 8, 9, 128), jnp.bfloat16), ((4, 8, 512, 128), jnp.bfloat16)],
+     2 * 2 * 4 * 8 * 9 * 512 * 128),
+])
+def test_hlo_count_flops_of_known_products(mesh, name, fn, shapes, want):
+  """The multiply-adds of each product, loops run L times; XLA's own
+  field agrees where no loop hides a body (its elementwise FLOPs aside),
+  and misses L - 1 of the scan's layers."""
+  compiled = _compiled(mesh, fn, *shapes)
+  got = hlo.count(compiled.as_text())
+  assert got.flops == want, (name, got.flops, want)
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  if name == "scan of 8":
+    assert cost["flops"] < 1.01 * want / L
+  else:
+    assert want <= cost["flops"] <= 1.02 * want, (name, cost["flops"])
+
+
+def test_roofline_prices_each_kernel_by_its_bound(mesh):
+  """One row of a matrix is bound by its bytes, 4096 rows by their FLOPs
+  (plus a relayout of x, bound by its bytes): each kernel at the slower
+  of the two."""
+  chip = chips.CHIPS["v5e"]
+  w = ((N, N), jnp.bfloat16)
+  one = hlo.count(_compiled(mesh, lambda w, x: x @ w, w,
+                            ((1, N), jnp.bfloat16)).as_text())
+  many = hlo.count(_compiled(mesh, lambda w, x: x @ w, w,
+                             ((4096, N), jnp.bfloat16)).as_text())
+  read_s = MATRIX / chip.bandwidth
+  assert read_s <= one.roofline_s(chip.bandwidth, chip.bf16_flops) <= (
+      1.02 * read_s)
+  compute_s = 2 * 4096 * N * N / chip.bf16_flops
+  assert compute_s <= many.roofline_s(chip.bandwidth, chip.bf16_flops) <= (
+      compute_s + (many.hbm_bytes - 2 * MATRIX) / chip.bandwidth)
 
 
 @pytest.mark.slow
@@ -282,3 +334,25 @@ def test_qwen_step_for_an_h100_reads_weights_and_cache_once(gpu_step):
   step, _, budget = gpu_step
   assert step.count.hbm_bytes <= 1.15 * budget, (step.count.hbm_bytes,
                                                  budget)
+
+
+@pytest.mark.slow
+def test_crossover_verification_turns_compute_bound_as_b_grows(mesh):
+  """The 1.5B pair's steps on one v5e: at B = 1 the weights' bytes bound
+  both steps, and the lookup γ = 4 step (5 rows a sequence, nearly free
+  drafting) yields τ times `generate`'s tokens for about its time; at B =
+  256 its products are compute-bound (over 30% of its time) and its
+  advantage over `generate` at the same α has fallen below τ's half."""
+  del mesh  # the chips are made by `report.models`
+  rows = crossover.run("v5e", "qwen1.5b", batches=(1, 256),
+                       lookup_gammas=(4,), model_gammas=())
+  at = {(r["batch"], r["kind"]): r for r in rows}
+  assert all(r["fits"] for r in rows), rows
+  tau = policies.costs.expected_tokens([0.8] * 4, 4)
+  rate = lambda b, kind: crossover.tokens_per_s(
+      [r for r in rows if r["batch"] == b], kind, 0.8, 4)
+  speedup = {b: rate(b, "lookup") / rate(b, "ar") for b in (1, 256)}
+  assert at[1, "lookup"]["compute_share"] < 0.2
+  assert at[256, "lookup"]["compute_share"] > 0.3
+  assert 0.8 * tau <= speedup[1] <= tau, speedup
+  assert speedup[256] < tau / 2, speedup

@@ -570,6 +570,21 @@ def test_crossover_sweep_and_merge(tmp_path):
     crossover.run(config)
 
 
+
+def test_crossover_prompts_repeat_their_set_beyond_its_size(monkeypatch):
+  # B larger than the set takes its prompts again, in order, from the set
+  # the config names.
+  config = crossover_config.get_config("prompts=chat,quantize=gguf")
+  assert config.quantize == "gguf"
+  monkeypatch.setattr(crossover.prompts_lib, "encode_prompt",
+                      lambda tokenizer, p, chat_template: p.id)
+  ids = [p.id for p in prompts_lib.load_prompts("chat").prompts]
+  got = crossover._prompts(config, object(), len(ids) + 3, 100)
+  assert got == ids + ids[:3]
+  config = crossover_config.get_config("prompts=nosuchset")
+  with pytest.raises(ValueError, match="nosuchset"):
+    crossover._prompts(config, object(), 2, 100)
+
 # ------------------------------------------ generation controls (issue 56)
 
 # A finite schema: every row the grammar lets finish is valid JSON, and

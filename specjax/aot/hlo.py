@@ -16,8 +16,15 @@ reads its operands and writes its result where they live in device memory
 operand reads the slice; an in-place update writes the update; a `while`
 body counts once per iteration, with its trip count read from the loop's
 condition (for a loop that may stop early, such as drafting, its bound); a
-`conditional` counts its dearest branch. Collectives are counted the same
-way. An asynchronous operation moves its bytes at its `*-start`.
+`conditional` counts its dearest branch (or, in the name scopes given,
+its cheapest: the greedy one of `sampling.probabilities`). Collectives
+are counted the same way. An asynchronous operation moves its bytes at
+its `*-start`.
+
+The walk also counts the multiply-adds of every `dot` and `convolution`
+(TPU writes a matrix product as a convolution), fused or not, as 2 FLOPs
+each, loops run their trip counts; `HloCount.roofline_s` prices each
+top-level kernel at the slower of its bytes and its FLOPs.
 
 The same walk reads GPU HLO (XLA's CUDA compiler): there a loop's
 condition is a fusion, gemms are Triton fusions or cuBLAS calls (whose
@@ -30,6 +37,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+
+import numpy as np
 
 __all__ = ["HloCount", "count"]
 
@@ -83,6 +92,12 @@ class HloCount:
       fix (counted once; a generation loop that runs to EOS).
     largest: the instructions that move the most bytes, as (bytes over
       the run, opcode, the JAX operation it came from), largest first.
+    flops: FLOPs of the matrix products (2 per multiply-add).
+    kernels: (runs, HBM bytes, FLOPs) of each top-level instruction that
+      moves bytes or computes, but for `argument_copies`.
+    argument_copies: bytes of the entry's copies of its own arguments (in
+      `hbm_bytes`): a relayout of weights that a step compiled alone
+      makes, and a whole generation fuses into their readers.
   """
 
   hbm_bytes: float
@@ -93,6 +108,17 @@ class HloCount:
   while_loops: int
   unknown_trips: int
   largest: tuple[tuple[float, str, str], ...] = ()
+  flops: float = 0.0
+  kernels: tuple[tuple[float, float, float], ...] = ()
+  argument_copies: float = 0.0
+
+  def roofline_s(self, bandwidth: float, flops: float) -> float:
+    """Seconds of one run on a chip of `bandwidth` HBM bytes/s and `flops`
+    FLOP/s, each kernel bound by its bytes or its FLOPs, whichever is
+    slower (no overlap between kernels, no launch cost; without
+    `argument_copies`)."""
+    return sum(n * max(b / bandwidth, f / flops)
+               for n, b, f in self.kernels)
 
 
 def _split_type(rest: str) -> tuple[str, str]:
@@ -162,12 +188,63 @@ def _bytes(typ: str, hbm_only: bool = True) -> float:
   return total
 
 
+def _dims(typ: str) -> list[int] | None:
+  """Dimensions of the first array in a type (None: no array)."""
+  match = _ARRAY.search(typ)
+  return [int(d) for d in match.group(2).split(",") if d] if match else None
+
+
 def _elements(typ: str) -> int:
   """Elements of the first array in a type."""
-  match = _ARRAY.search(typ)
-  if not match:
-    return 0
-  return math.prod(int(d) for d in match.group(2).split(",") if d)
+  dims = _dims(typ)
+  return 0 if dims is None else math.prod(dims)
+
+
+def _product_flops(instr: _Instr, names: dict[str, _Instr]) -> float:
+  """2 x the multiply-adds of a `dot` or `convolution`: its result's
+  elements times the terms each sums (a dot's contracting dimensions; a
+  convolution's kernel elements per output feature)."""
+  out = _elements(instr.type)
+  if instr.opcode == "dot":
+    lhs = _dims(names[instr.operands[0]].type)
+    match = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
+    terms = math.prod(lhs[int(i)] for i in match.group(1).split(",")
+                      if i) if match else 1
+    return 2.0 * out * terms
+  lhs = _dims(names[instr.operands[0]].type)
+  rhs = _dims(names[instr.operands[1]].type)
+  labels = re.search(r"dim_labels=(\w*)_(\w*)->(\w*)", instr.attrs)
+  if not labels or len(labels.group(2)) != len(rhs):
+    raise ValueError(f"Unreadable convolution: {instr.name} {instr.attrs}")
+  in_labels, kernel_labels, out_labels = labels.groups()
+  terms = math.prod(rhs) / rhs[kernel_labels.index("o")]
+  window = re.search(r"window=\{([^}]*)\}", instr.attrs)
+  if window:
+    fields = dict(f.split("=") for f in window.group(1).split())
+    out_dims = _dims(instr.type)
+    for k, size in enumerate(fields["size"].split("x")):
+      terms *= _real_taps(
+          int(size), lhs[in_labels.index(str(k))],
+          out_dims[out_labels.index(str(k))],
+          *(int(fields[f].split("x")[k]) if f in fields else 1
+            for f in ("stride", "lhs_dilate", "rhs_dilate")),
+          int(fields["pad"].split("x")[k].split("_")[0])
+          if "pad" in fields else 0)
+  return 2.0 * out * terms
+
+
+def _real_taps(size: int, inputs: int, outputs: int, stride: int,
+               dilate: int, spread: int, pad: int) -> float:
+  """The fraction of a convolution window's taps, along one dimension,
+  that land on an input element, over all outputs: padding and input
+  dilation (holes between the inputs) leave the others on zeros. (TPU
+  writes a batched matrix product as a window over an input dilated by
+  the window's size, one tap of which is real; a product per head, as a
+  window padded by its size less one.)"""
+  at = (np.arange(outputs)[:, None] * stride
+        + np.arange(size)[None, :] * spread - pad)
+  real = (at >= 0) & (at <= (inputs - 1) * dilate) & (at % dilate == 0)
+  return float(real.mean())
 
 
 def _called(attrs: str, key: str) -> list[str]:
@@ -183,8 +260,9 @@ def _called(attrs: str, key: str) -> list[str]:
 class _Counter:
   """Walks one module's computations."""
 
-  def __init__(self, text: str):
+  def __init__(self, text: str, cheapest: tuple[str, ...] = ()):
     self.comps, self.entry = _parse(text)
+    self.cheapest = set(cheapest)
     self.by_name = {c: {i.name: i for i in instrs}
                     for c, instrs in self.comps.items()}
     # fused computation -> (the computation, the fusion that calls it)
@@ -194,6 +272,17 @@ class _Counter:
     self.unknown_trips = 0
     self.moved = {}  # (opcode, JAX op) -> bytes over the run
     self.scale = 1.0  # runs of the computation being walked
+    self.argument_copies = 0.0
+
+  def fused_flops(self, comp: str) -> float:
+    """Matrix-product FLOPs of one run of fused computation `comp`."""
+    names, total = self.by_name[comp], 0.0
+    for instr in self.comps[comp]:
+      if instr.opcode in ("dot", "convolution"):
+        total += _product_flops(instr, names)
+      elif instr.opcode == "fusion":
+        total += sum(map(self.fused_flops, _called(instr.attrs, "calls")))
+    return total
 
   def param_read(self, comp: str, index: int, full: float) -> float:
     """Bytes a fused computation `comp` reads of its parameter `index`,
@@ -336,10 +425,20 @@ class _Counter:
       return read, sum(_bytes(t) for t in results)
     return read, _bytes(instr.type)
 
-  def walk(self, comp: str) -> tuple[float, float, float]:
-    """(HBM bytes read, written, collectives) of one run of `comp`."""
-    read = written = coll = 0.0
+  def walk(self, comp: str) -> tuple[float, float, float, float, list]:
+    """(HBM bytes read, written, collectives, FLOPs, kernels) of one run
+    of `comp`; kernels: [(runs per run of `comp`, bytes, FLOPs)]."""
+    read = written = coll = flops = 0.0
+    kernels = []
     names = self.by_name[comp]
+
+    def add(cost, n=1):
+      nonlocal read, written, coll, flops
+      r, w, c, f, k = cost
+      read, written, coll, flops = (read + n * r, written + n * w,
+                                    coll + n * c, flops + n * f)
+      kernels.extend((n * runs, b, fl) for runs, b, fl in k)
+
     for instr in self.comps[comp]:
       op = instr.opcode
       if op in _FREE or op.endswith("-done"):  # a start moved the bytes
@@ -351,9 +450,9 @@ class _Counter:
           self.unknown_trips += 1
           n = 1
         self.scale *= n
-        r, w, c = self.walk(body)
+        cost = self.walk(body)
         self.scale /= n
-        read, written, coll = read + n * r, written + n * w, coll + n * c
+        add(cost, n)
         continue
       if op in ("conditional", "call", "async-start"):
         callees = (_called(instr.attrs, "branch_computations")
@@ -362,21 +461,35 @@ class _Counter:
                    if op == "conditional" else
                    _called(instr.attrs, "to_apply")
                    + _called(instr.attrs, "calls"))
-        costs = [self.walk(c) for c in callees] or [(0.0, 0.0, 0.0)]
-        if op == "conditional":  # the dearest branch
-          costs = [max(costs, key=lambda x: x[0] + x[1])]
-        for r, w, c in costs:
-          read, written, coll = read + r, written + w, coll + c
+        costs = [self.walk(c) for c in callees]
+        if op == "conditional" and costs:  # the dearest branch
+          where = re.search(r'op_name="([^"]*)"', instr.attrs)
+          cheap = where and set(where.group(1).split("/")) & self.cheapest
+          costs = [(min if cheap else max)(costs,
+                                           key=lambda x: x[0] + x[1])]
+        for cost in costs:
+          add(cost)
         continue
-      if any(op.startswith(c) for c in _COLLECTIVES) or (
-          _GPU_COLLECTIVE in instr.attrs):
-        coll += 1
+      c = float(any(op.startswith(c) for c in _COLLECTIVES) or (
+          _GPU_COLLECTIVE in instr.attrs))
       r, w = self.moves(instr, names)
-      read, written = read + r, written + w
+      f = (sum(map(self.fused_flops, _called(instr.attrs, "calls")))
+           if op in ("fusion", "fusion-start") else
+           _product_flops(instr, names) if op in ("dot", "convolution")
+           else 0.0)
+      if comp == self.entry and op == "copy" and (
+          names[instr.operands[0]].opcode == "parameter"):
+        # An argument relaid out for its readers: compiled alone, a step
+        # copies its weights so; inside a whole generation XLA fuses the
+        # relayout into the readers (no pass of its own).
+        self.argument_copies += r + w
+        add((r, w, c, f, []))
+      else:
+        add((r, w, c, f, [(1.0, r + w, f)] if r + w or f else []))
       where = re.search(r'op_name="([^"]*)"', instr.attrs)
       key = (op, where.group(1) if where else "")
       self.moved[key] = self.moved.get(key, 0.0) + self.scale * (r + w)
-    return read, written, coll
+    return read, written, coll, flops, kernels
 
 
 def _constant(instr: _Instr | None) -> int | None:
@@ -389,11 +502,13 @@ def _constant(instr: _Instr | None) -> int | None:
     return None
 
 
-def count(text: str) -> HloCount:
+def count(text: str, cheapest: tuple[str, ...] = ()) -> HloCount:
   """Counts one run of the optimised HLO module `text`
-  (`compiled.as_text()`)."""
-  counter = _Counter(text)
-  read, written, coll = counter.walk(counter.entry)
+  (`compiled.as_text()`): each `conditional` at its dearest branch, but
+  at its cheapest under a name scope in `cheapest` (a greedy run's
+  `sampling.SCOPE`: greedy is the cheap branch)."""
+  counter = _Counter(text, cheapest)
+  read, written, coll, flops, kernels = counter.walk(counter.entry)
   instrs = [i for c in counter.comps.values() for i in c]
   return HloCount(
       hbm_bytes=read + written, hbm_written=written, collectives=coll,
@@ -402,4 +517,6 @@ def count(text: str) -> HloCount:
       while_loops=sum(i.opcode == "while" for i in instrs),
       unknown_trips=counter.unknown_trips,
       largest=tuple(sorted(((b, op, where) for (op, where), b
-                            in counter.moved.items()), reverse=True)[:12]))
+                            in counter.moved.items()), reverse=True)[:12]),
+      flops=flops, kernels=tuple(kernels),
+      argument_copies=counter.argument_copies)

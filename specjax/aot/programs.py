@@ -158,9 +158,11 @@ class Compiled:
 
 def compile_program(name: str, fn: Callable[..., Any], *args: Any,
                     static: dict[str, Any] | None = None,
-                    donate: tuple[int, ...] = ()) -> Compiled:
+                    donate: tuple[int, ...] = (),
+                    cheapest: tuple[str, ...] = ()) -> Compiled:
   """Traces, lowers and compiles `fn(*args, **static)` (array arguments
-  abstract or not: only their shapes, dtypes and shardings are used)."""
+  abstract or not: only their shapes, dtypes and shardings are used),
+  donating the arguments at `donate`; `cheapest`: as `hlo.count`'s."""
   jitted = jax.jit(functools.partial(fn, **(static or {})),
                    donate_argnums=donate)
   t0 = time.perf_counter()
@@ -180,7 +182,7 @@ def compile_program(name: str, fn: Callable[..., Any], *args: Any,
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return Compiled(name=name, trace_s=t1 - t0, lower_s=t2 - t1,
                   compile_s=t3 - t2, memory=memory,
-                  count=hlo.count(compiled.as_text()),
+                  count=hlo.count(compiled.as_text(), cheapest),
                   xla_bytes=float((cost or {}).get("bytes accessed", 0.0)))
 
 

@@ -164,6 +164,37 @@ def _expert_trips(kind: str, gamma: int, target: Any, draft: Any
   return fewest, most
 
 
+def models(chip_name: str, pair_name: str, *, chips: int = 1,
+           quantize: str | None = None, scan: bool | None = None
+           ) -> tuple[chips_lib.Chip, str, Any, Any, Any]:
+  """(chip, compiler, target, draft, dtype): `pair_name`'s models,
+  abstract, on a mesh of `chips` chips of `chip_name` (`run`'s
+  arguments), and their activations' dtype."""
+  if chip_name == "attached":
+    chip, devices = chips_lib.attached(chips)
+    compiler = f"jax {jax.__version__}"
+  else:
+    chip = chips_lib.CHIPS[chip_name]
+    devices = chips_lib.devices(chip, chips)
+    compiler = chips_lib.compiler(chip)
+  pair = PAIRS[pair_name]
+  mesh = programs_lib.make_mesh(devices)
+  backend = devices[0].platform
+  if scan is None:
+    scan = MatmulPlan.for_backend(backend).scan_layers
+  # bf16 on accelerators, float32 on CPU (`hardware.default_dtype`).
+  dtype = jnp.float32 if backend == "cpu" else jnp.bfloat16
+  shapes = dict(mesh=mesh, quantize=quantize, scan=scan, dtype=dtype)
+  target = programs_lib.abstract_model(testing.REAL_SHAPES[pair.target],
+                                       **shapes)
+  if pair.draft_experts:
+    draft = moe.fewer_experts(target, pair.draft_experts)
+  else:
+    draft = programs_lib.abstract_model(testing.REAL_SHAPES[pair.draft],
+                                        split=pair.split_draft, **shapes)
+  return chip, compiler, target, draft, dtype
+
+
 def run(chip_name: str, pair_name: str, *, chips: int = 1,
         quantize: str | None = None, scan: bool | None = None,
         full: bool = False,
@@ -187,28 +218,9 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
   Returns:
     One dict per program (compiled for the chip, not run).
   """
-  if chip_name == "attached":
-    chip, devices = chips_lib.attached(chips)
-    compiler = f"jax {jax.__version__}"
-  else:
-    chip = chips_lib.CHIPS[chip_name]
-    devices = chips_lib.devices(chip, chips)
-    compiler = chips_lib.compiler(chip)
-  pair = PAIRS[pair_name]
-  mesh = programs_lib.make_mesh(devices)
-  backend = devices[0].platform
-  if scan is None:
-    scan = MatmulPlan.for_backend(backend).scan_layers
-  # bf16 on accelerators, float32 on CPU (`hardware.default_dtype`).
-  dtype = jnp.float32 if backend == "cpu" else jnp.bfloat16
-  shapes = dict(mesh=mesh, quantize=quantize, scan=scan, dtype=dtype)
-  target = programs_lib.abstract_model(testing.REAL_SHAPES[pair.target],
-                                       **shapes)
-  if pair.draft_experts:
-    draft = moe.fewer_experts(target, pair.draft_experts)
-  else:
-    draft = programs_lib.abstract_model(testing.REAL_SHAPES[pair.draft],
-                                        split=pair.split_draft, **shapes)
+  chip, compiler, target, draft, dtype = models(
+      chip_name, pair_name, chips=chips, quantize=quantize, scan=scan)
+  pair, mesh = PAIRS[pair_name], target.mesh
   call = programs_lib.Call(target)
   _, inputs, fixed = call.speculative(DraftModel(draft), policies.Fixed(8))
   size = fixed["cache_size"]
