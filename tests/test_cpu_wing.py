@@ -29,6 +29,7 @@ LOADERS = frozenset({
     "specjax.testing",  # random_model gets this machine's plan
     "specjax.heads.pipeline",  # a training run loads its target
     "specjax.aot.report",  # real shapes from specjax.testing
+    "specjax.aot.crossover",  # the report's models at each B
 })
 
 

@@ -31,7 +31,7 @@ from specjax.policies.costs import expected_tokens
 from specjax.policies.costs import ForwardCosts
 from specjax.sharding import memory
 
-__all__ = ["PAIRS", "Pair", "run"]
+__all__ = ["PAIRS", "Pair", "models", "run"]
 
 # α of the real Qwen pair on CPU (BENCHMARKS.md "Drafters"): the 0.5B
 # draft, prompt lookup.
