@@ -97,7 +97,8 @@ class HloCount:
       moves bytes or computes, but for `argument_copies`.
     argument_copies: bytes of the entry's copies of its own arguments (in
       `hbm_bytes`): a relayout of weights that a step compiled alone
-      makes, and a whole generation fuses into their readers.
+      makes, and that a whole generation has been seen to fuse into the
+      products reading them.
   """
 
   hbm_bytes: float
@@ -480,8 +481,8 @@ class _Counter:
       if comp == self.entry and op == "copy" and (
           names[instr.operands[0]].opcode == "parameter"):
         # An argument relaid out for its readers: compiled alone, a step
-        # copies its weights so; inside a whole generation XLA fuses the
-        # relayout into the readers (no pass of its own).
+        # copies its weights so; the whole generation (8B int8, B = 64)
+        # fused the relayout into the products instead.
         self.argument_copies += r + w
         add((r, w, c, f, []))
       else:
