@@ -570,7 +570,6 @@ def test_crossover_sweep_and_merge(tmp_path):
     crossover.run(config)
 
 
-
 def test_crossover_prompts_repeat_their_set_beyond_its_size(monkeypatch):
   # B larger than the set takes its prompts again, in order, from the set
   # the config names.
@@ -584,6 +583,7 @@ def test_crossover_prompts_repeat_their_set_beyond_its_size(monkeypatch):
   config = crossover_config.get_config("prompts=nosuchset")
   with pytest.raises(ValueError, match="nosuchset"):
     crossover._prompts(config, object(), 2, 100)
+
 
 # ------------------------------------------ generation controls (issue 56)
 
