@@ -18,8 +18,9 @@ Compile once per cache class: a program is fixed by B, γ, the models and
 the cache size S, whose default is a power of two holding the longest
 prompt + N + γ + 1 (at least 256 for up to 64 rows); the prompt buffer
 and the output buffer are derived from S (`specjax.padding`), and the
-prompt's length and N are traced. Prompts of 5 to 600 tokens with N <= 100 compile three programs per
-(B, γ), and a call compiles nothing else: inputs travel as numpy arrays
+prompt's length and N are traced. Prompts of 5 to 600 tokens with N <=
+100 compile three programs per (B, γ), and a call compiles nothing else:
+inputs travel as numpy arrays
 and seeds become keys on the host (`tests/test_compile.py` counts every
 backend compilation). Temperature, top-k, top-p, EOS ids, seeds, N and the
 draft stop threshold are traced, so changing them never recompiles. Every

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 
 from specjax import policies
 from specjax import sampling
@@ -92,19 +91,15 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
                  kind=kind, gamma=gamma, prompt_len=prompt_len,
                  max_new_tokens=max_new_tokens, compiler=compiler)
       fn, args, static = build()
-      try:
-        # Greedy: each sampling choice priced at its greedy branch.
-        c = programs_lib.compile_program(
-            name, fn, *args, static=static, donate=(state,),
-            cheapest=(sampling.SCOPE,))
-      except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-          raise
-        rows.append(dict(row, fits=False, error=str(e).splitlines()[0]))
+      # Greedy: each sampling choice priced at its greedy branch.
+      c = programs_lib.compile_or_refusal(
+          name, fn, *args, static=static, donate=(state,),
+          cheapest=(sampling.SCOPE,))
+      if isinstance(c, str):
+        rows.append(dict(row, fits=False, error=c))
         continue
-      seconds = c.count.roofline_s(chip.bandwidth, chip.bf16_flops)
-      compute = sum(n * f / chip.bf16_flops for n, b, f in c.count.kernels
-                    if f / chip.bf16_flops > b / chip.bandwidth)
+      memory, compute = c.count.bound_s(chip.bandwidth, chip.bf16_flops)
+      seconds = memory + compute
       rows.append(dict(
           row, read_gib=round(
               (c.count.hbm_bytes - c.count.argument_copies) / 2**30, 3),

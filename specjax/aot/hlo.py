@@ -113,13 +113,23 @@ class HloCount:
   kernels: tuple[tuple[float, float, float], ...] = ()
   argument_copies: float = 0.0
 
+  def bound_s(self, bandwidth: float, flops: float
+              ) -> tuple[float, float]:
+    """(seconds in kernels bound by their bytes, seconds in kernels bound
+    by their FLOPs) of one run on a chip of `bandwidth` HBM bytes/s and
+    `flops` FLOP/s: each kernel takes the slower of the two (no overlap
+    between kernels, no launch cost; without `argument_copies`)."""
+    memory = compute = 0.0
+    for n, b, f in self.kernels:
+      if f / flops > b / bandwidth:
+        compute += n * f / flops
+      else:
+        memory += n * b / bandwidth
+    return memory, compute
+
   def roofline_s(self, bandwidth: float, flops: float) -> float:
-    """Seconds of one run on a chip of `bandwidth` HBM bytes/s and `flops`
-    FLOP/s, each kernel bound by its bytes or its FLOPs, whichever is
-    slower (no overlap between kernels, no launch cost; without
-    `argument_copies`)."""
-    return sum(n * max(b / bandwidth, f / flops)
-               for n, b, f in self.kernels)
+    """Seconds of one run: both parts of `bound_s`."""
+    return sum(self.bound_s(bandwidth, flops))
 
 
 def _split_type(rest: str) -> tuple[str, str]:
@@ -206,13 +216,12 @@ def _product_flops(instr: _Instr, names: dict[str, _Instr]) -> float:
   elements times the terms each sums (a dot's contracting dimensions; a
   convolution's kernel elements per output feature)."""
   out = _elements(instr.type)
+  lhs = _dims(names[instr.operands[0]].type)
   if instr.opcode == "dot":
-    lhs = _dims(names[instr.operands[0]].type)
     match = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instr.attrs)
     terms = math.prod(lhs[int(i)] for i in match.group(1).split(",")
                       if i) if match else 1
     return 2.0 * out * terms
-  lhs = _dims(names[instr.operands[0]].type)
   rhs = _dims(names[instr.operands[1]].type)
   labels = re.search(r"dim_labels=(\w*)_(\w*)->(\w*)", instr.attrs)
   if not labels or len(labels.group(2)) != len(rhs):

@@ -186,6 +186,18 @@ def compile_program(name: str, fn: Callable[..., Any], *args: Any,
                   xla_bytes=float((cost or {}).get("bytes accessed", 0.0)))
 
 
+def compile_or_refusal(name: str, fn: Callable[..., Any], *args: Any,
+                        **kwargs: Any) -> Compiled | str:
+  """`compile_program`, or the first line of XLA's refusal of a program
+  that cannot fit the chip (`RESOURCE_EXHAUSTED`): that is a result."""
+  try:
+    return compile_program(name, fn, *args, **kwargs)
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    return str(e).splitlines()[0]
+
+
 def _abstract(tree: Any, mesh: Mesh) -> Any:
   """Host values -> replicated `ShapeDtypeStruct`s on `mesh`."""
   replicated = NamedSharding(mesh, PartitionSpec())

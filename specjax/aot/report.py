@@ -248,13 +248,9 @@ def run(chip_name: str, pair_name: str, *, chips: int = 1,
                weights=quantize or jnp.dtype(dtype).name,
                layout="scan" if scan else "unrolled", program=name,
                chip_hbm_gib=chip.hbm_bytes / 2**30, compiler=compiler)
-    try:
-      c = programs_lib.compile_program(name, fn, *args, static=static)
-    except jax.errors.JaxRuntimeError as e:
-      if "RESOURCE_EXHAUSTED" not in str(e):
-        raise
-      # XLA refuses a program that cannot fit; that is the result.
-      rows.append(dict(row, fits=False, error=str(e).splitlines()[0]))
+    c = programs_lib.compile_or_refusal(name, fn, *args, static=static)
+    if isinstance(c, str):
+      rows.append(dict(row, fits=False, error=c))
       continue
     # The compiled program is one device's: its shapes are shards.
     read = c.count.hbm_bytes
