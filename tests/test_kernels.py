@@ -52,6 +52,34 @@ def test_smallm_rejects_bad_input():
                           jnp.ones((4, 8)))
 
 
+@needs_kernels
+@pytest.mark.parametrize("in_out", [False, True])
+@pytest.mark.parametrize("m", [1, 9, 70])
+def test_pick_reads_a_slab_of_a_stack_as_its_own_matrix(m, in_out):
+  """One stack [L, O, I] (or [L, I, O] in_out: a layer's experts): slab
+  `index` times x, bit for bit the product of that slab passed as its own
+  matrix, each row as it is alone, and float64's to float32 rounding.
+  O = 70 leaves in_out columns past its whole vectors and tiles."""
+  rng = np.random.default_rng(m)
+  shape = (3, 96, 70) if in_out else (3, 70, 96)
+  stack = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+  x = jnp.asarray(rng.standard_normal((m, 96)).astype(np.float32))
+  pick = jax.jit(kernels.smallm_pick, static_argnums=3)
+  for i in range(3):
+    np.testing.assert_array_equal(
+        np.asarray(pick(x, jnp.int32(i), stack, in_out)),
+        np.asarray(pick(x, jnp.int32(0), (stack[i],), in_out)))
+  got = np.asarray(pick(x, jnp.int32(2), stack, in_out))
+  w = np.asarray(stack[2], np.float64)
+  want = np.asarray(x, np.float64) @ (w if in_out else w.T)
+  np.testing.assert_allclose(got, want, atol=1e-5 * 96)
+  np.testing.assert_array_equal(
+      np.asarray(pick(x[-1:], jnp.int32(2), stack, in_out)), got[-1:])
+  with pytest.raises(ValueError, match=r"I = 96"):
+    kernels.smallm_pick(x, jnp.int32(0), jnp.ones((3, 95, 95), jnp.float32),
+                        in_out)
+
+
 def test_plan_names_and_errors():
   for name in ("in_out/xla", "out_in/xla", "out_in/kernel", "out_in/hybrid"):
     assert cpu.plan(name).name == name

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+from specjax import cpu
 from specjax import decode
 from specjax import drafters
 from specjax import metrics
@@ -33,6 +34,7 @@ from specjax import testing
 from specjax.checkpoints import convert
 from specjax.checkpoints import gguf as gguf_lib
 from specjax.checkpoints import hf
+from specjax.cpu import kernels
 from specjax.models import moe
 from tests import test_distribution as dist
 
@@ -162,8 +164,8 @@ def test_strategies_compute_the_same_function():
       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, num_experts=6,
       num_experts_per_tok=3, norm_topk_prob=True)
   keys = jax.random.split(jax.random.key(0), 5)
-  ws = moe.Experts(gate=jax.random.normal(keys[0], (6, 16, 8)),
-                   up=jax.random.normal(keys[1], (6, 16, 8)),
+  ws = moe.Experts(gate=jax.random.normal(keys[0], (6, 8, 16)),
+                   up=jax.random.normal(keys[1], (6, 8, 16)),
                    down=jax.random.normal(keys[2], (6, 8, 16)))
   x = jax.random.normal(keys[3], (3, 5, 16))
   logits = jax.random.normal(keys[4], (3, 5, 6))
@@ -421,11 +423,33 @@ def test_scan_layout_equals_per_layer(moe_pair):
   target = moe_pair[0]
   scanned = target.with_plan("in_out/xla/scan")
   assert scanned.params["layers"]["experts_gate"].shape == (
-      2, 8, 64, 32)  # [L, X, E, F]
+      2, 8, 32, 64)  # [L, X, F, E]
   tokens = jnp.asarray(np.random.default_rng(3).integers(0, 128, (B, 7)))
   want, _ = _step(target, tokens, target.init_cache(B, S))
   got, _ = _step(scanned, tokens, scanned.init_cache(B, S))
   np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no CPU kernels")
+def test_kernel_plan_reads_experts_in_place(moe_pair):
+  """out_in/kernel: the expert loop multiplies each chosen expert in the
+  kernel, where it lies in the [X, out, in] stack (no copy of its slice in
+  the program); logits as XLA's to rounding, and greedy speculation on
+  that plan equals its `generate`."""
+  target, draft = moe_pair
+  kernel = target.with_plan(cpu.plan("out_in/kernel"))
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, 128, (B, 5)))
+  run = jax.jit(_step)
+  want, _ = run(target, tokens, target.init_cache(B, S))
+  got, _ = run(kernel, tokens, kernel.init_cache(B, S))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  hlo = run.lower(kernel, tokens, kernel.init_cache(B, S)).as_text()
+  # Three picks per layer (gate, up, down), each inside its expert loop.
+  assert hlo.count("specjax_smallm_pick") == 3 * TINY_MOE.num_layers, hlo
+  want = decode.generate(kernel, PROMPTS, max_new_tokens=MAX_NEW)
+  got = decode.speculative_generate(kernel, draft, PROMPTS, gamma=3,
+                                    max_new_tokens=MAX_NEW)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
 
 
 def test_partition_rules_cover_every_expert_parameter():

@@ -14,7 +14,8 @@ Hugging Face stores `nn.Linear` weights [out, in]; specjax stores matrices
 transposed on the way in. Embeddings stay [V, E]; `lm_head.weight` [V, E]
 becomes `lm_head` [E, V]. A mixture of experts' per-expert tensors are
 stacked per layer first (`specjax.checkpoints.experts`): X tensors
-[out, in] become one [X, in, out] parameter.
+[out, in] become one [X, out, in] parameter, down's then transposed to
+[X, in, out] (`specjax.models.moe`: all three [X, F, E]).
 """
 
 from __future__ import annotations
@@ -95,8 +96,9 @@ _MOE_LAYER_TENSORS = {
     "self_attn.q_norm.weight": ("q_norm", False),
     "self_attn.k_norm.weight": ("k_norm", False),
     "mlp.gate.weight": ("router", True),
-    "mlp.experts.gate_proj": ("experts_gate", True),
-    "mlp.experts.up_proj": ("experts_up", True),
+    # Stacked F-major, [X, F, E] all three (`specjax.models.moe`).
+    "mlp.experts.gate_proj": ("experts_gate", False),
+    "mlp.experts.up_proj": ("experts_up", False),
     "mlp.experts.down_proj": ("experts_down", True),
     "mlp.shared_expert.gate_proj.weight": ("shared_gate", True),
     "mlp.shared_expert.up_proj.weight": ("shared_up", True),

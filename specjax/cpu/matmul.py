@@ -65,12 +65,13 @@ class SmallM(MatmulKernel):
     return jnp.concatenate(pieces)  # [X, O]
 
   def pick(self, x: jax.Array, index: jax.Array,
-           ws: tuple[Any, ...]) -> jax.Array:
-    if quantized.is_quantized(ws[0]):
+           ws: tuple[Any, ...] | jax.Array, in_out: bool = False
+           ) -> jax.Array:
+    if isinstance(ws, tuple) and quantized.is_quantized(ws[0]):
       return kernels.smallm_quantized_pick(
           x, index, tuple(_arrays(w) for w in ws),
           int8_activations=ws[0].act_bits == 8)
-    return kernels.smallm_pick(x, index, ws)
+    return kernels.smallm_pick(x, index, ws, in_out=in_out)
 
   def loops(self, layers: Sequence[Mapping[str, Any]], dtype: Any) -> bool:
     """float32 activations, the kernels available here, and every matrix

@@ -149,10 +149,16 @@ class Block(nn.Module):
     c = self.config
     e, f, x = c.hidden_size, c.intermediate_size, c.num_experts
     logits = self._dense(h, "router", e, x)  # [B, T, X]
-    ws = moe.Experts.of(self._param("experts_gate", (x, e, f)),
-                        self._param("experts_up", (x, e, f)),
+    ws = moe.Experts.of(self._param("experts_gate", (x, f, e)),
+                        self._param("experts_up", (x, f, e)),
                         self._param("experts_down", (x, f, e)))
-    out, woken = moe.apply_experts(h, logits, ws, c)
+    # Up to the plan's kernel_max_rows rows, its kernel reads each chosen
+    # expert in place: 9x XLA's slice-then-dot at one row, 2x at 16, even
+    # by 64 (scripts/bench_moe.py).
+    plan = self.plan
+    near = h.shape[0] * h.shape[1] <= plan.kernel_max_rows
+    out, woken = moe.apply_experts(h, logits, ws, c,
+                                   kernel=plan.kernel if near else None)
     # Read by `Model.forward` (`TransformerOutput.experts`).
     self.sow("intermediates", "experts", woken)
     if c.shared_expert_size:

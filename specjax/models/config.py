@@ -265,8 +265,9 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
     `q_bias`, `k_bias`, `v_bias` when `config.qkv_bias`; `q_norm`,
     `k_norm` (D,) when `config.qk_norm` ((H*D,), (K*D,) unless
     `qk_norm_per_head`); in a mixture of experts, `'router': (E, X),
-    'experts_gate': (X, E, F), 'experts_up': (X, E, F), 'experts_down':
-    (X, F, E)` in place of gate, up and down, and with a shared expert
+    'experts_gate': (X, F, E), 'experts_up': (X, F, E), 'experts_down':
+    (X, F, E)` (stacked F-major, `specjax.models.moe`) in place of gate,
+    up and down, and with a shared expert
     `'shared_gate': (E, F_s), 'shared_up': (E, F_s), 'shared_down':
     (F_s, E), 'shared_expert_gate': (E, 1)`; `attn_post_norm`, `mlp_post_norm`
     (E,) when `config.post_norms`; and
@@ -286,8 +287,8 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
   }
   if c.num_experts:
     x = c.num_experts
-    layer.update(router=(e, x), experts_gate=(x, e, f),
-                 experts_up=(x, e, f), experts_down=(x, f, e))
+    layer.update(router=(e, x), experts_gate=(x, f, e),
+                 experts_up=(x, f, e), experts_down=(x, f, e))
     if c.shared_expert_size:
       s = c.shared_expert_size
       layer.update(shared_gate=(e, s), shared_up=(e, s), shared_down=(s, e),

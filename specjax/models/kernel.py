@@ -54,15 +54,19 @@ class MatmulKernel(abc.ABC):
 
   @abc.abstractmethod
   def pick(self, x: jax.Array, index: jax.Array,
-           ws: tuple[Any, ...]) -> jax.Array:
-    """A layer loop's product: x [X, I] float32 times ws[index] -> [X, O]
+           ws: tuple[Any, ...] | jax.Array, in_out: bool = False
+           ) -> jax.Array:
+    """A loop's product: x [X, I] float32 times ws[index] -> [X, O]
     float32, any X, reading the chosen matrix where it lies.
 
     Args:
       x: [X, I] float32.
-      index: int32 scalar, the layer (traced: the loop's counter).
+      index: int32 scalar, the layer or expert (traced: the loop's
+        counter).
       ws: L matrices [O, I] float32, or L `QuantizedMatrix`es it
-        `supports` (formats may differ between layers, act_bits may not).
+        `supports` (formats may differ between layers, act_bits may not),
+        or one float32 array [L, O, I] (a layer's stacked experts).
+      in_out: float32 matrices are stored [I, O] ([L, I, O]) instead.
     """
 
   @abc.abstractmethod

@@ -6,6 +6,14 @@ Shape letters (`specjax.shapes`): N token rows (B·T), E hidden size, F
 expert MLP size, X experts, k experts per token, M = N·k (token, slot)
 pairs.
 
+Experts are stacked F-major, [X, F, E] all three (gate and up [X, out,
+in], down [X, in, out]), whatever the plan: sharded over F (the
+`sharding.rules`), a TPU shard keeps F off the minor dimension, where a
+shard narrower than a tile (Qwen3's F = 768 over 8 chips: 96 columns)
+made XLA relay out the whole stack every step; a CPU kernel plan
+multiplies expert j where it lies in the stack (`MatmulKernel.pick`, down
+`in_out`).
+
 Routing follows transformers' `*TopKRouter`s in order and dtype: router
 logits in the activations' dtype, softmax in float32 over all X experts,
 top-k of the probabilities, then (with `norm_topk_prob`) division by their
@@ -73,9 +81,10 @@ class Experts:
   """One layer's experts, stacked.
 
   Attributes:
-    gate: [X, E, F] gate projections ([L, X, E, F] with `layer`).
-    up: [X, E, F] up projections (likewise).
-    down: [X, F, E] down projections (likewise).
+    gate: [X, F, E] gate projections, [X, out, in] ([L, X, F, E] with
+      `layer`).
+    up: [X, F, E] up projections (likewise).
+    down: [X, F, E] down projections, [X, in, out] (likewise).
     layer: [] int32, the layer of [L, ...] arrays, or None.
   """
 
@@ -91,12 +100,18 @@ class Experts:
       return cls(gate.array, up.array, down.array, layer=gate.index)
     return cls(gate, up, down)
 
-  def pick(self, j: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Expert j's gate [E, F], up [E, F] and down [F, E]."""
-    if self.layer is None:
-      return self.gate[j], self.up[j], self.down[j]
-    return (self.gate[self.layer, j], self.up[self.layer, j],
-            self.down[self.layer, j])
+  def product(self, h: jax.Array, name: str, j: jax.Array,
+              kernel: Any = None) -> jax.Array:
+    """h [N, I] times expert j's `name` ("gate", "up" or "down") matrix
+    -> [N, O] in h's dtype, accumulated in float32: in `kernel` (a
+    `MatmulKernel`, for float32 per-layer stacks), which reads the matrix
+    where it lies, else XLA's dot of the slice (the one expert read)."""
+    w, in_out = getattr(self, name), name == "down"
+    if kernel is not None and self.layer is None:
+      return kernel.pick(h.astype(jnp.float32), j, w,
+                         in_out=in_out).astype(h.dtype)
+    w = w[j] if self.layer is None else w[self.layer, j]
+    return _dot(h, w, "ni,io->no" if in_out else "ni,oi->no")
 
   def whole(self) -> "Experts":
     """The layer's [X, ...] stacks (a copy out of [L, ...] ones)."""
@@ -157,15 +172,16 @@ def experts_gather(x: jax.Array, experts: jax.Array, ws: Experts,
   n, k = experts.shape
   flat = experts.reshape(n * k)  # [M]
   rows = jnp.repeat(x, k, axis=0)  # [M, E]
-  gate = _dot(rows, ws.gate[flat], "me,mef->mf")  # [M, F]
-  up = _dot(rows, ws.up[flat], "me,mef->mf")
+  gate = _dot(rows, ws.gate[flat], "me,mfe->mf")  # [M, F]
+  up = _dot(rows, ws.up[flat], "me,mfe->mf")
   out = _dot(activate(gate, up, activation), ws.down[flat],
              "mf,mfe->me")  # [M, E]
   return out.reshape(n, k, -1)
 
 
 def experts_loop(x: jax.Array, experts: jax.Array, weights: jax.Array,
-                 ws: Experts, activation: str) -> jax.Array:
+                 ws: Experts, activation: str, kernel: Any = None
+                 ) -> jax.Array:
   """A loop over the distinct experts the chunk chose (a dynamic trip
   count), each run on all N rows and added with its rows' routing weight
   (zero for rows that did not choose it), in expert order as transformers
@@ -177,6 +193,8 @@ def experts_loop(x: jax.Array, experts: jax.Array, weights: jax.Array,
     weights: [N, k] their routing weights.
     ws: the layer's experts.
     activation: the gated MLP's activation.
+    kernel: a `MatmulKernel` multiplying the experts in place
+      (`Experts.product`), or None for XLA's dots.
 
   Returns:
     [N, E] the weighted sum, in x's dtype.
@@ -190,10 +208,10 @@ def experts_loop(x: jax.Array, experts: jax.Array, weights: jax.Array,
     i, out = state
     j = chosen[i]
     coef = jnp.sum(jnp.where(experts == j, weights, 0), axis=1)  # [N]
-    w_gate, w_up, w_down = ws.pick(j)
-    gate = _dot(x, w_gate, "ne,ef->nf")  # [N, F]
-    up = _dot(x, w_up, "ne,ef->nf")
-    y = _dot(activate(gate, up, activation), w_down, "nf,fe->ne")
+    gate = ws.product(x, "gate", j, kernel)  # [N, F]
+    up = ws.product(x, "up", j, kernel)
+    y = ws.product(activate(gate, up, activation), "down", j,
+                   kernel)  # [N, E]
     return i + 1, out + (y * coef[:, None]).astype(x.dtype)
 
   _, out = jax.lax.while_loop(lambda s: s[0] < count, body,
@@ -223,8 +241,8 @@ def experts_dense(x: jax.Array, experts: jax.Array, ws: Experts,
 
   Same arguments and result as `experts_gather`.
   """
-  gate = _dot(x, ws.gate, "ne,xef->nxf")  # [N, X, F]
-  up = _dot(x, ws.up, "ne,xef->nxf")
+  gate = _dot(x, ws.gate, "ne,xfe->nxf")  # [N, X, F]
+  up = _dot(x, ws.up, "ne,xfe->nxf")
   out = _dot(activate(gate, up, activation), ws.down,
              "nxf,xfe->nxe")  # [N, X, E]
   return jnp.take_along_axis(out, experts[..., None], axis=1)  # [N, k, E]
@@ -246,13 +264,19 @@ def experts_ragged(x: jax.Array, experts: jax.Array, ws: Experts,
   rows = jnp.repeat(x, k, axis=0)[order]  # [M, E], sorted by expert
   sizes = jnp.bincount(flat, length=num).astype(jnp.int32)  # [X]
 
-  def grouped(a, w):
-    return jax.lax.ragged_dot(a, w, sizes,
-                              preferred_element_type=jnp.float32
-                              ).astype(a.dtype)
+  def grouped(a, w, contract):
+    """Rows [M, I] grouped by expert times each group's matrix, whose
+    input axis is `contract` (2: [X, O, I]; 1: [X, I, O])."""
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [contract]), ([], [])),
+        lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    return jax.lax.ragged_dot_general(
+        a, w, sizes, dims, preferred_element_type=jnp.float32
+    ).astype(a.dtype)
 
-  h = activate(grouped(rows, ws.gate), grouped(rows, ws.up), activation)
-  out = grouped(h, ws.down)  # [M, E], sorted
+  h = activate(grouped(rows, ws.gate, 2), grouped(rows, ws.up, 2),
+               activation)
+  out = grouped(h, ws.down, 1)  # [M, E], sorted
   out = jnp.zeros_like(out).at[order].set(out)  # [M, E], pair order
   return out.reshape(n, k, -1)
 
@@ -276,8 +300,8 @@ def strategy(rows: int, backend: str | None = None) -> str:
 
 
 def apply_experts(x: jax.Array, logits: jax.Array, ws: Experts,
-                  config: ModelConfig, how: str | None = None
-                  ) -> jax.Array:
+                  config: ModelConfig, how: str | None = None,
+                  kernel: Any = None) -> jax.Array:
   """The routed experts' weighted sum for each token (without the shared
   expert).
 
@@ -288,6 +312,9 @@ def apply_experts(x: jax.Array, logits: jax.Array, ws: Experts,
     config: the model (k, `norm_topk_prob`, the weights' dtype, the
       activation).
     how: one of `STRATEGIES`, or None for `strategy`'s choice.
+    kernel: the plan's `MatmulKernel`, or None: the loop then multiplies
+      float32 activations by float32 per-layer stacks in it, reading each
+      expert in place (XLA's dot copies a sliced matrix first).
 
   Returns:
     [..., E] in x's dtype, and [] int32 the distinct experts the tokens
@@ -306,7 +333,12 @@ def apply_experts(x: jax.Array, logits: jax.Array, ws: Experts,
   if not config.router_weights_float32:
     weights = weights.astype(x.dtype)
   if how == "loop":
-    out = experts_loop(x2, experts, weights, ws, config.activation)
+    in_place = (kernel is not None and ws.layer is None
+                and x.dtype == jnp.float32
+                and all(w.dtype == jnp.float32
+                        for w in (ws.gate, ws.up, ws.down)))
+    out = experts_loop(x2, experts, weights, ws, config.activation,
+                       kernel if in_place else None)
   else:
     out = _PAIRWISE[how](x2, experts, ws.whole(),
                          config.activation)  # [N, k, E]

@@ -9,7 +9,7 @@ Each rule names, for a parameter path (`specjax.models.config.flatten`:
 MLP columns (q, k, v, gate, up) split on their output, their partners (o,
 down) on their input, so each layer needs one all-reduce after o and one
 after down (Megatron's layout). A mixture of experts splits each expert
-the same way (experts [X, E, F] on F, their down [X, F, E] on F), so that
+the same way (all three [X, F, E] on F), so that
 gathering a token's experts needs no communication and the layer still
 ends in one all-reduce; the router [E, X] stays whole. Each device then
 holds 1/n of every expert. Splitting X instead (expert parallelism) would
@@ -59,8 +59,7 @@ RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"layers_\d+/(gate|up)", (None, "mlp")),  # [E, F]
     (r"layers_\d+/down", ("mlp", None)),  # [F, E]
     (r"layers_\d+/router", (None, None)),  # [E, X]
-    (r"layers_\d+/experts_(gate|up)", (None, None, "mlp")),  # [X, E, F]
-    (r"layers_\d+/experts_down", (None, "mlp", None)),  # [X, F, E]
+    (r"layers_\d+/experts_(gate|up|down)", (None, "mlp", None)),  # [X, F, E]
     (r"layers_\d+/shared_(gate|up)", (None, "mlp")),  # [E, F_s]
     (r"layers_\d+/shared_down", ("mlp", None)),  # [F_s, E]
     (r"layers_\d+/shared_expert_gate", (None, None)),  # [E, 1]

@@ -181,37 +181,50 @@ def smallm_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def smallm_pick(x: jax.Array, index: jax.Array,
-                ws: tuple[jax.Array, ...]) -> jax.Array:
+                ws: tuple[jax.Array, ...] | jax.Array,
+                in_out: bool = False) -> jax.Array:
   """x [X, I] float32 times ws[index] [O, I] float32 -> [X, O], any X.
 
-  A layer loop's product (`Transformer._layer_loop`): `ws` holds one
-  matrix per layer, and the kernel reads the one `index` names where it
-  lies, in passes of 64 rows; slicing a stacked [L, O, I] array for XLA's
-  dot would copy the layer's matrix every step.
+  A loop's product: `ws` holds one matrix per layer (a layer loop,
+  `Transformer._layer_loop`) or is one stack [L, O, I] (a mixture of
+  experts' experts, `moe.experts_loop`), and the kernel reads the matrix
+  `index` names where it lies, in passes of 64 rows; slicing a stacked
+  array for XLA's dot would copy the matrix every step. Each output sums
+  over I in one order whatever X, so a row's result does not depend on
+  the other rows.
 
   Args:
     x: [X, I] float32.
-    index: int32 scalar, the layer (traced: the loop's counter).
-    ws: L matrices [O, I] float32.
+    index: int32 scalar, the layer or expert (traced: the loop's counter).
+    ws: L matrices [O, I] float32, or one array [L, O, I] float32.
+    in_out: the matrices are stored [I, O] ([L, I, O]) instead.
 
   Raises:
     KernelError: the kernels are not available here.
     ValueError: wrong dtypes or shapes.
   """
   _require()
-  shapes = {(w.shape, w.dtype) for w in ws}
+  stacked = not isinstance(ws, (tuple, list))
+  mats = ((jax.ShapeDtypeStruct(ws.shape[1:], ws.dtype),) if stacked
+          and ws.ndim == 3 else (ws,) if stacked else ws)
+  shapes = {(w.shape, w.dtype) for w in mats}
   if (x.dtype != jnp.float32 or x.ndim != 2 or len(shapes) != 1
       or index.shape != ()):
     raise ValueError(f"smallm_pick needs x [X, I] float32, a scalar index "
                      f"and matrices of one shape, got x {x.dtype}{x.shape}, "
                      f"index {index.shape} and {sorted(map(str, shapes))}.")
   (shape, dtype), = shapes
-  if dtype != jnp.float32 or len(shape) != 2 or shape[1] != x.shape[1]:
-    raise ValueError(f"smallm_pick needs matrices [O, {x.shape[1]}] "
-                     f"float32, got {dtype}{shape}.")
-  out = jax.ShapeDtypeStruct((x.shape[0], shape[0]), jnp.float32)
+  inputs = shape[0 if in_out else 1] if len(shape) == 2 else None
+  if dtype != jnp.float32 or inputs != x.shape[1]:
+    want = "I, O" if in_out else "O, I"
+    raise ValueError(f"smallm_pick needs matrices [{want}] or a stack "
+                     f"[L, {want}], I = {x.shape[1]}, float32, got "
+                     f"{dtype}{ws.shape if stacked else shape}.")
+  out = jax.ShapeDtypeStruct((x.shape[0], shape[1 if in_out else 0]),
+                             jnp.float32)
   return jax.ffi.ffi_call(_PICK_TARGET, out)(
-      x, index.astype(jnp.int32), *ws)
+      x, index.astype(jnp.int32), *((ws,) if stacked else ws),
+      in_out=np.int64(in_out))
 
 
 def quantized_format_ok(bits: int, group: int, cols: int,

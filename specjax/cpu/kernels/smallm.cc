@@ -246,7 +246,13 @@ void RunChunks(ffi::ThreadPool& pool, const std::shared_ptr<W>& work,
   work->chunks->wait();
 }
 
+// Computes output columns [n0, n1) of a float product for all M rows.
+using ColumnsFn = void (*)(const float* x, const float* w, float* y,
+                           int64_t m, int64_t k, int64_t n, int64_t n0,
+                           int64_t n1);
+
 struct Work {
+  ColumnsFn run;
   const float* x;
   const float* w;
   float* y;
@@ -256,26 +262,36 @@ struct Work {
   void drain() {
     chunks->drain([&](int64_t c) {
       const int64_t n0 = c * chunk;
-      columns(x, w, y, m, k, n, n0, std::min(n, n0 + chunk));
+      run(x, w, y, m, k, n, n0, std::min(n, n0 + chunk));
     });
   }
 };
 
-// y[m, n] = x[m, k] @ w[n, k]^T on the pool and the calling thread.
-void Multiply(ffi::ThreadPool& pool, const float* x, const float* w, float* y,
-              int64_t m, int64_t k, int64_t n) {
+// The product's N output columns in chunks of `chunk`, `run` on the pool
+// and the calling thread.
+void RunProduct(ffi::ThreadPool& pool, ColumnsFn run, const float* x,
+                const float* w, float* y, int64_t m, int64_t k, int64_t n,
+                int64_t chunk) {
   if (m == 0 || n == 0) return;
   auto work = std::make_shared<Work>();
+  work->run = run;
   work->x = x;
   work->w = w;
   work->y = y;
   work->m = m;
   work->k = k;
   work->n = n;
-  // About 256 KiB of weights per chunk, a multiple of the tile's rows.
-  work->chunk = std::max<int64_t>(
-      kMaxBlock, (1 << 16) / std::max<int64_t>(k, 1) / kMaxBlock * kMaxBlock);
-  RunChunks(pool, work, (n + work->chunk - 1) / work->chunk);
+  work->chunk = chunk;
+  RunChunks(pool, work, (n + chunk - 1) / chunk);
+}
+
+// y[m, n] = x[m, k] @ w[n, k]^T on the pool and the calling thread, in
+// chunks of about 256 KiB of weights, a multiple of the tile's rows.
+void Multiply(ffi::ThreadPool& pool, const float* x, const float* w, float* y,
+              int64_t m, int64_t k, int64_t n) {
+  RunProduct(pool, columns, x, w, y, m, k, n,
+             std::max<int64_t>(kMaxBlock, (1 << 16) / std::max<int64_t>(k, 1)
+                                              / kMaxBlock * kMaxBlock));
 }
 
 ffi::Error SmallMImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -291,36 +307,123 @@ ffi::Error SmallMImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// The product with w stored [K, N] (in, out) instead: y[m, n] = sum over k
+// of x[m, k] * w[k, n], each output one chain of multiply-adds over k in
+// order, whatever M and the tile, so a row's result does not depend on the
+// other rows. A tile holds R x rows against V vectors of consecutive
+// output columns in registers and reads w's row segment once per k for
+// its R rows (`kInOutRows` * `kInOutVecs` accumulators).
+constexpr int kInOutRows = 6;
+constexpr int kInOutVecs = 4;
+
+template <int R, int V>
+void in_out_tile(const float* x, int64_t k, const float* w, int64_t n,
+                 float* y) {
+  vec acc[R][V];
+  unroll<R>([&](auto r) { unroll<V>([&](auto v) { acc[r][v] = vec{}; }); });
+  for (int64_t i = 0; i < k; ++i) {
+    vec u[V];
+    unroll<V>([&](auto v) { u[v] = load(w + i * n + v * kLanes); });
+    unroll<R>([&](auto r) {
+      const vec xr = vec{} + x[r * k + i];
+      unroll<V>([&](auto v) { acc[r][v] = madd(xr, u[v], acc[r][v]); });
+    });
+  }
+  unroll<R>([&](auto r) {
+    unroll<V>([&](auto v) {
+      std::memcpy(y + r * n + v * kLanes, &acc[r][v], sizeof(vec));
+    });
+  });
+}
+
+using InOutTileFn = void (*)(const float*, int64_t, const float*, int64_t,
+                             float*);
+template <int V>
+constexpr InOutTileFn kInOutRow[kInOutRows + 1] = {
+    nullptr,           in_out_tile<1, V>, in_out_tile<2, V>,
+    in_out_tile<3, V>, in_out_tile<4, V>, in_out_tile<5, V>,
+    in_out_tile<6, V>};
+
+// Output columns [n0, n1) of y [M, N] = x [M, K] @ w [K, N] for all M rows:
+// each tile of columns for every group of at most kInOutRows rows in turn,
+// so that later groups read the tile's weights from cache. Columns past
+// the last whole vector are summed one at a time, in the same order.
+void in_out_columns(const float* x, const float* w, float* y, int64_t m,
+                    int64_t k, int64_t n, int64_t n0, int64_t n1) {
+  const auto groups = [&](auto&& run) {
+    for (int64_t r0 = 0; r0 < m; r0 += kInOutRows) {
+      run(static_cast<int>(std::min<int64_t>(kInOutRows, m - r0)), r0);
+    }
+  };
+  int64_t j = n0;
+  for (; j + kInOutVecs * kLanes <= n1; j += kInOutVecs * kLanes) {
+    groups([&](int rows, int64_t r0) {
+      kInOutRow<kInOutVecs>[rows](x + r0 * k, k, w + j, n, y + r0 * n + j);
+    });
+  }
+  for (; j + kLanes <= n1; j += kLanes) {
+    groups([&](int rows, int64_t r0) {
+      kInOutRow<1>[rows](x + r0 * k, k, w + j, n, y + r0 * n + j);
+    });
+  }
+  for (; j < n1; ++j) {
+    for (int64_t r = 0; r < m; ++r) {
+      float s = 0.f;
+      for (int64_t i = 0; i < k; ++i) s = madd(x[r * k + i], w[i * n + j], s);
+      y[r * n + j] = s;
+    }
+  }
+}
+
+// y[m, n] = x[m, k] @ w[k, n] on the pool and the calling thread, in chunks
+// of 256 output columns.
+void MultiplyInOut(ffi::ThreadPool& pool, const float* x, const float* w,
+                   float* y, int64_t m, int64_t k, int64_t n) {
+  RunProduct(pool, in_out_columns, x, w, y, m, k, n, 256);
+}
+
 // Rows of x per pass over the weights in a layer loop's product: a pass
 // reads each weight row once for this many x rows, which stay in L2.
 constexpr int64_t kPickRows = 64;
 
 // The same product with w the index-th of the remaining operands (one
-// matrix per layer): a layer loop reads its layer's matrix where it lies,
-// where slicing a stacked [L, N, K] array for XLA's dot would copy it.
-// Any number of rows, in passes of kPickRows.
+// matrix per layer), or, with one remaining operand of rank 3, its
+// index-th slab (a mixture of experts' stacked experts): a layer loop or an
+// expert loop reads its matrix where it lies, where slicing a stacked
+// array for XLA's dot would copy it. Matrices are [N, K], or with in_out
+// [K, N] (MultiplyInOut). Any number of rows, in passes of kPickRows.
 ffi::Error SmallMPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                           ffi::Buffer<ffi::S32> index, ffi::RemainingArgs ws,
-                          ffi::ResultBuffer<ffi::F32> y) {
+                          ffi::ResultBuffer<ffi::F32> y, int64_t in_out) {
   const auto xd = x.dimensions();
   const int64_t layer = index.typed_data()[0];
+  const bool stacked = ws.size() == 1;
+  const char* kUsage =
+      "specjax_smallm_pick expects x [M, K], a scalar index, and matrices "
+      "[N, K] ([K, N] in_out; the index below their number) or one stack "
+      "[L, N, K] ([L, K, N] in_out; the index below L)";
   if (xd.size() != 2 || index.element_count() != 1 || layer < 0 ||
-      layer >= static_cast<int64_t>(ws.size())) {
-    return ffi::Error::InvalidArgument(
-        "specjax_smallm_pick expects x [M, K], a scalar layer index below "
-        "the number of matrices, and matrices [N, K]");
+      (!stacked && layer >= static_cast<int64_t>(ws.size()))) {
+    return ffi::Error::InvalidArgument(kUsage);
   }
-  auto w = ws.get<ffi::Buffer<ffi::F32>>(layer);
+  auto w = ws.get<ffi::Buffer<ffi::F32>>(stacked ? 0 : layer);
   if (!w.has_value()) return w.error();
   const auto wd = w->dimensions();
-  if (wd.size() != 2 || wd[1] != xd[1]) {
-    return ffi::Error::InvalidArgument(
-        "specjax_smallm_pick expects matrices [N, K] for x [M, K]");
+  const float* base = w->typed_data();
+  const int64_t rank = static_cast<int64_t>(wd.size());
+  if (!((rank == 3 && stacked && layer < wd[0]) ||
+        (rank == 2 && (!stacked || layer == 0)))) {
+    return ffi::Error::InvalidArgument(kUsage);
   }
-  const int64_t m = xd[0], k = xd[1], n = wd[0];
+  const int64_t k = xd[1], m = xd[0];
+  const int64_t in_dim = in_out ? wd[rank - 2] : wd[rank - 1];
+  const int64_t n = in_out ? wd[rank - 1] : wd[rank - 2];
+  if (in_dim != k) return ffi::Error::InvalidArgument(kUsage);
+  if (rank == 3) base += layer * wd[1] * wd[2];
   for (int64_t r = 0; r < m; r += kPickRows) {
-    Multiply(pool, x.typed_data() + r * k, w->typed_data(),
-             y->typed_data() + r * n, std::min(kPickRows, m - r), k, n);
+    const int64_t rows = std::min(kPickRows, m - r);
+    (in_out ? MultiplyInOut : Multiply)(pool, x.typed_data() + r * k, base,
+                                        y->typed_data() + r * n, rows, k, n);
   }
   return ffi::Error::Success();
 }
@@ -1701,7 +1804,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMPick, SmallMPickImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("in_out"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMQuantPick, SmallMQuantPickImpl,
                               ffi::Ffi::Bind()
