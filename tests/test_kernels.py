@@ -75,7 +75,8 @@ def test_pick_reads_a_slab_of_a_stack_as_its_own_matrix(m, in_out):
   np.testing.assert_allclose(got, want, atol=1e-5 * 96)
   np.testing.assert_array_equal(
       np.asarray(pick(x[-1:], jnp.int32(2), stack, in_out)), got[-1:])
-  with pytest.raises(ValueError, match=r"I = 96"):
+  want = r"\[96, O\] float32" if in_out else r"\[O, 96\] float32"
+  with pytest.raises(ValueError, match=want):
     kernels.smallm_pick(x, jnp.int32(0), jnp.ones((3, 95, 95), jnp.float32),
                         in_out)
 

@@ -216,9 +216,9 @@ def smallm_pick(x: jax.Array, index: jax.Array,
   (shape, dtype), = shapes
   inputs = shape[0 if in_out else 1] if len(shape) == 2 else None
   if dtype != jnp.float32 or inputs != x.shape[1]:
-    want = "I, O" if in_out else "O, I"
-    raise ValueError(f"smallm_pick needs matrices [{want}] or a stack "
-                     f"[L, {want}], I = {x.shape[1]}, float32, got "
+    want = f"{x.shape[1]}, O" if in_out else f"O, {x.shape[1]}"
+    raise ValueError(f"smallm_pick needs matrices [{want}] float32 or one "
+                     f"stack [L, {want}], got "
                      f"{dtype}{ws.shape if stacked else shape}.")
   out = jax.ShapeDtypeStruct((x.shape[0], shape[1 if in_out else 0]),
                              jnp.float32)
