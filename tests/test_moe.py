@@ -433,7 +433,7 @@ def test_scan_layout_equals_per_layer(moe_pair):
 @pytest.mark.skipif(not kernels.available(), reason="no CPU kernels")
 def test_kernel_plan_reads_experts_in_place(moe_pair):
   """out_in/kernel: the expert loop multiplies each chosen expert in the
-  kernel, where it lies in the [X, out, in] stack (no copy of its slice in
+  kernel, where it lies in the [X, F, E] stack (no copy of its slice in
   the program); logits as XLA's to rounding, and greedy speculation on
   that plan equals its `generate`."""
   target, draft = moe_pair
