@@ -359,16 +359,14 @@ def _load(name_or_path: str | os.PathLike, dtype: jnp.dtype,
     model, tokenizer = _load(name_or_path, dtype, cache_dir, progress,
                              placement)
     return model.quantize(spec, donate=True), tokenizer
-  if key in weights.SOURCES:
-    directory = converted_dir(key, dtype, cache_dir)
-    if not is_converted(directory):
-      directory = convert(key, dtype, cache_dir, progress=progress)
-    return _restore_converted(directory, dtype, placement)
-  if key in UPCYCLED:
-    directory = converted_dir(key, dtype, cache_dir, "upcycled")
-    if not is_converted(directory):
-      directory = build_upcycled(key, dtype, cache_dir, progress)
-    return _restore_converted(directory, dtype, placement)
+  # Registry models, converted (or upcycled) once, then read.
+  for names, kind, build in ((weights.SOURCES, "converted", convert),
+                             (UPCYCLED, "upcycled", build_upcycled)):
+    if key in names:
+      directory = converted_dir(key, dtype, cache_dir, kind)
+      if not is_converted(directory):
+        directory = build(key, dtype, cache_dir, progress=progress)
+      return _restore_converted(directory, dtype, placement)
   path = pathlib.Path(key).expanduser()
   if path.is_dir():
     if is_converted(path):

@@ -107,7 +107,7 @@ class Experts:
     `MatmulKernel`, for float32 per-layer stacks), which reads the matrix
     where it lies, else XLA's dot of the slice (the one expert read)."""
     w, in_out = getattr(self, name), name == "down"
-    if kernel is not None and self.layer is None:
+    if kernel is not None:
       return kernel.pick(h.astype(jnp.float32), j, w,
                          in_out=in_out).astype(h.dtype)
     w = w[j] if self.layer is None else w[self.layer, j]

@@ -20,14 +20,11 @@ baseline a mixture of experts' costs are compared with.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax.numpy as jnp
 import numpy as np
 
 from specjax.models import Model
 from specjax.models.config import check_params
-from specjax.models.config import ModelConfig
 
 __all__ = ["active_twin", "upcycle"]
 
@@ -37,22 +34,9 @@ __all__ = ["active_twin", "upcycle"]
 _ARCH = "qwen2_moe"
 
 
-def _dense_layers(model: Model) -> tuple[ModelConfig, list[dict[str, Any]]]:
-  c = model.config
-  if c.num_experts:
-    raise ValueError(f"upcycle takes a dense model; this one already has "
-                     f"{c.num_experts} experts.")
-  if model.plan.transposed or model.plan.scan_layers:
-    raise ValueError(f"upcycle reads [in, out] per-layer matrices; this "
-                     f"model's plan is {model.plan.name!r}: pass "
-                     f"model.with_plan('in_out/xla').")
-  params = model.canonical_params()
-  return c, [params[f"layers_{i}"] for i in range(c.num_layers)]
-
-
 def upcycle(model: Model, num_experts: int, top_k: int, *,
-            noise: float = 0.01, router_std: float = 0.02, seed: int = 0,
-            expert_dtype: Any = None) -> Model:
+            noise: float = 0.01, router_std: float = 0.02,
+            seed: int = 0) -> Model:
   """The dense `model` as a mixture of `num_experts` experts, `top_k` per
   token (renormalised), every other parameter shared.
 
@@ -65,7 +49,6 @@ def upcycle(model: Model, num_experts: int, top_k: int, *,
       noise, std the matrix's own; 0 makes every expert the dense MLP.
     router_std: the router's seeded weights are N(0, router_std^2).
     seed: the noise's and the router's seed.
-    expert_dtype: the experts' dtype (default the model's).
 
   Returns:
     A `Model` of arch "qwen2_moe" on the "in_out/xla" plan.
@@ -74,7 +57,14 @@ def upcycle(model: Model, num_experts: int, top_k: int, *,
     ValueError: a mixture of experts already, another plan, or k not in
       [1, X].
   """
-  c, layers = _dense_layers(model)
+  c = model.config
+  if c.num_experts:
+    raise ValueError(f"upcycle takes a dense model; this one already has "
+                     f"{c.num_experts} experts.")
+  if model.plan.transposed or model.plan.scan_layers:
+    raise ValueError(f"upcycle reads [in, out] per-layer matrices; this "
+                     f"model's plan is {model.plan.name!r}: pass "
+                     f"model.with_plan('in_out/xla').")
   if not 1 <= top_k <= num_experts:
     raise ValueError(f"top_k must be in [1, num_experts={num_experts}], "
                      f"got {top_k}.")
@@ -82,10 +72,10 @@ def upcycle(model: Model, num_experts: int, top_k: int, *,
                      num_experts_per_tok=top_k, norm_topk_prob=True,
                      router_weights_float32=False)
   rng = np.random.default_rng(seed)
-  dtype = np.dtype(expert_dtype or model.dtype)
-  params = {k: v for k, v in model.canonical_params().items()
-            if not k.startswith("layers_")}
-  for i, layer in enumerate(layers):
+  dtype = np.dtype(model.dtype)
+  params = dict(model.params)  # per-layer (checked above)
+  for i in range(c.num_layers):
+    layer = params[f"layers_{i}"]
     out = {k: v for k, v in layer.items() if k not in ("gate", "up", "down")}
     out["router"] = jnp.asarray(rng.normal(
         0.0, router_std, (c.hidden_size, num_experts)).astype(model.dtype))
