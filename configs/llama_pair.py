@@ -24,6 +24,8 @@ Pairs (`configs/llama_pair.py:pair=NAME`):
   perturbed experts, top 2, built on first use) with the dense 0.5B
   drafting; `--config.draft=same --config.draft_experts=1` drafts with the
   target routing each token to its top expert.
+- `moe1.5b`: the same of the 1.5B (8 experts, top 2, each int4 as it is
+  made: 37 GB in float32), the 0.5B drafting.
 - `tiny`: random tiny models and a byte-level stand-in tokenizer (smoke runs;
   acceptance is meaningless).
 
@@ -127,6 +129,11 @@ PAIRS = {
         drafter="lookup", gamma=4),
     "moe": dict(
         target="qwen2.5-coder-0.5b-instruct-x8k2-upcycled",
+        draft="qwen2.5-coder-0.5b-instruct",
+        prompt_set="humaneval", chat_template=True,
+        drafter="lookup", gamma=4),
+    "moe1.5b": dict(
+        target="qwen2.5-coder-1.5b-instruct-x8k2-int4-upcycled",
         draft="qwen2.5-coder-0.5b-instruct",
         prompt_set="humaneval", chat_template=True,
         drafter="lookup", gamma=4),

@@ -9,10 +9,13 @@ Shape letters: N token rows, E hidden, F expert MLP size, X experts, k
 experts per token.
 
 COMMAND: JAX_PLATFORMS=cpu python scripts/bench_moe.py [--repeats 5]
+  [--quantize int4] [--rows 1,5,16]
 
 Prints the CPU, the jax version, and per shape and N the median ms of each
 strategy (and what `moe.strategy` picks). Random weights and router
-logits (labelled: no trained router).
+logits (labelled: no trained router). `--quantize` packs the experts
+("int8", "int4", `quantized.QuantSpec`): the loop then dequantises each
+chosen expert in XLA, or the kernel reads its packed rows.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 from specjax import cpu
 from specjax.cpu import kernels
 from specjax.models import moe
+from specjax.models import quantized
 from specjax.models.config import ModelConfig
 
 # (name, E, F, X, k): a Mixtral-like layer and a Qwen3-MoE-like one, both
@@ -63,20 +67,27 @@ def _median_ms(fn, *args, repeats: int) -> float:
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--quantize", default="")
+  parser.add_argument("--rows", default=",".join(map(str, ROWS)))
   args = parser.parse_args()
+  spec = args.quantize and quantized.QuantSpec.parse(args.quantize)
   print(f"CPU: {_cpu_name()}; backend {jax.default_backend()}, "
-        f"{jax.device_count()} device(s); jax {jax.__version__}; float32")
+        f"{jax.device_count()} device(s); jax {jax.__version__}; float32"
+        f" activations, {args.quantize or 'float32'} experts")
   for name, e, f, x, k in SHAPES:
     config = ModelConfig(arch="qwen3_moe", vocab_size=8, hidden_size=e,
                          intermediate_size=f, num_layers=1, num_heads=1,
                          num_kv_heads=1, head_dim=8, num_experts=x,
                          num_experts_per_tok=k, norm_topk_prob=True)
     keys = jax.random.split(jax.random.key(0), 5)
-    ws = moe.Experts(
-        gate=0.02 * jax.random.normal(keys[0], (x, f, e)),
-        up=0.02 * jax.random.normal(keys[1], (x, f, e)),
-        down=0.02 * jax.random.normal(keys[2], (x, f, e)))
-    expert_bytes = 3 * e * f * 4
+    stacks = [0.02 * jax.random.normal(key, (x, f, e)) for key in keys[:3]]
+    if spec:  # each expert packed as its [out, in] matrix (down [E, F])
+      stacks = [jax.tree.map(jnp.asarray, quantized.quantize_stack(
+          np.asarray(w).swapaxes(1, 2) if down else np.asarray(w), spec,
+          "experts", shape=(x, f, e))) for w, down in zip(stacks, (0, 0, 1))]
+    ws = moe.Experts(*stacks)
+    expert_bytes = sum(a.nbytes for w in stacks
+                       for a in jax.tree.leaves(w)) // x
     print(f"\n{name}: E={e} F={f} X={x} k={k}, "
           f"{x * expert_bytes / 2**20:.0f} MiB of experts")
     runs = [(how, None) for how in moe.STRATEGIES]
@@ -85,7 +96,7 @@ def main():
     print(f"{'N':>5} " + " ".join(
         f"{how + ('+kernel' if kernel else ''):>11}" for how, kernel in runs)
           + "  picks")
-    for rows in ROWS:
+    for rows in map(int, args.rows.split(",")):
       h = jax.random.normal(keys[3], (rows, e))
       logits = jax.random.normal(keys[4], (rows, x))
       cells = []

@@ -70,16 +70,22 @@ class Upcycling:
   router_std: float = 0.02
   seed: int = 0
   twin: bool = False
+  quantize: str | None = None
 
 
 # Mixtures of experts to measure on where no trained one ships offline:
-# the 0.5B's MLP as 8 experts, top 2 (10.7 GB in float32; the 1.5B's
-# would need 37 GB), and the dense model of its active parameters.
+# the 0.5B's MLP as 8 experts, top 2 (10.7 GB in float32), the dense
+# model of its active parameters, and the 1.5B's as 8 experts, top 2,
+# each int4 as it is made (6.9 GB of experts, 37 GB in float32; int4,
+# whose nibbles the CPU kernel unpacks in registers, reads faster than
+# int8: BENCHMARKS.md).
 _X8K2 = Upcycling("qwen2.5-coder-0.5b-instruct", experts=8, top_k=2)
 UPCYCLED = {
     "qwen2.5-coder-0.5b-instruct-x8k2-upcycled": _X8K2,
     "qwen2.5-coder-0.5b-instruct-x8k2-twin": dataclasses.replace(
         _X8K2, twin=True),
+    "qwen2.5-coder-1.5b-instruct-x8k2-int4-upcycled": Upcycling(
+        "qwen2.5-coder-1.5b-instruct", experts=8, top_k=2, quantize="int4"),
 }
 
 
@@ -171,7 +177,8 @@ def build_upcycled(name: str, dtype: Any = None,
   dense, tokenizer = load_pretrained(how.source, dtype, cache_dir=cache_dir,
                                      progress=progress, matmul=None)
   model = upcycle.upcycle(dense, how.experts, how.top_k, noise=how.noise,
-                          router_std=how.router_std, seed=how.seed)
+                          router_std=how.router_std, seed=how.seed,
+                          quantize=how.quantize)
   del dense
   if how.twin:
     model = upcycle.active_twin(model)

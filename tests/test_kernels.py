@@ -10,6 +10,9 @@ tile), and K not a multiple of the vector width.
 
 from __future__ import annotations
 
+import functools
+
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,8 +21,10 @@ import pytest
 from specjax import cpu
 from specjax import decode
 from specjax import testing
+from specjax.checkpoints import gguf_blocks
 from specjax.cpu import kernels
 from specjax.models import MatmulPlan
+from specjax.models import quantized
 from specjax.models.matmul import project
 
 needs_kernels = pytest.mark.skipif(not kernels.available(),
@@ -79,6 +84,72 @@ def test_pick_reads_a_slab_of_a_stack_as_its_own_matrix(m, in_out):
   with pytest.raises(ValueError, match=want):
     kernels.smallm_pick(x, jnp.int32(0), jnp.ones((3, 95, 95), jnp.float32),
                         in_out)
+
+
+@functools.cache
+def _experts(name: str) -> tuple[quantized.QuantizedMatrix, ...]:
+  """Three different experts [O, I] = [42, 512] of format `name` ("int8",
+  "int4" with mins, or a GGUF block type), each its own matrix."""
+  rng = np.random.default_rng(0)
+  if name.startswith("int"):
+    spec = quantized.QuantSpec.parse(name)
+    qms = [quantized.quantize_array(w, spec, name)
+           for w in rng.normal(0, 1, (3, 42, 512)).astype(np.float32)]
+  else:
+    qtype = gguf.GGMLQuantizationType[name]
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    qms = [gguf_blocks.from_blocks(
+        testing.random_blocks(qtype, 42, 512 // block, seed=e), qtype, "t",
+        (512, 42)) for e in range(3)]
+  return tuple(jax.tree.map(jnp.asarray, w) for w in qms)
+
+
+@needs_kernels
+@pytest.mark.parametrize("act_bits", [0, 8])
+@pytest.mark.parametrize("rows", [1, 5, 70])
+@pytest.mark.parametrize("name", ["int8", "int4", "Q8_0", "Q4_K"])
+def test_quantized_pick_reads_an_expert_of_a_stack_as_its_own_matrix(
+    name, rows, act_bits):
+  """One packed stack [L, O, I] (a layer's experts; q4_k with integer
+  sub-scales and float16 super-block factors): expert `index` (traced)
+  times x, bit for bit `smallm_quantized` on that expert alone, in pieces
+  of 64 rows as the pick's passes (70 rows take two)."""
+  experts = tuple(w.replace(act_bits=act_bits) for w in _experts(name))
+  assert all(cpu.SMALLM.supports(w) for w in experts)
+  assert (experts[0].mins is not None) == (name in ("int4", "Q4_K"))
+  stack = jax.tree.map(lambda *a: jnp.stack(a), *experts)  # [3, O, ...]
+  x = jax.random.normal(jax.random.key(rows), (rows, 512), jnp.float32)
+  pick = jax.jit(cpu.SMALLM.pick)
+  alone = jax.jit(cpu.SMALLM.quantized_matmul)
+  assert "specjax_smallm_quant_pick" in pick.lower(
+      x, jnp.int32(0), stack).as_text()
+  got = [np.asarray(pick(x, jnp.int32(i), stack)) for i in range(3)]
+  for i, w in enumerate(experts):
+    np.testing.assert_array_equal(got[i], np.asarray(alone(x, w)))
+  assert not np.array_equal(got[0], got[1])  # the experts differ
+
+
+@needs_kernels
+def test_quantized_pick_refuses_a_bad_stack():
+  w = jax.tree.map(lambda *a: jnp.stack(a), *_experts("Q4_K"))
+  stack = dict(codes=w.low, scales=w.scales, mins=w.mins, high=w.high,
+               super_scales=w.super_scales, super_mins=w.super_mins,
+               bits=w.bits, group=w.group, offset=w.offset)
+  x = jnp.ones((3, 512), jnp.float32)
+  pick = kernels.smallm_quantized_pick
+  with pytest.raises(ValueError, match="scalar index"):
+    pick(x, jnp.zeros((1,), jnp.int32), stack)
+  with pytest.raises(ValueError, match="with one L"):
+    pick(x, jnp.int32(0), dict(stack, scales=stack["scales"][:2]))
+  with pytest.raises(ValueError, match="with one L"):
+    pick(x, jnp.int32(0), dict(stack, codes=stack["codes"][0]))
+  # An expert's arrays must make the format, as a single matrix's must.
+  with pytest.raises(ValueError, match="4-bit matrix of groups of 32"):
+    pick(x, jnp.int32(0), dict(stack, super_mins=None))
+  with pytest.raises(jax.errors.JaxRuntimeError,
+                     match="index 3 is not below L = 3"):
+    jax.block_until_ready(
+        jax.jit(lambda x, i: pick(x, i, stack))(x, jnp.int32(3)))
 
 
 def test_plan_names_and_errors():

@@ -29,6 +29,7 @@ from specjax import decode
 from specjax import drafters
 from specjax import metrics
 from specjax import models
+from specjax import registry
 from specjax import sharding
 from specjax import testing
 from specjax.checkpoints import convert
@@ -395,8 +396,14 @@ def _consumers(jaxpr, var):
   return found
 
 
-def test_decode_step_reads_only_the_active_experts(moe_pair):
+@pytest.mark.parametrize("quantize, packed", [(None, 1), ("int4", 3)])
+def test_decode_step_reads_only_the_active_experts(moe_pair, quantize,
+                                                   packed):
+  """Each expert stack (each packed array of a quantized one: int4's
+  codes, scales and mins) is read one expert at a time."""
   target = moe_pair[0]
+  if quantize:
+    target = target.quantize(quantize)
   c = target.config
   cache = target.init_cache(1, 8)
   tokens = jnp.ones((1, 1), jnp.int32)
@@ -405,7 +412,7 @@ def test_decode_step_reads_only_the_active_experts(moe_pair):
   leaves = jax.tree_util.tree_flatten_with_path(target.params)[0]
   expert_vars = [v for (path, _), v in zip(leaves, closed.jaxpr.invars)
                  if "experts_" in jax.tree_util.keystr(path)]
-  assert len(expert_vars) == 3 * c.num_layers
+  assert len(expert_vars) == 3 * c.num_layers * packed
   for var in expert_vars:
     uses = _consumers(closed.jaxpr, var)
     assert uses, "an expert stack is never read"
@@ -450,6 +457,55 @@ def test_kernel_plan_reads_experts_in_place(moe_pair):
   got = decode.speculative_generate(kernel, draft, PROMPTS, gamma=3,
                                     max_new_tokens=MAX_NEW)
   np.testing.assert_array_equal(got.tokens, want.tokens)
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4", "int4:g32:sym"])
+@pytest.mark.parametrize("plan", [
+    "in_out/xla", "in_out/xla/scan",
+    pytest.param("out_in/kernel", marks=pytest.mark.skipif(
+        not kernels.available(), reason="no CPU kernels"))])
+def test_quantized_experts_equal_their_dequantised_values(moe_pair, spec,
+                                                         plan):
+  """`Model.quantize` packs every expert stack; a pass equals the float
+  model holding the values they dequantise to (per layer, scanned, and in
+  the kernel, which reads each chosen expert's packed rows in place)."""
+  target = moe_pair[0].with_plan(cpu.plan(plan)).quantize(spec)
+  layers = (target.params["layers"] if "scan" in plan
+            else target.params["layers_1"])
+  for name in ("experts_gate", "experts_up", "experts_down"):
+    assert models.is_quantized(layers[name]), name
+    assert layers[name].shape == (8, 32, 64)  # the logical [X, F, E]
+  reference = target.dequantized()
+  tokens = jnp.asarray(np.random.default_rng(5).integers(0, 128, (B, 7)))
+  run = jax.jit(_step)
+  want, _ = run(reference, tokens, reference.init_cache(B, S))
+  got, _ = run(target, tokens, target.init_cache(B, S))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  if plan == "out_in/kernel":
+    hlo = run.lower(target, tokens, target.init_cache(B, S)).as_text()
+    # Three stacked picks per layer: gate, up and down.
+    assert hlo.count("specjax_smallm_quant_pick") == (
+        3 * TINY_MOE.num_layers), hlo
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no CPU kernels")
+def test_quantized_experts_speculation_equals_generate(moe_pair):
+  """Greedy speculation on an int4 MoE target in the kernel plan equals
+  that target's `generate`, token for token."""
+  target = moe_pair[0].with_plan(cpu.plan("out_in/kernel")).quantize("int4")
+  want = decode.generate(target, PROMPTS, max_new_tokens=MAX_NEW)
+  got = decode.speculative_generate(target, moe_pair[1], PROMPTS, gamma=3,
+                                    max_new_tokens=MAX_NEW)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+
+
+def test_quantized_expert_bytes_count_the_packed_arrays(moe_pair):
+  target = moe_pair[0].quantize("int8")
+  c = target.config
+  # int8 codes plus a float32 scale per output row, per expert matrix.
+  per_expert = (3 * c.hidden_size * c.intermediate_size
+                + 4 * (2 * c.intermediate_size + c.hidden_size))
+  assert moe.expert_bytes(c, target.params) == c.num_layers * per_expert
 
 
 def test_partition_rules_cover_every_expert_parameter():
@@ -604,25 +660,34 @@ def test_gguf_experts_match_transformers(checkpoint, arch, tmp_path):
   logits, _ = _step(loaded, jnp.asarray(tokens), loaded.init_cache(B, S))
   np.testing.assert_allclose(logits, _hf_logits(torch_model, tokens),
                              atol=ATOL)
+  if kernels.available():  # `auto` times dense layers: it keeps floats
+    choice = registry.auto_quantize(path, cache_dir=tmp_path,
+                                    progress=False)
+    assert (choice.source, choice.quantize) == ("fixed", None)
+    assert "mixture of experts" in choice.why
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", list(_GGUF_ARCHS))
 def test_gguf_q8_0_experts_match_transformers(checkpoint, arch, tmp_path):
   """Q8_0 experts, shared expert and q rows, loaded dequantised and with
-  `quantize="gguf"` (the experts then still dequantised), against
-  transformers holding the same dequantised values."""
+  `quantize="gguf"` (the experts kept as stacked blocks), against
+  transformers holding the same dequantised values, per layer and in the
+  kernel plan."""
   model, torch_model = checkpoint(arch)
   path = tmp_path / f"{arch}.gguf"
   held = _write_moe_gguf(path, arch, model, torch_model, quantized=True)
   tokens = np.random.default_rng(1).integers(0, 128, (B, 6))
   want = _hf_logits(_refit(torch_model, held), tokens)
   assert np.abs(want - _hf_logits(torch_model, tokens)).max() > 1e-4
-  for quantize in (None, "gguf"):
+  plans = ["in_out/xla"] + (["out_in/kernel"] if kernels.available()
+                            else [])
+  for quantize, plan in [(None, "in_out/xla")] + [("gguf", p) for p in plans]:
     loaded = gguf_lib.load_gguf(path, progress=False, quantize=quantize)
-    kept = loaded.quantization
-    assert kept == (None if quantize is None else "q8_0")
-    assert not models.is_quantized(loaded.params["layers_0"]["experts_up"])
+    loaded = loaded.with_plan(cpu.plan(plan))
+    assert loaded.quantization == (None if quantize is None else "q8_0")
+    assert models.is_quantized(
+        loaded.params["layers_0"]["experts_down"]) == (quantize == "gguf")
     logits, _ = _step(loaded, jnp.asarray(tokens), loaded.init_cache(B, S))
     np.testing.assert_allclose(logits, want, atol=ATOL)
 

@@ -125,20 +125,6 @@ def test_group_size_must_divide_the_input_dimension():
     quantized.parse("fp8")
 
 
-def _dequantised(model):
-  """The float32 model holding the quantized model's dequantised values,
-  stored as its plan says."""
-  flat = models.config.flatten(model.params)
-  transposed = set() if model.plan.transposed else set(
-      models.matrix_paths(model.config))
-  for path, w in flat.items():
-    if quantized.is_quantized(w):
-      wf = quantized.dequantize(w)  # [O, I]
-      flat[path] = wf.T if path in transposed else wf
-  return model.replace(params=models.config.unflatten(
-      model.config, lambda p, _: flat[p]))
-
-
 def _assert_rounding_close(got, want):
   """Equal to float32 accumulation-order rounding: the same products summed
   in another order differ by a few ulps per sum of 64-512 terms, grown
@@ -165,7 +151,7 @@ def test_quantized_model_logits_equal_the_dequantised_model(spec, plan):
   assert q.quantization == spec.split(":")[0]
   assert q.weight_bytes_per_token < target.weight_bytes_per_token / 3
   tokens = jnp.array([[3, 17, 99, 4, 5], [1, 2, 3, 4, 0]])
-  want = _logits(_dequantised(q), tokens)
+  want = _logits(q.dequantized(), tokens)
   got = _logits(q, tokens)
   _assert_rounding_close(got, want)
   assert np.abs(want - _logits(target, tokens)).max() > 1e-4
@@ -194,7 +180,7 @@ def test_tied_head_and_embedding_from_gguf_blocks():
   assert model.quantization == "q4_k+q5_0+q6_k+q8_0"
   tokens = jnp.array([[3, 17, 40, 4]])
   _assert_rounding_close(_logits(model, tokens),
-                         _logits(_dequantised(model), tokens))
+                         _logits(model.dequantized(), tokens))
 
 
 def test_packed_weights_are_the_parameters_of_the_compiled_product():
@@ -246,7 +232,7 @@ def test_load_gguf_keeps_blocks_equal_to_the_fp32_loader(tmp_path, arch,
   kept = gguf_lib.load_gguf(path, progress=False, quantize="gguf")
   assert kept.quantization == "q4_k+q5_0+q6_k+q8_0"
   want = models.config.flatten(dense.params)
-  for p, w in models.config.flatten(_dequantised(kept).params).items():
+  for p, w in models.config.flatten(kept.dequantized().params).items():
     np.testing.assert_array_equal(np.asarray(w).view(np.uint32),
                                   np.asarray(want[p]).view(np.uint32),
                                   err_msg=p)

@@ -39,8 +39,12 @@ def test_native_load_quantizes_as_model_quantize(tmp_path):
   tokens = jnp.array([[1, 2, 3]])
   np.testing.assert_array_equal(_logits(loaded, tokens),
                                 _logits(target.quantize("int4:g16"), tokens))
-  with pytest.raises(ValueError, match="float weights"):
-    native.save(loaded, tmp_path / "q.safetensors")
+  # A quantized model saves its packed arrays and loads as itself.
+  native.save(loaded, tmp_path / "q.safetensors")
+  again = native.load(tmp_path / "q.safetensors")
+  assert again.quantization == "int4"
+  np.testing.assert_array_equal(_logits(again, tokens),
+                                _logits(loaded, tokens))
 
 
 def test_float_checkpoints_reject_gguf_blocks(tmp_path):

@@ -16,6 +16,7 @@ from specjax import models
 from specjax import registry
 from specjax import testing
 from specjax import weights
+from specjax.models import quantized
 from specjax.models import upcycle
 
 B, S = 2, 16
@@ -114,3 +115,22 @@ def test_registry_builds_an_upcycled_model_once(tmp_path, monkeypatch):
   twin, _ = load("tiny-x4k2-twin")
   assert twin.config.intermediate_size == 2 * dense.config.intermediate_size
   assert not twin.config.num_experts
+  # Experts int8 as they are made: the float model's experts (the same
+  # seeded noise), each quantized as its [out, in] matrix, and saved.
+  monkeypatch.setitem(registry.UPCYCLED, "tiny-x4k2-int8",
+                      dataclasses.replace(how, quantize="int8"))
+  packed, _ = load("tiny-x4k2-int8")
+  assert packed.quantization == "int8"
+  for name in ("experts_gate", "experts_down"):
+    stack = packed.params["layers_1"][name]
+    floats = np.asarray(got.params["layers_1"][name])  # [X, F, E]
+    for j in range(4):
+      rows_first = floats[j].T if name == "experts_down" else floats[j]
+      want_j = quantized.quantize_array(rows_first, quantized.QuantSpec(),
+                                        name)
+      np.testing.assert_array_equal(quantized.select(stack, j).low,
+                                    want_j.low)
+      np.testing.assert_array_equal(quantized.select(stack, j).scales,
+                                    want_j.scales)
+  with pytest.raises(ValueError, match="quantized"):
+    upcycle.active_twin(packed)

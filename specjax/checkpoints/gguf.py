@@ -51,6 +51,7 @@ from specjax.models import matrix_paths
 from specjax.models import Model
 from specjax.models import ModelConfig
 from specjax.models import quantized
+from specjax.models.config import expert_paths
 
 GGMLQuantizationType = gguf.GGMLQuantizationType
 
@@ -380,8 +381,8 @@ class LazyTensor:
     unpermuted for llama), or None for a float tensor.
 
     Args:
-      transpose: the parameter is [in, out] (a projection), so its logical
-        shape is this tensor's reversed.
+      transpose: the parameter is [(X,) in, out] (a projection), so its
+        logical shape is this tensor's with the last two axes swapped.
       dtype: the dequantised dtype.
 
     Raises:
@@ -390,7 +391,8 @@ class LazyTensor:
     t = self._tensor
     if t.tensor_type in _FLOAT_TYPES:
       return None
-    shape = self.shape[::-1] if transpose else self.shape
+    shape = (*self.shape[:-2], *self.shape[:-3:-1]) if transpose else (
+        self.shape)
     w = gguf_blocks.from_blocks(t.data, t.tensor_type, t.name, shape, dtype)
     heads = {".q_proj.": self._config.num_heads,
              ".k_proj.": self._config.num_kv_heads}
@@ -464,11 +466,10 @@ def load_gguf(path: str | os.PathLike, dtype: Any = jnp.float32,
       own blocks (`gguf_blocks`: Q4_K, Q5_0, Q6_K, Q8_0) as
       `QuantizedMatrix`es that dequantise to the same values bit for bit;
       "int8" / "int4" (`QuantSpec.parse`) dequantizes, then re-quantizes.
-      A mixture of experts' stacked experts are never quantized
-      (`specjax.models.moe` gathers float experts): under every
-      `quantize` they are dequantized to `dtype`, so a quantized file's
-      experts take their float size in memory; its router and shared
-      expert are matrices like any other.
+      A mixture of experts' stacked experts are kept as one stacked
+      `QuantizedMatrix` each under "gguf" (`specjax.models.moe` reads
+      only the experts a pass chose); its router and shared expert are
+      matrices like any other.
 
   Returns:
     A `Model` whose config comes from the file's metadata.
@@ -484,7 +485,7 @@ def load_gguf(path: str | os.PathLike, dtype: Any = jnp.float32,
   tensors = HFTensors(reader, config, progress=progress)
   keep = None
   if spec == "gguf":
-    matrices = {"embed", *matrix_paths(config)}
+    matrices = {"embed", *matrix_paths(config), *expert_paths(config)}
     keep = lambda p, t, transpose: (t.blocks(transpose, dtype)
                                     if p in matrices else None)
   try:

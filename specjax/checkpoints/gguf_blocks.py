@@ -121,7 +121,8 @@ def from_blocks(data: np.ndarray, tensor_type: Q, name: str,
   """Repacks one GGUF tensor's blocks.
 
   Args:
-    data: [O, nb * type_size] uint8, as `GGUFFile` maps it.
+    data: [O, nb * type_size] uint8, as `GGUFFile` maps it, or [X, O,
+      nb * type_size] for a stack of experts (a stacked `QuantizedMatrix`).
     tensor_type: its ggml type.
     name: the tensor's GGUF name, for errors.
     shape: the logical parameter shape ([I, O] for a projection, [O, I]
@@ -143,12 +144,16 @@ def from_blocks(data: np.ndarray, tensor_type: Q, name: str,
         "quantize=None, 'int8' or 'int4' instead.")
   _, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
   data = np.asarray(data)
-  if data.ndim != 2 or data.dtype != np.uint8 or data.shape[1] % type_size:
-    raise ValueError(f"Tensor {name!r}: expected [rows, blocks * "
-                     f"{type_size}] uint8 {tensor_type.name} data, got "
+  if (data.ndim not in (2, 3) or data.dtype != np.uint8
+      or data.shape[-1] % type_size):
+    raise ValueError(f"Tensor {name!r}: expected [(experts,) rows, blocks "
+                     f"* {type_size}] uint8 {tensor_type.name} data, got "
                      f"{data.dtype} {data.shape}.")
-  rows = data.shape[0]
+  lead = data.shape[:-1]
   fields = _DECODERS[tensor_type](
-      data.reshape(rows, data.shape[1] // type_size, type_size))
+      data.reshape(-1, data.shape[-1] // type_size, type_size))
+  # The decoders work on rows: give the packed arrays the stack's axes.
+  fields = {k: v.reshape(*lead, v.shape[-1]) if isinstance(v, np.ndarray)
+            else v for k, v in fields.items()}
   return QuantizedMatrix(shape=tuple(shape), dtype=jnp.dtype(dtype),
                          **fields)

@@ -8,6 +8,11 @@ JSON in the safetensors metadata, next to a format tag:
   {"__metadata__": {"format": "specjax", "version": "1", "config": "{...}"},
    "embed": {"dtype": "F32", "shape": [V, E], "data_offsets": [0, 4VE]}, ...}
 
+A quantized matrix (`Model.quantize`, a GGUF file's blocks) is stored as
+its packed arrays, `<path>.low`, `<path>.scales`, ..., with its format
+under the metadata's "quantized" ({path: {"fmt", "bits", ...}}; version
+2), and loads as the same `QuantizedMatrix`.
+
 Any safetensors reader can open the file. `load` reads each tensor with
 unbuffered `readinto` calls straight into a 64-byte-aligned host buffer. XLA's
 CPU client adopts such a buffer without copying it, so a CPU load costs one
@@ -24,6 +29,7 @@ import tempfile
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from specjax import sharding
@@ -31,14 +37,18 @@ from specjax.checkpoints.hf import check_quantize
 from specjax.checkpoints.hf import DTYPES
 from specjax.checkpoints.hf import read_header
 from specjax.models import check_params
+from specjax.models import is_quantized
 from specjax.models import Model
 from specjax.models import ModelConfig
 from specjax.models import param_shapes
+from specjax.models import QuantizedMatrix
 from specjax.models.config import flatten
 from specjax.models.config import unflatten
 
 FORMAT = "specjax"
-VERSION = 1
+VERSION = 2  # 1: float matrices only; 2: quantized ones too
+_PACKED = ("low", "high", "scales", "mins", "super_scales", "super_mins")
+_STATIC = ("fmt", "bits", "group", "offset", "act_bits")
 _ALIGN = 64  # bytes; XLA CPU aliases host buffers aligned this way
 _CHUNK = 64 << 20  # bytes per read
 _READERS = 16  # concurrent reads
@@ -58,14 +68,20 @@ def save(model: Model, path: str | os.PathLike[str]) -> None:
   """
   params = model.canonical_params()
   check_params(model.config, params)
-  if model.quantization:
-    raise ValueError(f"Cannot save a quantized model ({model.quantization}) "
-                     "as a native checkpoint, which holds float weights: "
-                     "save the float model and load it with quantize=.")
-  arrays = {name: np.asarray(x) for name, x in flatten(params).items()}
-  header: dict[str, Any] = {"__metadata__": {
-      "format": FORMAT, "version": str(VERSION),
-      "config": json.dumps(model.config.to_dict())}}
+  arrays, packed = {}, {}
+  for name, x in flatten(params).items():
+    if not is_quantized(x):
+      arrays[name] = np.asarray(x)
+      continue
+    packed[name] = {**{k: getattr(x, k) for k in _STATIC},
+                    "shape": list(x.shape), "dtype": np.dtype(x.dtype).name}
+    arrays.update({f"{name}.{k}": np.asarray(getattr(x, k))
+                   for k in _PACKED if getattr(x, k) is not None})
+  metadata = {"format": FORMAT, "version": str(2 if packed else 1),
+              "config": json.dumps(model.config.to_dict())}
+  if packed:
+    metadata["quantized"] = json.dumps(packed)
+  header: dict[str, Any] = {"__metadata__": metadata}
   offset = 0
   for name, x in arrays.items():
     if x.dtype not in _NAMES:
@@ -121,29 +137,49 @@ def load(path: str | os.PathLike[str], dtype: Any = None, *,
     raise FileNotFoundError(f"Checkpoint file {path!r} does not exist.")
   header, start, metadata = read_header(path)
   config = _config(path, metadata)
-  names = set(flatten(param_shapes(config)))
+  packed = _packed(path, metadata)
+  if packed and mesh is not None:
+    raise ValueError(f"{path!r} holds quantized matrices, which are not "
+                     "sharded: load it without a mesh.")
+  names = set(flatten(param_shapes(config))) - set(packed)
+  names |= {f"{p}.{k}" for p in packed for k in _PACKED
+            if f"{p}.{k}" in header}
   missing, extra = sorted(names - set(header)), sorted(set(header) - names)
   if missing or extra:
     raise ValueError(f"{path!r} does not match its config: missing tensors "
                      f"{missing}, unexpected tensors {extra}.")
 
-  def host_buffer(name, shape):
+  def host_buffer(name, shape=None):
     info = header[name]
-    if tuple(info["shape"]) != tuple(shape):
+    if shape is not None and tuple(info["shape"]) != tuple(shape):
       raise ValueError(f"Tensor {name!r} in {path!r} has shape "
                        f"{tuple(info['shape'])}, its config says {shape}.")
-    return _aligned_empty(shape, DTYPES[info["dtype"]])
+    return _aligned_empty(tuple(info["shape"]), DTYPES[info["dtype"]])
 
-  hosts = unflatten(config, host_buffer)
-  _read_tensors(path, [(x, start + header[name]["data_offsets"][0])
-                       for name, x in flatten(hosts).items()])
+  def host_param(name, shape):
+    if name not in packed:
+      return host_buffer(name, shape)
+    info = packed[name]
+    return QuantizedMatrix(
+        **{k: host_buffer(f"{name}.{k}") if f"{name}.{k}" in header
+           else None for k in _PACKED},
+        **{k: info[k] for k in _STATIC}, shape=tuple(info["shape"]),
+        dtype=jnp.dtype(info["dtype"]))
+
+  hosts = unflatten(config, host_param)
+  check_params(config, hosts)
+  leaves = jax.tree_util.tree_leaves_with_path(hosts)
+  _read_tensors(path, [(x, start + header[_name(key)]["data_offsets"][0])
+                       for key, x in leaves])
 
   def to_device(host):
-    x = jax.device_put(host)  # no copy on CPU: the buffer is aligned
-    return x if dtype in (None, x.dtype) else x.astype(dtype)
+    x = jax.tree.map(jax.device_put, host)  # no copy on CPU: aligned
+    if dtype in (None, x.dtype):
+      return x
+    return x.astype(dtype)  # a quantized matrix: its dequantised dtype
 
   if mesh is None:
-    params = jax.tree.map(to_device, hosts)
+    params = jax.tree.map(to_device, hosts, is_leaf=is_quantized)
   else:
     place = sharding.placer(config, mesh, split=split)
     flat = flatten(hosts)
@@ -179,6 +215,25 @@ def _config(path: str, metadata: dict[str, str]) -> ModelConfig:
     return ModelConfig.from_dict(fields)
   except (TypeError, ValueError) as e:
     raise ValueError(f"{path!r} stores an invalid config: {e}") from e
+
+
+def _packed(path: str, metadata: dict[str, str]) -> dict[str, Any]:
+  """The "quantized" metadata: param path -> its `_STATIC` fields, shape
+  and dtype ({} for a float checkpoint)."""
+  try:
+    return json.loads(metadata.get("quantized", "{}"))
+  except ValueError as e:
+    raise ValueError(f"{path!r} has corrupt quantized metadata: {e!r}"
+                     ) from e
+
+
+def _name(key: tuple[Any, ...]) -> str:
+  """A host leaf's tensor name: its `flatten` path, and for a packed
+  array of a quantized matrix `.field` after it."""
+  parts = [str(getattr(k, "key", getattr(k, "name", k))) for k in key]
+  if isinstance(key[-1], jax.tree_util.GetAttrKey):
+    return "/".join(parts[:-1]) + "." + parts[-1]
+  return "/".join(parts)
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

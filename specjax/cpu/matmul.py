@@ -29,7 +29,7 @@ __all__ = ["SMALLM", "SmallM", "plan"]
 
 def _arrays(w: quantized.QuantizedMatrix) -> dict[str, Any]:
   """w as `kernels.smallm_quantized` takes it: every argument but x and
-  int8_activations."""
+  int8_activations (each array with a leading [L] where w is a stack)."""
   return dict(codes=w.low, scales=w.scales, mins=w.mins, high=w.high,
               super_scales=w.super_scales, super_mins=w.super_mins,
               bits=w.bits, group=w.group, offset=w.offset)
@@ -67,6 +67,9 @@ class SmallM(MatmulKernel):
   def pick(self, x: jax.Array, index: jax.Array,
            ws: tuple[Any, ...] | jax.Array, in_out: bool = False
            ) -> jax.Array:
+    if quantized.is_quantized(ws) and ws.low.ndim == 3:  # [L, O, I]
+      return kernels.smallm_quantized_pick(
+          x, index, _arrays(ws), int8_activations=ws.act_bits == 8)
     if isinstance(ws, tuple) and quantized.is_quantized(ws[0]):
       return kernels.smallm_quantized_pick(
           x, index, tuple(_arrays(w) for w in ws),

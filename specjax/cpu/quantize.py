@@ -293,7 +293,8 @@ def choose_for_file(path: str | os.PathLike, dtype: Any,
 
   Float weights without measuring where the blocks cannot be the faster
   model: no specjax CPU kernel here, a float dtype other than float32 (an
-  accelerator's bfloat16), or a block type the loaders cannot keep.
+  accelerator's bfloat16), or a block type the loaders cannot keep; and
+  for a mixture of experts, whose layers the timing does not model.
 
   Args:
     path: the .gguf file.
@@ -319,6 +320,9 @@ def choose_for_file(path: str | os.PathLike, dtype: Any,
                  "quantize='gguf' does not keep")
   config = read_config(reader)
   del reader
+  if config.num_experts:
+    return fixed("a mixture of experts: the timed products are a dense "
+                 "layer's; quantize='gguf' keeps its blocks")
   if matmul_plan is None:
     float_plan = blocks_plan = MatmulPlan()
   else:

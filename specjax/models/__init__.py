@@ -193,6 +193,16 @@ class Model(Decoder, DeclaredModel):
     model = self.replace(params=params)
     return model.with_activations(act_bits) if act_bits else model
 
+  def dequantized(self) -> "Model":
+    """The float model holding the values its quantized matrices
+    dequantise to (`quantized.dequantize_params`), on the same plan: the
+    reference a quantized model's products are checked against."""
+    params = quantized.dequantize_params(
+        self.config, self.canonical_params(), out_in=self.plan.transposed)
+    if self.plan.scan_layers:
+      params = stacking.stack_layers(params, self.config.num_layers)
+    return self.replace(params=params)
+
   @property
   def int8_activations(self) -> bool:
     """Whether its products quantize activations to int8

@@ -154,9 +154,11 @@ class Block(nn.Module):
                         self._param("experts_down", (x, f, e)))
     # Up to the plan's kernel_max_rows rows, its kernel reads each chosen
     # expert in place: 9x XLA's slice-then-dot at one row, 2x at 16, even
-    # by 64 (scripts/bench_moe.py).
+    # by 64 (scripts/bench_moe.py). Packed experts go to it at any rows,
+    # as packed matrices do: XLA would dequantise each one a pass reads.
     plan = self.plan
-    near = h.shape[0] * h.shape[1] <= plan.kernel_max_rows
+    near = (h.shape[0] * h.shape[1] <= plan.kernel_max_rows
+            or quantized.is_quantized(ws.gate))
     out, woken = moe.apply_experts(h, logits, ws, c,
                                    kernel=plan.kernel if near else None)
     # Read by `Model.forward` (`TransformerOutput.experts`).

@@ -332,8 +332,8 @@ def check_params(config: ModelConfig, params: Any) -> None:
 # [V, E] (gathered by token, and the tied head's [out, in]).
 _MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
 # A mixture of experts' instead of gate, up and down. The stacked experts
-# [X, in, out] are no matrices of a plan: they stay in that layout, are
-# gathered by expert, and are never quantized (`specjax.models.moe`).
+# [X, F, E] are no matrices of a plan: they stay in that layout whatever
+# the plan, and are read by expert (`specjax.models.moe`, `expert_paths`).
 _MOE_MATRICES = ("q", "k", "v", "o", "router")
 _SHARED_MATRICES = ("shared_gate", "shared_up", "shared_down",
                     "shared_expert_gate")
@@ -350,6 +350,15 @@ def matrix_paths(config: ModelConfig) -> list[str]:
   paths = [f"layers_{i}/{m}" for i in range(config.num_layers)
            for m in names]
   return paths + ([] if config.tie_embeddings else ["lm_head"])
+
+
+def expert_paths(config: ModelConfig) -> list[str]:
+  """`flatten` paths of a mixture of experts' stacked experts ([] for a
+  dense model)."""
+  if not config.num_experts:
+    return []
+  return [f"layers_{i}/{name}" for i in range(config.num_layers)
+          for name in EXPERT_PARAMS]
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -65,7 +65,9 @@ class MatmulKernel(abc.ABC):
         counter).
       ws: L matrices [O, I] float32, or L `QuantizedMatrix`es it
         `supports` (formats may differ between layers, act_bits may not),
-        or one float32 array [L, O, I] (a layer's stacked experts).
+        or one float32 array [L, O, I] (a layer's stacked experts), or one
+        stacked `QuantizedMatrix` [L, O, I] (every array with a leading
+        [L]) of a format it `supports`.
       in_out: float32 matrices are stored [I, O] ([L, I, O]) instead.
     """
 

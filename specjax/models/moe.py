@@ -12,7 +12,10 @@ in], down [X, in, out]), whatever the plan: sharded over F (the
 shard narrower than a tile (Qwen3's F = 768 over 8 chips: 96 columns)
 made XLA relay out the whole stack every step; a CPU kernel plan
 multiplies expert j where it lies in the stack (`MatmulKernel.pick`, down
-`in_out`).
+`in_out`). Quantized (`Model.quantize`, a GGUF file's blocks kept), each
+expert is packed as the [out, in] matrix it is, one `QuantizedMatrix` per
+stack (down packed [X, E, F]); a pass dequantises only the experts it
+reads, or the kernel reads their packed rows in place.
 
 Routing follows transformers' `*TopKRouter`s in order and dtype: router
 logits in the activations' dtype, softmax in float32 over all X experts,
@@ -44,9 +47,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.models import quantized
 from specjax.models.config import EXPERT_PARAMS
 from specjax.models.config import flatten
 from specjax.models.config import ModelConfig
+from specjax.models.protocol import array_bytes
 
 __all__ = ["Experts", "STRATEGIES", "Stacked", "activate", "apply_experts",
            "experts_dense", "experts_gather", "experts_ragged",
@@ -64,7 +69,7 @@ LOOP_MAX_ROWS = 128
 class Stacked:
   """Layer `index` of a stacked [L, X, ...] expert array, not sliced: a
   scanned layer (`Transformer._scanned`) hands its experts over this way,
-  so that a pass reads only the experts it picks (`Experts.pick`) instead
+  so that a pass reads only the experts it picks (`Experts.product`) instead
   of copying the layer's whole [X, ...] stack out of the [L, ...] one.
 
   Attributes:
@@ -86,6 +91,8 @@ class Experts:
     up: [X, F, E] up projections (likewise).
     down: [X, F, E] down projections, [X, in, out] (likewise).
     layer: [] int32, the layer of [L, ...] arrays, or None.
+  Each may instead be a `QuantizedMatrix` stack of shape [X, F, E]
+  (packed [X, out, in]: down [X, E, F]).
   """
 
   gate: jax.Array
@@ -104,21 +111,53 @@ class Experts:
               kernel: Any = None) -> jax.Array:
     """h [N, I] times expert j's `name` ("gate", "up" or "down") matrix
     -> [N, O] in h's dtype, accumulated in float32: in `kernel` (a
-    `MatmulKernel`, for float32 per-layer stacks), which reads the matrix
-    where it lies, else XLA's dot of the slice (the one expert read)."""
-    w, in_out = getattr(self, name), name == "down"
+    `MatmulKernel`, for per-layer stacks it `reads`), which reads the
+    matrix where it lies, else XLA's dot of the slice (the one expert
+    read; a quantized one dequantised, `quantized.matmul`)."""
+    w = getattr(self, name)
+    # A quantized down is packed [X, out, in], as every packed matrix.
+    in_out = name == "down" and not quantized.is_quantized(w)
     if kernel is not None:
       return kernel.pick(h.astype(jnp.float32), j, w,
                          in_out=in_out).astype(h.dtype)
-    w = w[j] if self.layer is None else w[self.layer, j]
-    return _dot(h, w, "ni,io->no" if in_out else "ni,oi->no")
+    index = (j,) if self.layer is None else (self.layer, j)
+    if quantized.is_quantized(w):
+      return quantized.matmul(h, quantized.select(w, *index))
+    return _dot(h, w[index], "ni,io->no" if in_out else "ni,oi->no")
+
+  def reads(self, kernel: Any, dtype: Any) -> bool:
+    """Whether `kernel` (a `MatmulKernel`, or None) can multiply
+    activations of `dtype` by these experts where they lie: float32
+    activations, per-layer stacks, float32 or packed in a format it
+    supports."""
+    return (kernel is not None and self.layer is None
+            and dtype == jnp.float32
+            and all(kernel.supports(w) if quantized.is_quantized(w)
+                    else w.dtype == jnp.float32
+                    for w in (self.gate, self.up, self.down)))
+
+  @property
+  def count(self) -> int:
+    """X."""
+    if quantized.is_quantized(self.gate):
+      return self.gate.shape[0]  # the logical [X, F, E]
+    return self.gate.shape[0 if self.layer is None else 1]
 
   def whole(self) -> "Experts":
-    """The layer's [X, ...] stacks (a copy out of [L, ...] ones)."""
-    if self.layer is None:
+    """The layer's float [X, F, E] stacks: a copy out of [L, ...] ones,
+    quantized ones dequantised (to their `dtype`)."""
+    def full(w, name):
+      if self.layer is not None:
+        w = jax.tree.map(lambda a: a[self.layer], w)
+      if not quantized.is_quantized(w):
+        return w
+      d = quantized.dequantize(w).astype(w.dtype)  # [X, out, in]
+      return jnp.swapaxes(d, 1, 2) if name == "down" else d
+    if self.layer is None and not any(
+        map(quantized.is_quantized, (self.gate, self.up, self.down))):
       return self
-    return Experts(self.gate[self.layer], self.up[self.layer],
-                   self.down[self.layer])
+    return Experts(full(self.gate, "gate"), full(self.up, "up"),
+                   full(self.down, "down"))
 
 
 def route(logits: jax.Array, top_k: int, normalize: bool
@@ -199,8 +238,7 @@ def experts_loop(x: jax.Array, experts: jax.Array, weights: jax.Array,
   Returns:
     [N, E] the weighted sum, in x's dtype.
   """
-  n, k = experts.shape
-  num = ws.gate.shape[0 if ws.layer is None else 1]
+  num = ws.count
   chosen = distinct_experts(experts, num)  # [min(M, X)], X-padded
   count = jnp.sum(chosen < num)
 
@@ -313,8 +351,8 @@ def apply_experts(x: jax.Array, logits: jax.Array, ws: Experts,
       activation).
     how: one of `STRATEGIES`, or None for `strategy`'s choice.
     kernel: the plan's `MatmulKernel`, or None: the loop then multiplies
-      float32 activations by float32 per-layer stacks in it, reading each
-      expert in place (XLA's dot copies a sliced matrix first).
+      the experts in it where it can (`Experts.reads`), reading each in
+      place (XLA's dot copies a sliced matrix first).
 
   Returns:
     [..., E] in x's dtype, and [] int32 the distinct experts the tokens
@@ -333,12 +371,8 @@ def apply_experts(x: jax.Array, logits: jax.Array, ws: Experts,
   if not config.router_weights_float32:
     weights = weights.astype(x.dtype)
   if how == "loop":
-    in_place = (kernel is not None and ws.layer is None
-                and x.dtype == jnp.float32
-                and all(w.dtype == jnp.float32
-                        for w in (ws.gate, ws.up, ws.down)))
     out = experts_loop(x2, experts, weights, ws, config.activation,
-                       kernel if in_place else None)
+                       kernel if ws.reads(kernel, x.dtype) else None)
   else:
     out = _PAIRWISE[how](x2, experts, ws.whole(),
                          config.activation)  # [N, k, E]
@@ -354,9 +388,10 @@ def expert_bytes(config: ModelConfig, params: Any) -> float:
   model."""
   if not config.num_experts:
     return 0.0
-  total = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize
-              for path, w in flatten(params).items()
-              if path.rpartition("/")[2] in EXPERT_PARAMS)
+  # (A quantized stack counts its packed arrays: they are the leaves.)
+  total = sum(array_bytes(a) for path, w in flatten(params).items()
+              if path.rpartition("/")[2] in EXPERT_PARAMS
+              for a in jax.tree.leaves(w))
   return total / config.num_experts
 
 

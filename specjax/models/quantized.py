@@ -28,6 +28,11 @@ are stored as int8 in `low` (offset 0). Formats (`FORMATS`):
 - "int8": per output channel (G = I), symmetric;
 - "int4": grouped, symmetric (offset 8, no mins) or asymmetric (mins).
 
+Matrices of one format stack into one `QuantizedMatrix` whose packed
+arrays carry the leading axes (`stack`: a mixture of experts' [X, O, I]
+experts, or the scan layout's [L, ...] layers); `select` takes one
+matrix out of a stack, and `dequantize` works on either.
+
 `matmul` dequantises inside the jitted computation: the packed arrays are
 the program's parameters, and the float32 matrix exists only as an XLA
 temporary of one call (XLA CPU writes it in one loop fusion and the dot
@@ -63,14 +68,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.models.config import expert_paths
 from specjax.models.config import flatten
 from specjax.models.config import matrix_paths
 from specjax.models.config import unflatten
 from specjax.models.kernel import MatmulKernel
 
 __all__ = ["ACT_CHUNK", "FORMATS", "QuantSpec", "QuantizedMatrix",
-           "dequantize", "is_quantized", "matmul", "quantize_activations",
-           "quantize_array", "quantize_params", "split_activations", "take",
+           "dequantize", "dequantize_params", "is_quantized", "matmul",
+           "quantize_activations", "quantize_array", "quantize_params",
+           "quantize_stack", "select", "split_activations", "stack", "take",
            "with_activations"]
 
 FORMATS = ("q8_0", "q5_0", "q4_k", "q6_k", "int8", "int4")
@@ -102,7 +109,8 @@ class QuantizedMatrix:
     group: G (static).
     offset: subtracted from the codes before scaling (static).
     shape: the logical parameter shape, as `param_shapes` gives it:
-      [I, O] for projections, [V, E] = [O, I] for the embedding (static).
+      [I, O] for projections, [V, E] = [O, I] for the embedding, [X, F, E]
+      for a mixture of experts' stack (static).
     dtype: the dtype of the dequantised matrix (static).
     act_bits: 0 multiplies float activations; 8 quantizes them to int8
       per row and chunk of `ACT_CHUNK` inputs first (`quantize_activations`,
@@ -126,12 +134,12 @@ class QuantizedMatrix:
   @property
   def rows(self) -> int:
     """O."""
-    return self.scales.shape[0]
+    return self.scales.shape[-2]
 
   @property
   def cols(self) -> int:
     """I."""
-    return self.scales.shape[1] * self.group
+    return self.scales.shape[-1] * self.group
 
   @property
   def ndim(self) -> int:
@@ -294,6 +302,41 @@ def take(w: jax.Array | QuantizedMatrix, ids: jax.Array) -> jax.Array:
   return rows.astype(w.dtype)
 
 
+def stack(ws: list[QuantizedMatrix], shape: tuple[int, ...]
+          ) -> QuantizedMatrix:
+  """Matrices of one format -> one whose packed arrays are stacked on a
+  new leading axis ([X, O, ...]); `shape` is the stack's logical shape.
+
+  Raises:
+    ValueError: the matrices differ in format or size.
+  """
+  statics = {(w.fmt, w.bits, w.group, w.offset, w.low.shape,
+              w.high is None, w.mins is None, w.super_scales is None)
+             for w in ws}
+  if len(statics) != 1:
+    raise ValueError(f"Cannot stack quantized matrices of different "
+                     f"formats or sizes: {sorted(map(str, statics))}.")
+  return jax.tree.map(lambda *a: np.stack(a), *ws).replace(
+      shape=tuple(shape))
+
+
+def quantize_stack(ws: np.ndarray, spec: QuantSpec, name: str,
+                   shape: tuple[int, ...], dtype: Any = jnp.float32
+                   ) -> QuantizedMatrix:
+  """`quantize_array` of each matrix [O, I] of ws [X, O, I], stacked
+  (`stack`) with the logical `shape`."""
+  return stack([quantize_array(w, spec, name, dtype=dtype) for w in ws],
+               shape=shape)
+
+
+def select(w: QuantizedMatrix, *index: jax.Array | int) -> QuantizedMatrix:
+  """The matrix at `index` (one int or traced scalar per leading axis) of a
+  stack: every packed array indexed, [..., O, ...] -> [O, ...]; its
+  `shape` then [O, I]."""
+  picked = jax.tree.map(lambda a: a[index], w)
+  return picked.replace(shape=(picked.rows, picked.cols))
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
   """How to quantize a float checkpoint's matrices (weight-only).
@@ -428,8 +471,11 @@ def pack_high(codes: np.ndarray, hb: int) -> np.ndarray:
 def quantize_params(config: Any, params: Any, spec: QuantSpec | str, *,
                     out_in: bool = False,
                     donate: bool = False) -> dict[str, Any]:
-  """A params pytree with every matrix (projections, LM head, embedding)
-  weight-only quantized; norms and biases stay as they are.
+  """A params pytree with every matrix (projections, LM head, embedding,
+  a mixture of experts' experts) weight-only quantized; norms and biases
+  stay as they are. Each expert of a stack [X, F, E] is quantized as the
+  matrix [O, I] it is (gate and up [F, E], down [E, F]) and the stack kept
+  as one (`stack`).
 
   Args:
     config: the `ModelConfig` the params belong to.
@@ -462,8 +508,41 @@ def quantize_params(config: Any, params: Any, spec: QuantSpec | str, *,
     shape = tuple(w.shape) if path in transposed or path == "embed" else (
         tuple(reversed(w.shape)))
     qm = quantize_array(rows_first, spec, path, shape=shape, dtype=w.dtype)
-    flat[path] = jax.tree.map(jnp.asarray, qm)
-    if donate and isinstance(w, jax.Array):
-      w.delete()
-    del host, rows_first
+    _replace(flat, path, qm, donate)
+  for path in expert_paths(config):
+    w = flat[path]
+    if is_quantized(w):
+      continue
+    host = np.asarray(w)  # [X, F, E]
+    # [X, out, in] per expert: down is stored [X, in, out].
+    rows_first = host.swapaxes(1, 2) if path.endswith("down") else host
+    qm = quantize_stack(rows_first, spec, path, shape=tuple(w.shape),
+                        dtype=w.dtype)
+    _replace(flat, path, qm, donate)
   return unflatten(config, lambda path, _: flat[path])
+
+
+def dequantize_params(config: Any, params: Any, *,
+                      out_in: bool = False) -> dict[str, Any]:
+  """The inverse of `quantize_params` up to the codes' rounding: every
+  quantized matrix replaced by the float32 values it dequantises to (cast
+  to its `dtype`), in its float layout ([I, O] projections, or [O, I]
+  with `out_in`; [X, F, E] expert stacks); float parameters kept."""
+  flat = flatten(params)
+  transposed = set() if out_in else set(matrix_paths(config))
+  for path, w in flat.items():
+    if is_quantized(w):
+      d = dequantize(w)  # [(X,) O, I]
+      if path in transposed or path.endswith("experts_down"):
+        d = jnp.swapaxes(d, -1, -2)
+      flat[path] = d.astype(w.dtype)
+  return unflatten(config, lambda path, _: flat[path])
+
+
+def _replace(flat: dict[str, Any], path: str, qm: QuantizedMatrix,
+             donate: bool) -> None:
+  """flat[path] = qm on the default device, the float array deleted with
+  `donate`."""
+  w, flat[path] = flat[path], jax.tree.map(jnp.asarray, qm)
+  if donate and isinstance(w, jax.Array):
+    w.delete()

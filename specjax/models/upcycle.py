@@ -13,6 +13,11 @@ a pass wakes, and so what it reads, depends on its tokens as in a trained
 mixture. It is an upcycled model, not a trained one: its routing carries
 no specialisation, and every figure measured on it says so.
 
+With `quantize` each expert is weight-only quantized as soon as it is
+made (`quantized.quantize_array`, stacked per layer), so that a model
+whose float experts would not fit in memory (the 1.5B's 8 copies need 37
+GB in float32) is built at the size of its packed experts.
+
 `active_twin` is the dense model with the same active parameters per
 token: k experts side by side as one MLP of k·F (down scaled by 1/k), the
 baseline a mixture of experts' costs are compared with.
@@ -20,10 +25,12 @@ baseline a mixture of experts' costs are compared with.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax.models import Model
+from specjax.models import quantized
 from specjax.models.config import check_params
 
 __all__ = ["active_twin", "upcycle"]
@@ -36,7 +43,7 @@ _ARCH = "qwen2_moe"
 
 def upcycle(model: Model, num_experts: int, top_k: int, *,
             noise: float = 0.01, router_std: float = 0.02,
-            seed: int = 0) -> Model:
+            seed: int = 0, quantize: str | None = None) -> Model:
   """The dense `model` as a mixture of `num_experts` experts, `top_k` per
   token (renormalised), every other parameter shared.
 
@@ -49,6 +56,9 @@ def upcycle(model: Model, num_experts: int, top_k: int, *,
       noise, std the matrix's own; 0 makes every expert the dense MLP.
     router_std: the router's seeded weights are N(0, router_std^2).
     seed: the noise's and the router's seed.
+    quantize: None (float experts), or a weight-only format for the
+      experts alone ("int8", "int4", `quantized.QuantSpec.parse`): each
+      quantized once made. The same seed draws the same noise either way.
 
   Returns:
     A `Model` of arch "qwen2_moe" on the "in_out/xla" plan.
@@ -71,8 +81,20 @@ def upcycle(model: Model, num_experts: int, top_k: int, *,
   config = c.replace(arch=_ARCH, num_experts=num_experts,
                      num_experts_per_tok=top_k, norm_topk_prob=True,
                      router_weights_float32=False)
+  spec = None if quantize is None else quantized.QuantSpec.parse(quantize)
   rng = np.random.default_rng(seed)
   dtype = np.dtype(model.dtype)
+
+  def expert(w, name):
+    """One perturbed copy of w [F, E] (F-major), kept as the stack holds
+    it: float, or packed as the [out, in] matrix it is."""
+    scale = noise * float(w.std())
+    e = w + rng.normal(0.0, scale, w.shape).astype(np.float32) if scale else w
+    if spec is None:
+      return e.astype(dtype)
+    return quantized.quantize_array(e.T if name == "down" else e, spec,
+                                    f"experts_{name}", dtype=dtype)
+
   params = dict(model.params)  # per-layer (checked above)
   for i in range(c.num_layers):
     layer = params[f"layers_{i}"]
@@ -84,11 +106,10 @@ def upcycle(model: Model, num_experts: int, top_k: int, *,
     for name, w in (("gate", layer["gate"].T), ("up", layer["up"].T),
                     ("down", layer["down"])):
       w = np.asarray(w, np.float32)
-      scale = noise * float(w.std())
-      out[f"experts_{name}"] = jnp.asarray(np.stack([
-          (w + rng.normal(0.0, scale, w.shape).astype(np.float32)
-           if scale else w).astype(dtype)
-          for _ in range(num_experts)]))
+      copies = [expert(w, name) for _ in range(num_experts)]
+      stacked = (np.stack(copies) if spec is None else quantized.stack(
+          copies, shape=(num_experts, *w.shape)))
+      out[f"experts_{name}"] = jax.tree.map(jnp.asarray, stacked)
     params[f"layers_{i}"] = out
   check_params(config, params)
   return Model(config=config, params=params)
@@ -101,12 +122,17 @@ def active_twin(moe_model: Model) -> Model:
   embeddings shared.
 
   Raises:
-    ValueError: `moe_model` is dense, or not on a per-layer plan.
+    ValueError: `moe_model` is dense, quantized, or not on a per-layer
+      plan.
   """
   c = moe_model.config
   if not c.num_experts or moe_model.plan.scan_layers:
     raise ValueError("active_twin takes a mixture of experts with "
                      "per-layer parameters.")
+  if any(quantized.is_quantized(w) for w in jax.tree.leaves(
+      moe_model.params, is_leaf=quantized.is_quantized)):
+    raise ValueError("active_twin takes float experts; this mixture of "
+                     "experts is quantized (upcycle it with quantize=None).")
   k = c.num_experts_per_tok
   config = c.replace(arch="qwen2", intermediate_size=k * c.intermediate_size,
                      num_experts=0, num_experts_per_tok=0,

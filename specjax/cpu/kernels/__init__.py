@@ -287,6 +287,10 @@ def _check_packed(caller: str, x: jax.Array, q: dict[str, Any],
                      ".")
 
 
+# The array keywords of `smallm_quantized`'s packed matrix.
+_PACKED = ("codes", "high", "scales", "mins", "super_scales", "super_mins")
+
+
 def _kernel_scales(scales: jax.Array) -> jax.Array:
   """Scales as the kernel reads them: float16, float32 or (two-level)
   integer as stored, any other float type as float32."""
@@ -357,36 +361,52 @@ def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
 
 
 def smallm_quantized_pick(x: jax.Array, index: jax.Array,
-                          layers: tuple[dict, ...], *,
+                          layers: tuple[dict, ...] | dict, *,
                           int8_activations: bool = False) -> jax.Array:
-  """x [X, I] float32 times layer `index`'s packed matrix -> [X, O], any X.
+  """x [X, I] float32 times packed matrix `index` -> [X, O], any X.
 
   `smallm_quantized` inside a layer loop, as `smallm_pick` is
   `smallm_matmul`'s: the kernel is handed every layer's buffers and reads
   the chosen layer's where they lie, in passes of 64 rows. Layers may
   differ in format (a GGUF file stores some layers' `v` in Q6_K, others in
-  Q4_K).
+  Q4_K). Or `layers` is one stacked matrix [L, O, I] of one format (a
+  mixture of experts' experts), whose slab `index` the kernel reads in
+  place; slicing it for the call would copy the expert every step.
 
   Args:
     x: [X, I] float32.
-    index: int32 scalar, the layer (traced: the loop's counter).
+    index: int32 scalar, the layer or expert (traced: the loop's counter).
     layers: per layer, the keywords of `smallm_quantized` that describe its
       matrix: codes, scales, mins, high, super_scales, super_mins, bits,
-      group, offset.
+      group, offset; or one such dict whose arrays all carry a leading [L]
+      axis (codes [L, O, ...], scales [L, O, N], ...).
     int8_activations: as in `smallm_quantized`, for every layer.
 
   Raises:
     KernelError: the kernels are not available here.
-    ValueError: a layer's arrays do not make the format it names.
+    ValueError: a layer's (or an expert's) arrays do not make the format
+      it names, or a stack's arrays do not share their leading L.
   """
   _require()
-  for q in layers:
+  if isinstance(layers, dict):  # one stack: check one expert's view
+    arrays = {k: layers[k] for k in _PACKED if layers.get(k) is not None}
+    shapes = {k: a.shape for k, a in arrays.items()}
+    if (any(len(s) != 3 for s in shapes.values())
+        or len({s[0] for s in shapes.values()}) != 1):
+      raise ValueError(f"smallm_quantized_pick needs a stack's arrays all "
+                       f"[L, O, ...] with one L, got {shapes}.")
+    views = ({**layers, **{k: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+                           for k, a in arrays.items()}},)
+    layers = (layers,)
+  else:
+    views = layers
+  for q in views:
     _check_packed("smallm_quantized_pick", x, q, int8_activations)
-  if index.shape != () or len({q["codes"].shape[0] for q in layers}) != 1:
+  if index.shape != () or len({q["codes"].shape[0] for q in views}) != 1:
     raise ValueError(f"smallm_quantized_pick needs a scalar index and "
                      f"layers of one output size, got index {index.shape} "
-                     f"and {sorted({q['codes'].shape[0] for q in layers})}.")
-  rows = layers[0]["codes"].shape[0]
+                     f"and {sorted({q['codes'].shape[0] for q in views})}.")
+  rows = views[0]["codes"].shape[0]
   codes = [q["codes"] for q in layers]
   # Operand by operand (high, scales, ...), each layer's in turn.
   operands = [a for per in zip(*map(_operands, layers)) for a in per]

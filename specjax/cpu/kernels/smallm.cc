@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -1607,12 +1608,32 @@ struct QWork {
   }
 };
 
+// An operand of QuantProduct: a whole buffer, or slab `index` [dims[1:]]
+// of a stacked one [L, ...] where it lies (a mixture of experts' experts).
+struct Slab {
+  ffi::DataType type;
+  ffi::Span<const int64_t> dims;
+  const void* data;
+
+  Slab(const ffi::AnyBuffer& b)  // NOLINT: a whole buffer is a slab
+      : type(b.element_type()), dims(b.dimensions()),
+        data(b.untyped_data()) {}
+  // b [L, ...], 0 <= index < L.
+  Slab(const ffi::AnyBuffer& b, int64_t index)
+      : type(b.element_type()),
+        dims(b.dimensions().last(b.dimensions().size() - 1)),
+        data(static_cast<const char*>(b.untyped_data()) +
+             index * (b.size_bytes() / b.dimensions()[0])) {}
+  ffi::DataType element_type() const { return type; }
+  ffi::Span<const int64_t> dimensions() const { return dims; }
+  const void* untyped_data() const { return data; }
+};
+
 // Scales or mins [n, groups] of element type `type` (F32, F16, or with
 // `integer` S8 / U8 times half factors sup [n, groups / per]) -> f, or
 // false where the buffers do not make them.
-bool read_factors(const ffi::AnyBuffer& sub, const ffi::AnyBuffer& sup,
-                  int64_t n, int64_t groups, bool integer_ok,
-                  GroupFactors* f) {
+bool read_factors(const Slab& sub, const Slab& sup, int64_t n,
+                  int64_t groups, bool integer_ok, GroupFactors* f) {
   const auto t = sub.element_type();
   const auto sd = sub.dimensions();
   if (sd.size() != 2 || sd[0] != n || sd[1] != groups) return false;
@@ -1643,14 +1664,11 @@ bool read_factors(const ffi::AnyBuffer& sub, const ffi::AnyBuffer& sup,
 // half or int8 / uint8 times half super_scales, mins float or uint8 times
 // half super_mins (read_factors; all read as stored).
 ffi::Error QuantProduct(ffi::ThreadPool& pool, const float* x, int64_t m,
-                        int64_t k, const ffi::AnyBuffer& codes,
-                        const ffi::AnyBuffer& high,
-                        const ffi::AnyBuffer& scales,
-                        const ffi::AnyBuffer& mins,
-                        const ffi::AnyBuffer& super_scales,
-                        const ffi::AnyBuffer& super_mins, float* y,
-                        int64_t bits, int64_t group, int64_t offset,
-                        int64_t has_mins, int64_t act8) {
+                        int64_t k, const Slab& codes, const Slab& high,
+                        const Slab& scales, const Slab& mins,
+                        const Slab& super_scales, const Slab& super_mins,
+                        float* y, int64_t bits, int64_t group,
+                        int64_t offset, int64_t has_mins, int64_t act8) {
   const auto cd = codes.dimensions(), hd = high.dimensions();
   const int64_t low_bits = bits == 8 ? 8 : 4;
   const bool has_high = bits == 5 || bits == 6;
@@ -1729,8 +1747,11 @@ ffi::Error SmallMQuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // super_mins (kPickOperands of L each; a layer without one of them repeats
 // another of its buffers there), and the layer's format is element
 // `index` of each attribute, since a GGUF file may store one name in
-// different block types from layer to layer. Any number of rows, in
-// passes of kPickRows.
+// different block types from layer to layer. Or, where the codes have
+// rank 3, the operands are one stack each [L, ...] (a mixture of experts'
+// experts, one format: attributes of one element), and the product reads
+// slab `index` of each where it lies. Any number of rows, in passes of
+// kPickRows.
 ffi::Error SmallMQuantPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                ffi::Buffer<ffi::S32> index,
                                ffi::RemainingArgs ws,
@@ -1742,31 +1763,48 @@ ffi::Error SmallMQuantPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                int64_t act8) {
   const auto xd = x.dimensions();
   constexpr int64_t kPickOperands = 6;
-  const int64_t layers = static_cast<int64_t>(ws.size()) / kPickOperands;
+  const int64_t formats = static_cast<int64_t>(ws.size()) / kPickOperands;
   const int64_t layer = index.typed_data()[0];
   if (xd.size() != 2 || index.element_count() != 1 ||
-      static_cast<int64_t>(ws.size()) != kPickOperands * layers ||
-      layer < 0 ||
-      layer >= layers || static_cast<int64_t>(bits.size()) != layers ||
-      static_cast<int64_t>(group.size()) != layers ||
-      static_cast<int64_t>(offset.size()) != layers ||
-      static_cast<int64_t>(has_mins.size()) != layers) {
+      static_cast<int64_t>(ws.size()) != kPickOperands * formats ||
+      formats == 0 || static_cast<int64_t>(bits.size()) != formats ||
+      static_cast<int64_t>(group.size()) != formats ||
+      static_cast<int64_t>(offset.size()) != formats ||
+      static_cast<int64_t>(has_mins.size()) != formats) {
     return ffi::Error::InvalidArgument(
-        "specjax_smallm_quant_pick expects x [M, K], a scalar layer index, "
-        "6 L buffers and L formats");
+        "specjax_smallm_quant_pick expects x [M, K], a scalar index, and "
+        "6 L buffers and L formats, or 6 stacks [L, ...] and one format");
   }
-  std::vector<ffi::AnyBuffer> b;
+  const auto cd = ws.get<ffi::AnyBuffer>(0)->dimensions();
+  const bool stacked = formats == 1 && cd.size() == 3;
+  const int64_t layers = stacked ? cd[0] : formats;
+  if (layer < 0 || layer >= layers) {
+    return ffi::Error::InvalidArgument(
+        "specjax_smallm_quant_pick: index " + std::to_string(layer) +
+        " is not below L = " + std::to_string(layers));
+  }
+  std::vector<Slab> b;
   for (int64_t i = 0; i < kPickOperands; ++i) {
-    auto buffer = ws.get<ffi::AnyBuffer>(i * layers + layer);
+    auto buffer = ws.get<ffi::AnyBuffer>(stacked ? i : i * layers + layer);
     if (!buffer.has_value()) return buffer.error();
-    b.push_back(*buffer);
+    if (!stacked) {
+      b.emplace_back(*buffer);
+    } else if (buffer->dimensions().size() == 3 &&
+               buffer->dimensions()[0] == layers) {
+      b.emplace_back(*buffer, layer);
+    } else {
+      return ffi::Error::InvalidArgument(
+          "specjax_smallm_quant_pick: a stack's 6 operands must all be "
+          "[L, N, ...] with one L");
+    }
   }
+  const int64_t f = stacked ? 0 : layer;  // the format's element
   const int64_t m = xd[0], k = xd[1], n = b[0].dimensions()[0];
   for (int64_t r = 0; r < m; r += kPickRows) {
     ffi::Error e = QuantProduct(
         pool, x.typed_data() + r * k, std::min(kPickRows, m - r), k, b[0],
-        b[1], b[2], b[3], b[4], b[5], y->typed_data() + r * n, bits[layer],
-        group[layer], offset[layer], has_mins[layer], act8);
+        b[1], b[2], b[3], b[4], b[5], y->typed_data() + r * n, bits[f],
+        group[f], offset[f], has_mins[f], act8);
     if (e.failure()) return e;
   }
   return ffi::Error::Success();
