@@ -149,12 +149,16 @@ def load(path: str | os.PathLike[str], dtype: Any = None, *,
     raise ValueError(f"{path!r} does not match its config: missing tensors "
                      f"{missing}, unexpected tensors {extra}.")
 
+  targets = []  # (host buffer, file offset) of every tensor
+
   def host_buffer(name, shape=None):
     info = header[name]
     if shape is not None and tuple(info["shape"]) != tuple(shape):
       raise ValueError(f"Tensor {name!r} in {path!r} has shape "
                        f"{tuple(info['shape'])}, its config says {shape}.")
-    return _aligned_empty(tuple(info["shape"]), DTYPES[info["dtype"]])
+    x = _aligned_empty(tuple(info["shape"]), DTYPES[info["dtype"]])
+    targets.append((x, start + info["data_offsets"][0]))
+    return x
 
   def host_param(name, shape):
     if name not in packed:
@@ -168,9 +172,7 @@ def load(path: str | os.PathLike[str], dtype: Any = None, *,
 
   hosts = unflatten(config, host_param)
   check_params(config, hosts)
-  leaves = jax.tree_util.tree_leaves_with_path(hosts)
-  _read_tensors(path, [(x, start + header[_name(key)]["data_offsets"][0])
-                       for key, x in leaves])
+  _read_tensors(path, targets)
 
   def to_device(host):
     x = jax.tree.map(jax.device_put, host)  # no copy on CPU: aligned
@@ -225,15 +227,6 @@ def _packed(path: str, metadata: dict[str, str]) -> dict[str, Any]:
   except ValueError as e:
     raise ValueError(f"{path!r} has corrupt quantized metadata: {e!r}"
                      ) from e
-
-
-def _name(key: tuple[Any, ...]) -> str:
-  """A host leaf's tensor name: its `flatten` path, and for a packed
-  array of a quantized matrix `.field` after it."""
-  parts = [str(getattr(k, "key", getattr(k, "name", k))) for k in key]
-  if isinstance(key[-1], jax.tree_util.GetAttrKey):
-    return "/".join(parts[:-1]) + "." + parts[-1]
-  return "/".join(parts)
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
