@@ -1,6 +1,7 @@
 """Times the expert products of a mixture-of-experts layer per strategy
 (`specjax.models.moe`): a loop over the distinct chosen experts (XLA's
 dots, and the CPU kernel reading each expert in place, `loop+kernel`),
+the same loop over only each expert's rows (`grouped`, `grouped+kernel`),
 gathering each (token, slot)'s expert, every expert densely, and
 `jax.lax.ragged_dot` over tokens sorted by expert, at chunk sizes from a
 decode step to a prefill chunk.
@@ -92,7 +93,7 @@ def main():
           f"{x * expert_bytes / 2**20:.0f} MiB of experts")
     runs = [(how, None) for how in moe.STRATEGIES]
     if kernels.available():
-      runs.insert(1, ("loop", cpu.SMALLM))
+      runs[2:2] = [("loop", cpu.SMALLM), ("grouped", cpu.SMALLM)]
     print(f"{'N':>5} " + " ".join(
         f"{how + ('+kernel' if kernel else ''):>11}" for how, kernel in runs)
           + "  picks")

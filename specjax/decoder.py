@@ -211,9 +211,17 @@ class Prepared:
 
   @property
   def drafts(self) -> bool:
-    """Whether the call runs the speculative loop (a policy that could
-    never draft at these costs runs the plain one)."""
-    return self.policy is not None and self.policy.may_draft()
+    """Whether the call runs the speculative loop. A policy that could
+    never draft at these costs, or whose drafts could never repay the
+    draft model's prefill (priced by the roofline,
+    `Roofline.prefill_ms`) over N tokens, runs the plain one."""
+    if self.policy is None:
+      return False
+    model = self.drafter.cost_model
+    prefill = 0.0 if model is None else policies.Roofline.cached(
+        ).prefill_ms(model, batch=self.tokens.shape[0],
+                     width=self.tokens.shape[1], cache_size=self.cache_size)
+    return self.policy.may_draft(self.max_new_tokens, prefill)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

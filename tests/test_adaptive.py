@@ -197,6 +197,36 @@ def test_may_draft_asks_whether_certain_acceptance_would_pay():
   assert policies.Heuristic(GAMMA).may_draft()
 
 
+def test_may_draft_weighs_the_draft_prefill_over_the_call():
+  # At certain acceptance COSTS's best budget is K = 4: 5 tokens for
+  # 1.2 + 0.05 + 3 * 0.05 = 1.4 ms, against 1 token per 1 ms plain, so each
+  # token saves 1 - 1.4 / 5 = 0.72 ms: 7.2 ms over 10 tokens.
+  policy = policies.Auto.create(**COSTS, first_draft_ms=0.05)
+  assert policy.may_draft(10, prefill_ms=7.1)
+  assert not policy.may_draft(10, prefill_ms=7.3)
+  assert policy.may_draft(None, prefill_ms=1e9)  # no end: it repays
+  assert not policies.Auto.create(**HOPELESS).may_draft(10**6)
+  assert policies.Heuristic(GAMMA).may_draft(1, prefill_ms=1e9)
+
+
+@pytest.mark.parametrize("scale", [1e-4, 1e4])
+def test_auto_decodes_autoregressively_where_drafts_cannot_repay_the_prefill(
+    pair, scale):
+  # The same relative costs: at 1e-4 ms a plain step, drafting saves
+  # less over MAX_NEW tokens than the draft model's prefill costs (the
+  # roofline's, at least its fixed overhead per pass), and `generate`
+  # runs; at 1e4 ms it repays it many times, and the call drafts.
+  target, draft = pair
+  costs = dict(COSTS, target_ms=[t * scale for t in COSTS["target_ms"]],
+               draft_ms=COSTS["draft_ms"] * scale)
+  kwargs = dict(max_new_tokens=MAX_NEW, key=3, eos_id=7)
+  ref = decode.generate(target, PROMPTS, **kwargs)
+  out = decode.speculative_generate(
+      target, draft, PROMPTS, gamma=policies.Auto.create(**costs), **kwargs)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  assert (int(np.sum(out.stats.draft_forwards)) == 0) == (scale < 1)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_auto_that_can_never_pay_decodes_autoregressively(pair, temperature):
   # Where no acceptance could make drafting pay, `speculative_generate`

@@ -173,9 +173,19 @@ def test_strategies_compute_the_same_function():
   apply = jax.jit(moe.apply_experts, static_argnums=(3, 4))
   outs = {how: np.asarray(apply(x, logits, ws, config, how)[0])
           for how in moe.STRATEGIES}
-  for how in ("loop", "dense", "ragged"):
+  for how in ("loop", "grouped", "dense", "ragged"):
     np.testing.assert_allclose(outs[how], outs["gather"], rtol=1e-5,
                                atol=1e-4)
+  # The grouped loop over tiles of 1, 2 and 4 of an expert's rows (15
+  # rows, 45 pairs over 6 experts: several tiles each, the last ragged).
+  weights, experts = moe.route(logits.reshape(15, 6), 3, True)
+  loop = moe.experts_loop(x.reshape(15, 16), experts, weights, ws,
+                          config.activation)
+  for tile in (1, 2, 4):
+    np.testing.assert_allclose(
+        moe.experts_grouped(x.reshape(15, 16), experts, weights, ws,
+                            config.activation, tile=tile), loop,
+        rtol=1e-5, atol=1e-5)
   # Routing by hand: softmax, top 3, renormalised.
   probs = np.asarray(jax.nn.softmax(logits[0, 0]))
   top = np.argsort(-probs)[:3]
@@ -183,7 +193,8 @@ def test_strategies_compute_the_same_function():
   np.testing.assert_array_equal(np.asarray(experts)[0], top)
   np.testing.assert_allclose(np.asarray(weights)[0],
                              probs[top] / probs[top].sum(), rtol=1e-6)
-  assert moe.strategy(1, "tpu") == moe.strategy(512, "cpu") == "loop"
+  assert moe.strategy(1, "tpu") == moe.strategy(16, "cpu") == "loop"
+  assert moe.strategy(17, "cpu") == moe.strategy(512, "cpu") == "grouped"
   assert moe.strategy(512, "tpu") == "ragged"
   chosen = jnp.array([[3, 1], [1, 3], [5, 3]])
   np.testing.assert_array_equal(moe.distinct_experts(chosen, 6),

@@ -25,8 +25,9 @@ Mixtral keeps them in float32.
 
 Decode and verification read only the experts their tokens chose:
 `experts_loop` runs a loop over the distinct chosen experts (a dynamic
-trip count), reading each once. `strategy` picks per backend and size
-among it, gathering each pair's expert (`experts_gather`), every expert
+trip count), reading each once, and `experts_grouped` runs each only on
+the rows that chose it, in tiles. `strategy` picks per backend and size
+among them, gathering each pair's expert (`experts_gather`), every expert
 densely (`experts_dense`, prefill only) and the grouped matmul
 `jax.lax.ragged_dot` over tokens sorted by expert (`experts_ragged`; XLA's
 CPU lowering expands it to every group's masked product), as
@@ -54,15 +55,17 @@ from specjax.models.config import ModelConfig
 from specjax.models.protocol import array_bytes
 
 __all__ = ["Experts", "STRATEGIES", "Stacked", "activate", "apply_experts",
-           "experts_dense", "experts_gather", "experts_ragged",
-           "expert_bytes", "fewer_experts", "inactive_expert_bytes", "route",
-           "strategy", "count_distinct"]
+           "experts_dense", "experts_gather", "experts_grouped",
+           "experts_ragged", "expert_bytes", "fewer_experts",
+           "inactive_expert_bytes", "route", "strategy", "count_distinct"]
 
-STRATEGIES = ("loop", "gather", "dense", "ragged")
-# Chunks of at most this many token rows loop over their distinct experts
-# whatever the backend: a decode step (B rows), a verification pass
-# (B·(γ+1)) or a token tree. Longer chunks are prefill (`strategy`).
+STRATEGIES = ("loop", "grouped", "gather", "dense", "ragged")
+# On GPU and TPU, chunks of at most this many token rows loop over their
+# distinct experts: a decode step (B rows), a verification pass (B·(γ+1))
+# or a token tree. Longer chunks are prefill (`strategy`).
 LOOP_MAX_ROWS = 128
+# Rows per product of `experts_grouped`.
+GROUP_TILE = 16
 
 
 @flax.struct.dataclass
@@ -246,15 +249,69 @@ def experts_loop(x: jax.Array, experts: jax.Array, weights: jax.Array,
     i, out = state
     j = chosen[i]
     coef = jnp.sum(jnp.where(experts == j, weights, 0), axis=1)  # [N]
-    gate = ws.product(x, "gate", j, kernel)  # [N, F]
-    up = ws.product(x, "up", j, kernel)
-    y = ws.product(activate(gate, up, activation), "down", j,
-                   kernel)  # [N, E]
+    y = _expert(x, j, ws, activation, kernel)  # [N, E]
     return i + 1, out + (y * coef[:, None]).astype(x.dtype)
 
   _, out = jax.lax.while_loop(lambda s: s[0] < count, body,
                               (jnp.int32(0), jnp.zeros_like(x)))
   return out
+
+
+def experts_grouped(x: jax.Array, experts: jax.Array, weights: jax.Array,
+                    ws: Experts, activation: str, kernel: Any = None,
+                    tile: int | None = None) -> jax.Array:
+  """`experts_loop`, each expert run only on the rows that chose it,
+  `tile` rows at a time (a dynamic trip count per expert): the (token,
+  slot) pairs sorted by expert, each tile's rows gathered, multiplied,
+  and added back weighted. An expert chosen by n of the N rows multiplies
+  ⌈n / tile⌉ · tile rows instead of N (about N·k/X each in a prefill
+  chunk); the sums are added in expert order as the loop adds them.
+
+  Same arguments and result as `experts_loop`; `tile` defaults to
+  `GROUP_TILE`.
+  """
+  tile = tile or GROUP_TILE
+  n, k = experts.shape
+  num = ws.count
+  flat = experts.reshape(n * k)  # [M]
+  order = jnp.argsort(flat, stable=True)  # [M]
+  tokens = order // k  # [M] each sorted pair's row
+  coefs = weights.reshape(n * k)[order]  # [M]
+  sizes = jnp.bincount(flat, length=num).astype(jnp.int32)  # [X]
+  starts = jnp.cumsum(sizes) - sizes  # [X]
+  chosen = distinct_experts(experts, num)
+  count = jnp.sum(chosen < num)
+  slots = jnp.arange(tile)  # [T]
+
+  def expert(state):
+    i, out = state
+    j = chosen[i]
+
+    def part(state):
+      t, out = state
+      at = starts[j] + t * tile + slots  # [T]
+      valid = at < starts[j] + sizes[j]
+      at = jnp.minimum(at, n * k - 1)
+      rows = tokens[at]  # [T] distinct where valid
+      y = _expert(x[rows], j, ws, activation, kernel)  # [T, E]
+      add = jnp.where(valid[:, None], y * coefs[at][:, None], 0)
+      return t + 1, out.at[rows].add(add.astype(x.dtype))
+
+    _, out = jax.lax.while_loop(lambda s: s[0] * tile < sizes[j], part,
+                                (jnp.int32(0), out))
+    return i + 1, out
+
+  _, out = jax.lax.while_loop(lambda s: s[0] < count, expert,
+                              (jnp.int32(0), jnp.zeros_like(x)))
+  return out
+
+
+def _expert(x: jax.Array, j: jax.Array, ws: Experts, activation: str,
+            kernel: Any) -> jax.Array:
+  """Expert `j`'s gated MLP of rows x [R, E] -> [R, E]."""
+  gate = ws.product(x, "gate", j, kernel)  # [R, F]
+  up = ws.product(x, "up", j, kernel)
+  return ws.product(activate(gate, up, activation), "down", j, kernel)
 
 
 def count_distinct(experts: jax.Array, num_experts: int) -> jax.Array:
@@ -319,6 +376,7 @@ def experts_ragged(x: jax.Array, experts: jax.Array, ws: Experts,
   return out.reshape(n, k, -1)
 
 
+_LOOPS = {"loop": experts_loop, "grouped": experts_grouped}
 _PAIRWISE = {"gather": experts_gather, "dense": experts_dense,
              "ragged": experts_ragged}
 
@@ -326,15 +384,20 @@ _PAIRWISE = {"gather": experts_gather, "dense": experts_dense,
 def strategy(rows: int, backend: str | None = None) -> str:
   """Which expert product a chunk of `rows` token rows runs (static).
 
-  Decode steps, verification passes and trees (at most `LOOP_MAX_ROWS`
-  rows) loop over their distinct experts, reading only those. Prefill
-  chunks loop too on CPU, where `scripts/bench_moe.py` measured the loop
-  fastest at every size (before dense, XLA's CPU `ragged_dot`, and
-  gathering); on GPU and TPU they run the grouped `ragged_dot`, which has
-  grouped kernels there.
+  Chunks of up to `GROUP_TILE` rows (decode steps, short verification
+  passes, trees) loop over their distinct experts on all N rows
+  (`experts_loop`), reading only those. Longer chunks on CPU (wide
+  verification passes, prefill) run each chosen expert on its own rows
+  (`experts_grouped`), which `scripts/bench_moe.py` measured fastest there
+  from 32 rows, with XLA's dots or the kernel (XLA's CPU `ragged_dot`
+  expands to every group's masked product). On GPU and TPU, chunks of up
+  to `LOOP_MAX_ROWS` loop too, and longer ones run the grouped
+  `ragged_dot`, which has grouped kernels there.
   """
   backend = backend or jax.default_backend()
-  return "loop" if rows <= LOOP_MAX_ROWS or backend == "cpu" else "ragged"
+  if backend == "cpu":
+    return "loop" if rows <= GROUP_TILE else "grouped"
+  return "loop" if rows <= LOOP_MAX_ROWS else "ragged"
 
 
 def apply_experts(x: jax.Array, logits: jax.Array, ws: Experts,
@@ -370,9 +433,9 @@ def apply_experts(x: jax.Array, logits: jax.Array, ws: Experts,
                      f"{STRATEGIES}.")
   if not config.router_weights_float32:
     weights = weights.astype(x.dtype)
-  if how == "loop":
-    out = experts_loop(x2, experts, weights, ws, config.activation,
-                       kernel if ws.reads(kernel, x.dtype) else None)
+  if how in _LOOPS:
+    out = _LOOPS[how](x2, experts, weights, ws, config.activation,
+                      kernel if ws.reads(kernel, x.dtype) else None)
   else:
     out = _PAIRWISE[how](x2, experts, ws.whole(),
                          config.activation)  # [N, k, E]

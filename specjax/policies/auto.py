@@ -314,15 +314,25 @@ class Auto(Estimates, PlainRuns):
       step_ms = step_ms + drafting_ms(k, self.first_draft_ms, self.draft_ms)
     return tokens / step_ms
 
-  def may_draft(self) -> bool:
-    """False when even drafts that are always accepted are predicted to
-    emit fewer tokens per ms than a plain step at these costs (a model
-    drafter at a batch size where the target's wide pass is
-    compute-bound). No acceptance estimate or probe can then make a step
-    draft, and `speculative_generate` decodes autoregressively."""
+  def may_draft(self, max_new_tokens: int | None = None,
+                prefill_ms: float = 0.0) -> bool:
+    """False when drafting could never pay at these costs: drafts that
+    are always accepted are predicted to emit fewer tokens per ms than a
+    plain step (a model drafter at a batch size where the target's wide
+    pass is compute-bound), or to save less over the call's
+    `max_new_tokens` per row (None: no end) than the drafter's model
+    spends on the prompt before the first step (`prefill_ms`: a draft
+    model priced near its target). No acceptance estimate or probe can
+    then make the call pay, and `speculative_generate` decodes
+    autoregressively."""
     certain = jnp.ones((1, self.max_gamma), jnp.float32)
     rate = self.predicted_rate(certain, jnp.ones((1,), bool))  # [G+1]
-    return bool(self.choose(rate) > 0)
+    if not self.choose(rate) > 0:
+      return False
+    if max_new_tokens is None:
+      return True
+    saved = max_new_tokens * (1.0 / rate[0] - 1.0 / jnp.max(rate[1:]))
+    return bool(saved > prefill_ms)
 
   def choose(self, rate: jax.Array, most: jax.Array | int | None = None
              ) -> jax.Array:

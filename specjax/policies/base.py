@@ -81,9 +81,13 @@ class GammaPolicy(StepPolicy):
     del state
     return self
 
-  def may_draft(self) -> bool:
-    """Host-side, before compiling: False if no step of a generation would
-    ever draft, whatever the acceptance (default: True)."""
+  def may_draft(self, max_new_tokens: int | None = None,
+                prefill_ms: float = 0.0) -> bool:
+    """Host-side, before compiling: False if no step of a generation of
+    `max_new_tokens` per row (None: no end) would ever draft, whatever the
+    acceptance, or drafting could not repay the `prefill_ms` the
+    drafter's model spends on the prompt (default: True)."""
+    del max_new_tokens, prefill_ms
     return True
 
   def observe(self, state: PolicyState, accepted: jax.Array,

@@ -71,6 +71,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import hardware
+from specjax.models.decoder import chunked
+from specjax.models.decoder import PREFILL_CHUNK
 from specjax.models.protocol import declared
 from specjax.models.protocol import LanguageModel
 from specjax.policies import measured
@@ -184,6 +186,16 @@ class Roofline:
                     flops / self.flops)
       ms[int(t)] = 1e3 * seconds + self.overhead_ms
     return ForwardCosts(batch, ms, "roofline")
+
+  def prefill_ms(self, model: LanguageModel, *, batch: int, width: int,
+                 cache_size: int) -> float:
+    """ms `model` spends prefilling a prompt buffer [B, P = `width`] at S:
+    `Decoder.prefill`'s passes, of `PREFILL_CHUNK` tokens where it chunks
+    the buffer (`chunked`), else one of P."""
+    chunk = PREFILL_CHUNK if chunked(width, cache_size) else width
+    costs = self.forward(model, batch=batch, chunks=(chunk,),
+                         cache_size=cache_size)
+    return width // chunk * costs.at(chunk)
 
 
 def survival(acceptance: Sequence[float], gamma: int) -> np.ndarray:
