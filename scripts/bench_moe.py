@@ -33,6 +33,8 @@ from specjax import cpu
 from specjax.cpu import kernels
 from specjax.models import moe
 from specjax.models import quantized
+from specjax.models.config import EXPERT_PARAMS
+from specjax.models.config import experts_out_in
 from specjax.models.config import ModelConfig
 
 # (name, E, F, X, k): a Mixtral-like layer and a Qwen3-MoE-like one, both
@@ -84,8 +86,8 @@ def main():
     stacks = [0.02 * jax.random.normal(key, (x, f, e)) for key in keys[:3]]
     if spec:  # each expert packed as its [out, in] matrix (down [E, F])
       stacks = [jax.tree.map(jnp.asarray, quantized.quantize_stack(
-          np.asarray(w).swapaxes(1, 2) if down else np.asarray(w), spec,
-          "experts", shape=(x, f, e))) for w, down in zip(stacks, (0, 0, 1))]
+          experts_out_in(np.asarray(w), param), spec, param,
+          shape=(x, f, e))) for w, param in zip(stacks, EXPERT_PARAMS)]
     ws = moe.Experts(*stacks)
     expert_bytes = sum(a.nbytes for w in stacks
                        for a in jax.tree.leaves(w)) // x

@@ -340,6 +340,15 @@ _SHARED_MATRICES = ("shared_gate", "shared_up", "shared_down",
 EXPERT_PARAMS = ("experts_gate", "experts_up", "experts_down")
 
 
+def experts_out_in(w: Any, name: str) -> Any:
+  """Experts ([..., F, E] as stored; `name` or its path's last part one of
+  `EXPERT_PARAMS`) as the [..., out, in] matrix each expert is, the
+  layout a packed stack keeps, or back: down's last two axes swapped (it
+  is stored [in, out]), gate and up as they are."""
+  down = name.rpartition("/")[2] == "experts_down"
+  return w.swapaxes(-1, -2) if down else w
+
+
 def matrix_paths(config: ModelConfig) -> list[str]:
   """`flatten` paths of the projections a `MatmulPlan` may store [out, in]
   (`Model.with_plan` transposes them)."""

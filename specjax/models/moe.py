@@ -50,6 +50,7 @@ import numpy as np
 
 from specjax.models import quantized
 from specjax.models.config import EXPERT_PARAMS
+from specjax.models.config import experts_out_in
 from specjax.models.config import flatten
 from specjax.models.config import ModelConfig
 from specjax.models.protocol import array_bytes
@@ -155,7 +156,7 @@ class Experts:
       if not quantized.is_quantized(w):
         return w
       d = quantized.dequantize(w).astype(w.dtype)  # [X, out, in]
-      return jnp.swapaxes(d, 1, 2) if name == "down" else d
+      return experts_out_in(d, f"experts_{name}")
     if self.layer is None and not any(
         map(quantized.is_quantized, (self.gate, self.up, self.down))):
       return self

@@ -69,6 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.config import expert_paths
+from specjax.models.config import experts_out_in
 from specjax.models.config import flatten
 from specjax.models.config import matrix_paths
 from specjax.models.config import unflatten
@@ -513,11 +514,8 @@ def quantize_params(config: Any, params: Any, spec: QuantSpec | str, *,
     w = flat[path]
     if is_quantized(w):
       continue
-    host = np.asarray(w)  # [X, F, E]
-    # [X, out, in] per expert: down is stored [X, in, out].
-    rows_first = host.swapaxes(1, 2) if path.endswith("down") else host
-    qm = quantize_stack(rows_first, spec, path, shape=tuple(w.shape),
-                        dtype=w.dtype)
+    qm = quantize_stack(experts_out_in(np.asarray(w), path), spec, path,
+                        shape=tuple(w.shape), dtype=w.dtype)
     _replace(flat, path, qm, donate)
   return unflatten(config, lambda path, _: flat[path])
 
@@ -533,8 +531,8 @@ def dequantize_params(config: Any, params: Any, *,
   for path, w in flat.items():
     if is_quantized(w):
       d = dequantize(w)  # [(X,) O, I]
-      if path in transposed or path.endswith("experts_down"):
-        d = jnp.swapaxes(d, -1, -2)
+      d = d.swapaxes(-1, -2) if path in transposed else experts_out_in(
+          d, path)
       flat[path] = d.astype(w.dtype)
   return unflatten(config, lambda path, _: flat[path])
 

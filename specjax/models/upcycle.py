@@ -32,6 +32,7 @@ import numpy as np
 from specjax.models import Model
 from specjax.models import quantized
 from specjax.models.config import check_params
+from specjax.models.config import experts_out_in
 
 __all__ = ["active_twin", "upcycle"]
 
@@ -92,8 +93,9 @@ def upcycle(model: Model, num_experts: int, top_k: int, *,
     e = w + rng.normal(0.0, scale, w.shape).astype(np.float32) if scale else w
     if spec is None:
       return e.astype(dtype)
-    return quantized.quantize_array(e.T if name == "down" else e, spec,
-                                    f"experts_{name}", dtype=dtype)
+    param = f"experts_{name}"
+    return quantized.quantize_array(experts_out_in(e, param), spec, param,
+                                    dtype=dtype)
 
   params = dict(model.params)  # per-layer (checked above)
   for i in range(c.num_layers):
