@@ -43,6 +43,7 @@ import numpy as np
 
 from experiments import controls as controls_lib
 from experiments import cost as cost_lib
+from experiments import learned
 from experiments import prompts as prompts_lib
 from experiments import quality
 from experiments import report
@@ -493,6 +494,11 @@ def run_experiment(config: Any, pair: Pair | None = None) -> dict[str, Any]:
               and r["drafter"] == head_drafter
               and r["num_nodes"] == head_nodes
               and r["acceptance"] == head_accept)
+  if (head_gamma, head_batch, head_drafter, head_nodes, head_accept) == (
+      config.gamma, config.batch_size, config.drafter,
+      config.get("num_nodes", 0), config.acceptance):
+    # What the next run of this job will be priced by (`pair.workload`).
+    learned.record(config, head["steps"] / num_batches[head_batch])
   keys = ("acceptance_rate", "mean_accepted_tokens", "per_position_acceptance",
           "draft_cost_ratio", "baseline_tokens_per_s", "spec_tokens_per_s",
           "speedup", "decode_speedup", "predicted_speedup", "lossless",

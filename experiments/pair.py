@@ -21,6 +21,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from experiments import learned
 from experiments import prompts as prompts_lib
 from experiments.validation import ConfigError
 from experiments.validation import drafter_kind
@@ -268,7 +269,8 @@ def drafter_names(config: Any) -> tuple[str, ...]:
 def workload(config: Any) -> cpu_quantize.Workload:
   """The speculative call the run times, for `quantize="auto"` to price:
   its prompts' mean length (the target's tokenizer alone is loaded), N,
-  B and γ, or a tree's T + 1 rows where the config drafts trees."""
+  B and γ, or a tree's T + 1 rows where the config drafts trees, and the
+  passes per call an earlier run of the job took (`learned`), if any."""
   tokenizer = registry.load_tokenizer(config.target,
                                       cache_dir=config.cache_dir or None)
   lengths = [len(p) for p in encode_prompts(config, tokenizer)[1]]
@@ -276,7 +278,8 @@ def workload(config: Any) -> cpu_quantize.Workload:
   return cpu_quantize.Workload.decoding(
       batch=config.batch_size, prompt_tokens=sum(lengths) / len(lengths),
       new_tokens=config.max_new_tokens, gamma=config.gamma,
-      width=nodes + 1 if nodes else None)
+      width=nodes + 1 if nodes else None,
+      steps=learned.steps_per_call(config))
 
 
 def tune_rows(config: Any) -> tuple[int, int]:

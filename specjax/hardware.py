@@ -12,6 +12,8 @@ machine nothing has measured.
 Timing, for every benchmark and tuning step: `median_ms` times steps
 interleaved round-robin, so load changes on a shared machine spread over
 every candidate instead of biasing whichever ran during a busy spell;
+`settled_ms` repeats such passes, one candidate's steps at a time, until
+two agree and keeps each step's least, for one-time choices;
 `timed_call` times a whole generate call as a user runs it, and its
 prefill alone, so the decoding phase can be reported apart.
 """
@@ -33,7 +35,8 @@ import numpy as np
 
 __all__ = ["Call", "DATASHEETS", "cpu_id", "cpu_model", "cpu_simd",
            "default_dtype", "machine", "machine_key", "median_ms",
-           "nominal_rates", "num_cores", "resolve_dtype", "source_version",
+           "nominal_rates", "num_cores", "resolve_dtype", "settled_ms",
+           "source_version",
            "timed_call", "warm_up"]
 
 # SIMD extensions that change which code is fastest, or which code runs.
@@ -218,6 +221,42 @@ def median_ms(steps: Mapping[str, Callable[[], Any]], repeats: int,
       jax.block_until_ready(step())
       times[name].append(time.perf_counter() - start)
   return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def settled_ms(steps: Mapping[Any, Callable[[], Any]], repeats: int, *,
+               group: Callable[[Any], Any] = lambda name: None,
+               agree: float = 0.05, max_passes: int = 4) -> dict[Any, float]:
+  """Each step's least median ms over passes, taken until two successive
+  passes agree within `agree` at every step (at most `max_passes`).
+
+  A one-time choice between candidates (a matmul plan, float or block
+  weights) is cached and then decides every later run, so neither a slow
+  moment of a shared machine nor one candidate's effect on the next must
+  decide it:
+
+  - a pass times each `group` of steps (steps named alike by `group`: one
+    candidate's) round-robin by `median_ms`, the groups one after the
+    other, so a step never runs right after another candidate's: on one
+    2-core Xeon a float product timed just after a block kernel's long
+    product took 1.6x its time alone;
+  - time only adds to a step, so the least of settled passes is the
+    estimate of what the machine does undisturbed.
+  """
+  if max_passes < 2:
+    raise ValueError(f"max_passes must be >= 2, got {max_passes}.")
+  groups: dict[Any, dict[Any, Callable[[], Any]]] = {}
+  for name, step in steps.items():
+    groups.setdefault(group(name), {})[name] = step
+
+  def timed() -> dict[Any, float]:
+    return {k: v for g in groups.values() for k, v in
+            median_ms(g, repeats).items()}
+
+  passes = [timed(), timed()]
+  while len(passes) < max_passes and any(
+      abs(passes[-1][k] / passes[-2][k] - 1) > agree for k in steps):
+    passes.append(timed())
+  return {k: min(p[k] for p in passes) for k in steps}
 
 
 @dataclasses.dataclass

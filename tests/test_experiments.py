@@ -35,6 +35,7 @@ from configs import llama_pair
 from configs import tiny_pair
 from experiments import bench
 from experiments import crossover
+from experiments import learned
 from experiments import pair as pair_lib
 from experiments import prompts as prompts_lib
 from experiments import quality
@@ -188,12 +189,16 @@ def test_fixed_logits_acceptance_matches_simulation(tmp_path):
   config.ignore_eos = True
   config.timing_repeats = 1
   config.cost_repeats = 2
+  config.cache_dir = str(tmp_path / "cache")
   pair = bench.Pair(table(target_next), table(draft_next),
                     prompts_lib.ByteTokenizer())
   results = bench.run_and_save(config, pair)
 
   # Every built-in code prompt ends in "\n" (byte 10).
   accepted, proposed = _simulate_greedy(10, target_next, draft_next, 2, 12)
+  # The next run of this job is priced by the passes a call took: each
+  # step proposes position 1, and the four rows step alike.
+  assert learned.steps_per_call(config) == proposed[0]
   accepted, proposed = accepted * 4, proposed * 4  # four identical rows
   np.testing.assert_allclose(results["per_position_acceptance"],
                              accepted / proposed)

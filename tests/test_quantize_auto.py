@@ -13,6 +13,7 @@ import pytest
 
 from configs import llama_pair
 from configs import tiny_pair
+from experiments import learned
 from experiments import pair as pair_lib
 from specjax import registry
 from specjax.cpu import kernels
@@ -102,6 +103,47 @@ def test_the_workload_decides(gguf_file, tmp_path, monkeypatch):
   # them: the call, not one kind of pass, decides.
   ms["gguf"]["9"] = 150.0
   assert _choose(config, ms, speculate, tmp_path / "b").quantize == "gguf"
+
+
+def test_passes_measured_by_an_earlier_run_price_the_job(gguf_file, tmp_path,
+                                                         monkeypatch):
+  """Costs injected as a machine where the blocks win the 9-row pass by
+  less than they lose a prefill chunk: at the prior's 20.6 passes a call
+  the blocks are cheaper, at the 9 passes a lookup run measured float is;
+  the experiments price a job by what its last run took."""
+  config = registry.load_pretrained(gguf_file, matmul=None,
+                                    progress=False)[0].config
+  ms = {"float": {"9": 300.0, "64": 1000.0},
+        "gguf": {"9": 150.0, "64": 1800.0}}
+  monkeypatch.setattr(tuning, "_measure",
+                      lambda *a: {n: {str(x): t[str(x)] for x in a[-1]}
+                                  for n, t in ms.items()})
+  job = dict(prompt_tokens=150, new_tokens=64, gamma=8)
+  prior = tuning.Workload.decoding(**job)
+  measured = tuning.Workload.decoding(**job, steps=9.125)
+  assert measured.passes == ((9, 9.125), (64, 3.0))
+  assert "9.1 passes of 9 rows, measured" in measured.label
+  assert dict(prior.passes)[9] > 20
+  assert _choose(config, ms, prior, tmp_path).quantize == "gguf"
+  assert _choose(config, ms, measured, tmp_path).quantize is None
+  with pytest.raises(ValueError, match="measured steps"):
+    tuning.Workload.decoding(new_tokens=64, gamma=0, steps=9.0)
+  with pytest.raises(ValueError, match="measured steps"):
+    tuning.Workload.decoding(new_tokens=64, gamma=8, steps=65.0)
+
+  # experiments.learned: what the last run of the same job took.
+  job_config = llama_pair.get_config()
+  job_config.cache_dir = str(tmp_path / "cache")
+  assert learned.steps_per_call(job_config) is None
+  learned.record(job_config, 9.125)
+  assert learned.steps_per_call(job_config) == 9.125
+  other = llama_pair.get_config("quantize=,tokens=64")  # same job, fp32
+  other.cache_dir = job_config.cache_dir
+  assert learned.steps_per_call(other) == 9.125
+  for arg in ("temperature=0.5", "gamma=4", "drafter=model", "n=4"):
+    changed = llama_pair.get_config(arg)
+    changed.cache_dir = job_config.cache_dir
+    assert learned.steps_per_call(changed) is None, arg
 
 
 def test_speculative_steps_follow_the_acceptance():

@@ -105,3 +105,35 @@ def test_cpus_sharing_a_name_measure_apart(cache, monkeypatch):
     hardware.cpu_id.cache_clear()  # the real CPU's, once monkeypatch undoes
   keys = json.loads(tuning.cache_file(cache).read_text())
   assert len(keys) == 3, keys
+
+
+def test_a_slow_moment_does_not_decide(monkeypatch):
+  """`settled_ms` takes passes until two agree and keeps each step's least:
+  a pass that caught the machine busy for one step is outvoted. Each pass
+  times one group's steps at a time."""
+  from specjax import hardware  # pylint: disable=g-import-not-at-top
+  passes = iter([{"a": 3.0, "b": 2.0},   # a slow moment for "a"
+                 {"a": 1.0, "b": 2.05},  # disagrees with the first
+                 {"a": 1.02, "b": 2.0},  # agrees with the second
+                 {"a": 9.0, "b": 9.0}])  # never reached
+  calls = []
+
+  def median_ms(steps, repeats):
+    calls.append(sorted(steps))
+    if steps.keys() == {"a"}:
+      current.update(next(passes))
+    return {k: current[k] for k in steps}
+
+  current = {}
+  monkeypatch.setattr(hardware, "median_ms", median_ms)
+  steps = {"a": None, "b": None}
+  assert hardware.settled_ms(steps, 3, group=str) == {"a": 1.0, "b": 2.0}
+  assert calls == [["a"], ["b"]] * 3
+  assert next(passes) == {"a": 9.0, "b": 9.0}
+  # At most `max_passes`, however much they disagree; one group by default.
+  monkeypatch.setattr(hardware, "median_ms",
+                      lambda steps, r, n=iter(range(1, 9)): {
+                          k: float(next(n)) ** 2 for k in steps})
+  assert hardware.settled_ms(steps, 3, max_passes=3) == {"a": 1.0, "b": 4.0}
+  with pytest.raises(ValueError, match="max_passes"):
+    hardware.settled_ms(steps, 3, max_passes=1)

@@ -9,9 +9,11 @@ Which formulation of the model's matrix products keeps a verification pass
 only on its kind (BENCHMARKS.md). `tune` therefore times every candidate
 plan (`candidates`) on a stack of weight matrices of the model's own shapes
 (q, k, v, o, gate, up, down per layer, enough layers to exceed the caches,
-plus a slice of the vocabulary head), at each X in `rows`, interleaved
-round-robin. It picks the plan with the least total time over `rows`, i.e.
-one decode step plus one verification pass for the default rows (1, 5).
+plus a slice of the vocabulary head), at each X in `rows`: one plan's
+products round-robin, then the next plan's, in passes until two agree
+(`hardware.settled_ms`). It picks the plan with the least total time over
+`rows`, i.e. one decode step plus one verification pass for the default
+rows (1, 5).
 Kernel plans carry `specjax.cpu.SMALLM`.
 
 The choice and the timings are cached in `<cache>/tuning/matmul.json`
@@ -170,7 +172,7 @@ def _measure(config: ModelConfig, dtype: Any, names: Sequence[str],
     for m in rows:
       x = jnp.full((m, config.hidden_size), 0.5, dtype)
       steps[(name, m)] = (lambda f=forward, x=x, l=layers, h=head: f(x, l, h))
-  times = hardware.median_ms(steps, _REPEATS)
+  times = hardware.settled_ms(steps, _REPEATS, group=lambda k: k[0])
   out: dict[str, dict[str, float]] = {}
   for (name, m), ms in times.items():
     out.setdefault(name, {})[str(m)] = ms

@@ -15,14 +15,20 @@ The choice is priced by the job the caller will run, a `Workload`: the
 matrix products of one decoding call by rows per product. `generate` is
 its prefill chunks (B · 64 rows each) and one B-row step per token; a
 speculative call at γ is the same chunks and one B(γ+1)-row verification
-pass per step, E[steps] at the acceptance `gamma="auto"` assumes before
-measuring (`policies.auto.PRIOR`). A draft model's passes are the same for
+pass per step: as many steps as an earlier run of the same job took where
+the caller knows them (`Workload.decoding(steps=...)`; the experiments
+record them per job), else E[steps] at the acceptance `gamma="auto"`
+assumes before measuring (`policies.auto.PRIOR`).
+A draft model's passes are the same for
 either target and are not priced. The blocks can win a decode step (they
 read a quarter of the bytes) and lose a verification pass or a prefill
 chunk (their unpacking is compute), so the job, not one step, decides.
 
 `choose` times, at each X the workload needs, every matrix product of one
-forward of each candidate, interleaved round-robin:
+forward of each candidate: one candidate's products round-robin, then the
+other's, in passes until two agree (`hardware.settled_ms`), so that
+neither a slow moment of a shared machine nor the other candidate's
+products decide:
 
 - "gguf": the model's own block matrices, all L layers and the head,
   through the plan a quantized model gets (the CPU kernel, which its
@@ -93,7 +99,8 @@ class Workload:
   @classmethod
   def decoding(cls, *, batch: int = 1, prompt_tokens: float = 128,
                new_tokens: int = 128, gamma: int = 0, width: int | None = None,
-               acceptance: float = auto.PRIOR) -> "Workload":
+               acceptance: float = auto.PRIOR, steps: float | None = None
+               ) -> "Workload":
     """`generate` (γ = 0) or a speculative call at γ.
 
     Args:
@@ -105,20 +112,27 @@ class Workload:
       width: rows per row of a verification pass (default γ + 1; a tree
         of T nodes verifies T + 1).
       acceptance: each position's acceptance, for E[steps] to N tokens.
+      steps: verification passes per call measured by an earlier run of
+        the job (replaces E[steps] at `acceptance`).
     """
     if batch < 1 or new_tokens < 1 or prompt_tokens < 1 or gamma < 0:
       raise ValueError(f"batch, new_tokens and prompt_tokens must be >= 1 "
                        f"and gamma >= 0, got {batch}, {new_tokens}, "
                        f"{prompt_tokens}, {gamma}.")
+    if steps is not None and not (gamma and 1 <= steps <= new_tokens):
+      raise ValueError(f"measured steps must be in [1, {new_tokens}] and "
+                       f"need gamma >= 1, got {steps} at gamma={gamma}.")
     width = gamma + 1 if width is None else width
     chunks = math.ceil(prompt_tokens / PREFILL_CHUNK)
-    steps = (costs.expected_steps([acceptance] * gamma, gamma, new_tokens,
-                                  batch) if gamma else new_tokens)
+    how = "measured" if steps is not None else f"at acceptance {acceptance}"
+    if steps is None:
+      steps = (costs.expected_steps([acceptance] * gamma, gamma, new_tokens,
+                                    batch) if gamma else new_tokens)
     passes: dict[int, float] = {}
     for rows, n in ((batch * PREFILL_CHUNK, chunks), (batch * width, steps)):
       passes[rows] = passes.get(rows, 0.0) + n
     call = (f"speculative decoding at γ={gamma} ({steps:.1f} passes of "
-            f"{batch * width} rows at acceptance {acceptance})" if gamma
+            f"{batch * width} rows, {how})" if gamma
             else f"generate ({steps} steps of {batch} rows)")
     return cls(tuple(sorted(passes.items())),
                f"{call} after {chunks} prefill chunk(s) of "
@@ -227,7 +241,7 @@ def _measure(config: ModelConfig, dtype: Any, float_plan: MatmulPlan,
       steps[(name, "head", m)] = (
           lambda x=x, w=w_head, p=plans.head_plan(plan): logits(x, w,
                                                                  plan=p))
-  times = hardware.median_ms(steps, _REPEATS)
+  times = hardware.settled_ms(steps, _REPEATS, group=lambda k: k[0])
   return {name: {str(m): times[(name, "layers", m)] * scale
                  + times[(name, "head", m)] for m in rows}
           for name, (_, _, _, scale) in candidates.items()}
