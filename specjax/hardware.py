@@ -36,8 +36,7 @@ import numpy as np
 __all__ = ["Call", "DATASHEETS", "cpu_id", "cpu_model", "cpu_simd",
            "default_dtype", "machine", "machine_key", "median_ms",
            "nominal_rates", "num_cores", "resolve_dtype", "settled_ms",
-           "source_version",
-           "timed_call", "warm_up"]
+           "source_version", "timed_call", "warm_up"]
 
 # SIMD extensions that change which code is fastest, or which code runs.
 _SIMD = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")

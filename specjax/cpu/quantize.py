@@ -18,11 +18,11 @@ speculative call at γ is the same chunks and one B(γ+1)-row verification
 pass per step: as many steps as an earlier run of the same job took where
 the caller knows them (`Workload.decoding(steps=...)`; the experiments
 record them per job), else E[steps] at the acceptance `gamma="auto"`
-assumes before measuring (`policies.auto.PRIOR`).
-A draft model's passes are the same for
-either target and are not priced. The blocks can win a decode step (they
-read a quarter of the bytes) and lose a verification pass or a prefill
-chunk (their unpacking is compute), so the job, not one step, decides.
+assumes before measuring (`policies.auto.PRIOR`). A draft model's passes
+are the same for either target and are not priced. The blocks can win a
+decode step (they read a quarter of the bytes) and lose a verification
+pass or a prefill chunk (their unpacking is compute), so the job, not one
+step, decides.
 
 `choose` times, at each X the workload needs, every matrix product of one
 forward of each candidate: one candidate's products round-robin, then the
