@@ -37,7 +37,7 @@ _IGNORED = ("cache_dir", "cost_repeats", "jax_cache_dir", "matmul",
 
 
 def job_key(config: Any) -> str:
-  """"target|drafter|γ=G|B=B|N=N|<hash of every other generating field>"."""
+  """The job's key: target|drafter|γ=G|B=B|N=N|<hash of the other fields>."""
   fields = {k: v for k, v in config.to_dict().items() if k not in _IGNORED}
   digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str
                                      ).encode()).hexdigest()[:16]

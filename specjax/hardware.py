@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Call", "DATASHEETS", "cpu_id", "cpu_model", "cpu_simd",
-           "default_dtype", "machine", "machine_key", "median_ms",
+__all__ = ["Call", "DATASHEETS", "agree_ms", "cpu_id", "cpu_model",
+           "cpu_simd", "default_dtype", "machine", "machine_key", "median_ms",
            "nominal_rates", "num_cores", "resolve_dtype", "settled_ms",
            "source_version", "timed_call", "warm_up"]
 
@@ -222,6 +222,13 @@ def median_ms(steps: Mapping[str, Callable[[], Any]], repeats: int,
   return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
+def agree_ms(a: Mapping[Any, float], b: Mapping[Any, float],
+             tolerance: float) -> bool:
+  """Whether every step's time in `a` is within `tolerance` (relative) of
+  its time in `b`."""
+  return all(abs(a[k] / b[k] - 1) <= tolerance for k in a)
+
+
 def settled_ms(steps: Mapping[Any, Callable[[], Any]], repeats: int, *,
                group: Callable[[Any], Any] = lambda name: None,
                agree: float = 0.05, max_passes: int = 4) -> dict[Any, float]:
@@ -252,8 +259,8 @@ def settled_ms(steps: Mapping[Any, Callable[[], Any]], repeats: int, *,
             median_ms(g, repeats).items()}
 
   passes = [timed(), timed()]
-  while len(passes) < max_passes and any(
-      abs(passes[-1][k] / passes[-2][k] - 1) > agree for k in steps):
+  while len(passes) < max_passes and not agree_ms(passes[-1], passes[-2],
+                                                  agree):
     passes.append(timed())
   return {k: min(p[k] for p in passes) for k in steps}
 

@@ -125,12 +125,6 @@ def _mean(passes: Sequence[dict[int, float]]) -> dict[int, float]:
   return {t: float(np.mean([p[t] for p in passes])) for t in passes[0]}
 
 
-def _agree(a: dict[int, float], b: dict[int, float],
-           tolerance: float = AGREE) -> bool:
-  """Whether every T of `a` is within `tolerance` of `b`'s."""
-  return all(abs(a[t] / b[t] - 1) <= tolerance for t in a)
-
-
 def measure(model: Any, *, batch: int, chunks: Sequence[int],
             cache_size: int = 512, prompt_tokens: int | None = None,
             repeats: int = 5, cache_dir: str | os.PathLike | None = None,
@@ -192,15 +186,16 @@ def measure(model: Any, *, batch: int, chunks: Sequence[int],
   steps = {t: forward_step(model, prompts, cache_size, t) for t in chunks}
   timed = lambda: hardware.median_ms(steps, repeats)
   new = [timed()]
-  if passes and not _agree(new[0], cached.forward_ms, DRIFT):
+  if passes and not hardware.agree_ms(new[0], cached.forward_ms, DRIFT):
     passes = []  # the machine has changed
   # The next pass is due soon while the table is young or when this one
   # disagreed with it (two moments decide, not two passes of one), else
   # in proportion to what a pass costs.
-  soon = not passes or not _agree(new[0], cached.forward_ms)
+  soon = not passes or not hardware.agree_ms(new[0], cached.forward_ms,
+                                             AGREE)
   if not passes:  # a new table: two passes, and a third if they differ
     new.append(timed())
-    if not _agree(*new):
+    if not hardware.agree_ms(*new, AGREE):
       new.append(timed())
   passes = (passes + new)[-PASSES:]
   ms = _mean(passes)
