@@ -1,16 +1,18 @@
-r"""Issue 55: one matrix product per weight format, the CPU kernel against
-XLA and against float32.
+r"""One matrix product per weight format: the CPU kernel against XLA, against
+float32, and as a fraction of the machine's measured fp32 peak.
 
 A [O, I] = [8960, 1536] matrix (the 1.5B target's MLP up projection) in
 float32 and in each GGUF format the offline Qwen files use (random blocks,
 `specjax.testing.random_blocks`), times X rows (1: a decode step, 9: a
-verification pass at γ = 8, 157: a prefill chunk of the main job's
-prompt length). Prints the best of 20 calls per format and
-path, in ms, with the bytes the product reads and the implied GB/s: the
-kernel with float activations (exact), with int8 activations (`a8`,
-llama.cpp's arithmetic), and XLA.
+verification pass at γ = 8, 64: a prefill chunk). Prints the best of 20
+calls per format and path, in ms, with the bytes the product reads and
+the implied GB/s: the kernel with float activations (exact), with int8
+activations (`a8`, llama.cpp's arithmetic), and XLA. The peak is XLA's
+fp32 dot at [2048, 2048] x [2048, 2048] (compute-bound, in cache); each
+row also gives XLA's fp32 dot of its own shape, and each kernel's
+GFLOP/s as a fraction of the peak (`of_peak`).
 
-COMMAND: python scripts/bench_quant_kernel.py [--rows=1,9,157]
+COMMAND: python scripts/bench_quant_kernel.py [--rows=1,9,64]
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _best_ms(fn, *args, calls: int = 20) -> float:
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("--rows", default="1,9,157")
+  parser.add_argument("--rows", default="1,9,64")
   args = parser.parse_args()
   matrices = {}
   for qtype in (Q.Q4_K, Q.Q5_0, Q.Q6_K, Q.Q8_0):
@@ -58,18 +60,26 @@ def main() -> None:
       size=(O, I)).astype(np.float32))
   kernel = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=cpu.SMALLM))
   xla = jax.jit(quantized.matmul)
+  dot = jax.jit(lambda x, w: x @ w.T)
+  square = jnp.ones((2048, 2048), jnp.float32)
+  peak = 2 * 2048 ** 3 / _best_ms(dot, square, square, calls=5) / 1e6
   print(json.dumps({"cpu": hardware.cpu_id(), "jax": jax.__version__,
-                    "shape": [O, I], "kernels": kernels.available()}))
+                    "shape": [O, I], "kernels": kernels.available(),
+                    "peak_GFLOP_per_s": round(peak)}))
   for rows in (int(r) for r in args.rows.split(",")):
     x = jax.random.normal(jax.random.key(rows), (rows, I), jnp.float32)
     # float32's own path: the kernel up to its row limit, XLA's dot above
     # (a prefill chunk; the quantized kernel runs pieces of MAX_ROWS).
-    fp32 = _best_ms(jax.jit(
-        kernels.smallm_matmul if rows <= kernels.MAX_ROWS
-        else lambda x, w: x @ w.T), x, dense)
+    gemm = _best_ms(dot, x, dense)
+    fp32 = (_best_ms(jax.jit(kernels.smallm_matmul), x, dense)
+            if rows <= kernels.MAX_ROWS else gemm)
+    gflop = 2 * rows * O * I / 1e9
     print(json.dumps({"rows": rows, "format": "float32", "bytes": dense.nbytes,
                       "kernel_ms": round(fp32, 3),
-                      "GB_per_s": round(dense.nbytes / fp32 / 1e6, 1)}))
+                      "GB_per_s": round(dense.nbytes / fp32 / 1e6, 1),
+                      "of_peak": round(gflop / fp32 * 1e3 / peak, 3),
+                      "xla_dot_ms": round(gemm, 3),
+                      "xla_dot_of_peak": round(gflop / gemm * 1e3 / peak, 3)}))
     for name, w in matrices.items():
       ms = _best_ms(kernel, x, w)
       a8 = _best_ms(kernel, x, w.replace(act_bits=8))
@@ -78,6 +88,7 @@ def main() -> None:
           "kernel_ms": round(ms, 3), "kernel_a8_ms": round(a8, 3),
           "xla_ms": round(_best_ms(xla, x, w), 3),
           "GB_per_s": round(w.nbytes / ms / 1e6, 1),
+          "of_peak": round(gflop / ms * 1e3 / peak, 3),
           "a8_GB_per_s": round(w.nbytes / a8 / 1e6, 1),
           "kernel_over_float32": round(ms / fp32, 3),
           "a8_over_float32": round(a8 / fp32, 3)}), flush=True)

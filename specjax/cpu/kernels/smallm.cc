@@ -1087,19 +1087,24 @@ struct FRows {
 enum FMode { kRegs, kStore, kLoad };
 using FTileFn = void (*)(const XPerm&, int64_t, int64_t, int64_t,
                          const FRows&, int8_t, float*, int64_t);
-// ftile's tiles: multi[rows] (up to kFMultiMaxRows x rows), two weight
-// rows sharing each x load (even at one x row: two independent chains of
-// sums), and one[rows] for a last odd weight row; the *_load ones (up to
-// kFLoadMaxRows) read weights that [0] (kStore) dequantised, when M takes
-// several passes of tiles.
+// ftile's tiles: multi[rows] (up to kFTileRows x rows), two weight rows
+// sharing each x load (even at one x row: two independent chains of sums),
+// and one[rows] for a last odd weight row; the *_load ones read weights
+// that [0] (kStore) dequantised, when M takes many passes of tiles.
 struct FTiles {
   const FTileFn* one = nullptr;
   const FTileFn* multi = nullptr;
   const FTileFn* one_load = nullptr;
   const FTileFn* multi_load = nullptr;
 };
-constexpr int kFMultiMaxRows = 9;  // dequantising in registers
-constexpr int kFLoadMaxRows = 12;  // loading dequantised weights
+// x rows a tile, in both modes. Taller tiles ran slower, measured: 9 rows
+// of a [1536] x [1536, 8960] Q4_K product took 1.5x as long in one tile as
+// in tiles of 5 and 4 that each dequantise again, and 64 rows 1.3x as long
+// in loading tiles of 10 and 11 as in tiles of 6.
+constexpr int kFTileRows = 6;
+// Up to this many x rows, each tile of rows dequantises the weights again
+// in registers; above, they are dequantised once into L1 (kStore, kLoad).
+constexpr int kFRegsRows = 12;
 // Bytes of x [M, K] above which ftile's passes take x rows outer
 // (`columns`): more than an L2 holds beside the weights.
 constexpr int64_t kFXBytes = int64_t{1} << 20;
@@ -1285,10 +1290,10 @@ constexpr auto kFTiles =
     ftile_rows<NB, G, HB, Mode>(std::make_integer_sequence<int, Rows>{});
 template <int G, int HB>
 constexpr FTiles ftiles_of() {
-  return {kFTiles<1, G, HB, kRegs, kFMultiMaxRows>.data(),
-          kFTiles<2, G, HB, kRegs, kFMultiMaxRows>.data(),
-          kFTiles<1, G, HB, kLoad, kFLoadMaxRows>.data(),
-          kFTiles<2, G, HB, kLoad, kFLoadMaxRows>.data()};
+  return {kFTiles<1, G, HB, kRegs, kFTileRows>.data(),
+          kFTiles<2, G, HB, kRegs, kFTileRows>.data(),
+          kFTiles<1, G, HB, kLoad, kFTileRows>.data(),
+          kFTiles<2, G, HB, kLoad, kFTileRows>.data()};
 }
 
 // ftile's tiles for a nibble format, or none.
@@ -1483,13 +1488,13 @@ struct QWork {
         }
         return w;
       };
-      const bool one_pass = m <= kFMultiMaxRows;
-      if (!one_pass && m * k * int64_t{sizeof(float)} > kFXBytes) {
+      const bool in_registers = m <= kFRegsRows;
+      const int64_t row_groups = (m + kFTileRows - 1) / kFTileRows;
+      if (!in_registers && m * k * int64_t{sizeof(float)} > kFXBytes) {
         // x exceeds L2 (a prefill chunk of a down projection): groups of
         // x rows outer, each over the chunk's weight rows dequantised in
         // registers again, so that x crosses from L3 once per chunk
         // rather than once per weight row pair.
-        const int64_t row_groups = (m + kFMultiMaxRows - 1) / kFMultiMaxRows;
         int64_t r0 = 0;
         for (int64_t g = 0; g < row_groups; ++g) {
           const int64_t rows = (m - r0) / (row_groups - g);
@@ -1505,14 +1510,11 @@ struct QWork {
         }
         return;
       }
-      const int64_t max_rows = one_pass ? kFMultiMaxRows : kFLoadMaxRows;
-      const int64_t row_groups = (m + max_rows - 1) / max_rows;
       for (int64_t j = n0; j < n1;) {
         const int64_t nb = j + 2 <= n1 ? 2 : 1;
         const FRows w = weight_rows(j, nb);
-        // One pass: dequantised in registers; several: once, into L1.
         const FTileFn* tiles = nb > 1 ? ft.multi : ft.one;
-        if (!one_pass) {
+        if (!in_registers) {
           tiles[0](*xperm, m, 0, k, w, static_cast<int8_t>(offset), y, n);
           tiles = nb > 1 ? ft.multi_load : ft.one_load;
         }
