@@ -154,8 +154,9 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
   fixed = isinstance(gamma, int) and not num_nodes
   width = gamma if isinstance(gamma, int) else config.max_gamma
   lossy = parse_acceptance(acceptance)[0] != "exact"
-  # Int8 activations: verification matches decode steps up to rounding.
-  rounding = bool(getattr(pair.target, "int8_activations", False))
+  # Int8 activations whose passes may round a row differently from a
+  # decode step: verification matches decode steps up to rounding.
+  rounding = bool(getattr(pair.target, "int8_rounding", False))
   greedy_check = (config.temperature == 0
                   and config.synthetic_acceptance is None)
   drafter = make_drafter(drafter_name, config, pair)
@@ -273,7 +274,7 @@ def _speculative_run(pair: Pair, batches: Sequence[Sequence[int]],
       # lossy (not the target's distribution).
       "acceptance": acceptance,
       "lossy": lossy,
-      # Int8 activations (`Model.int8_activations`): exact up to rounding.
+      # Int8 activations (`Model.int8_rounding`): exact up to rounding.
       "rounding": rounding,
       "draft_cost_ratio": draft_cost,
       # Drafting cost per target forward: draft forwards (every component,

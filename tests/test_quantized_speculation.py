@@ -6,6 +6,8 @@ transformers whose matrices are int4 / int8 / GGUF Q8_0 blocks).
 Shape letters: V vocab.
 """
 
+import dataclasses
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -81,12 +83,13 @@ def test_greedy_speculation_equals_the_quantized_targets_generate(models_,
 def test_greedy_speculation_on_an_int8_activation_target(models_):
   """int4 weights with int8 activations (llama.cpp's arithmetic) through
   the CPU kernel where it is available: speculation equals the target's
-  own greedy generate (a model whose logits are not its int4 self's) on
-  prompts without a near-tie; in general only up to rounding
-  (`Model.int8_activations`)."""
+  own greedy generate (a model whose logits are not its int4 self's);
+  exact on the kernel's plan (`Model.int8_rounding`), on XLA's only up to
+  rounding."""
   target, draft = models_
   plan = "out_in/kernel" if cpu.SMALLM.available() else "in_out/xla"
   quant = target.quantize("int4:a8").with_plan(cpu.plan(plan))
+  assert quant.int8_rounding == (plan == "in_out/xla")
   tokens = jnp.asarray([PROMPTS[0]])
   logits = lambda m: np.asarray(m(tokens, m.init_cache(1, 8))[0].logits)
   assert np.abs(logits(quant) - logits(quant.with_activations(0))).max() > 0
@@ -95,6 +98,45 @@ def test_greedy_speculation_on_an_int8_activation_target(models_):
                                     max_new_tokens=MAX_NEW)
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_array_equal(got.lengths, want.lengths)
+
+
+def _rows_apart(model, prompt_width, chunk):
+  """The prompt [1, prompt_width] prefilled (in chunks of 64 from 128),
+  then `chunk` tokens in one pass and one at a time: per row, the largest
+  difference of their hidden states [T]."""
+  lengths = jnp.asarray([prompt_width - 3], jnp.int32)
+  prompt = jnp.arange(prompt_width, dtype=jnp.int32)[None] % 97
+  cache = model.init_cache(1, prompt_width + chunk + 8)
+  _, cache = jax.jit(type(model).prefill)(model, prompt, lengths, cache)
+  forward = jax.jit(lambda m, t, c: m.forward(t, c))
+  tokens = (jnp.arange(chunk, dtype=jnp.int32)[None] * 7 + 3) % 97
+  together = np.asarray(forward(model, tokens, cache).hidden[0])
+  alone = []
+  for t in range(chunk):
+    out = forward(model, tokens[:, t:t + 1], cache)
+    cache = out.cache
+    alone.append(np.asarray(out.hidden[0, 0]))
+  return np.abs(together - np.stack(alone)).max(axis=-1)
+
+
+def test_an_int8_activation_pass_reproduces_its_decode_steps(models_):
+  """A 5-token pass (attention rows written out) and a 20-token one (in a
+  loop) after a short and a chunked prompt, against the same tokens one
+  at a time, on int4 weights with int8 activations through the kernel:
+  every row's hidden state equal bit for bit. Attention over all rows at
+  once (`MatmulPlan.row_invariant` off) rounds them apart, and int8 codes
+  carry that on."""
+  if not cpu.SMALLM.available():
+    pytest.skip("needs the CPU kernel: XLA's int8 products are not "
+                "row-invariant")
+  quant = models_[0].quantize("int4:a8").with_plan(cpu.plan("out_in/kernel"))
+  assert quant.plan.row_invariant and not quant.int8_rounding
+  for width, chunk in ((7, 5), (128, 20)):
+    np.testing.assert_array_equal(_rows_apart(quant, width, chunk), 0)
+  at_once = quant.replace(plan=dataclasses.replace(quant.plan,
+                                                   row_invariant=False))
+  assert at_once.int8_rounding
+  assert _rows_apart(at_once, 7, 5).max() > 0
 
 
 @pytest.fixture(scope="module")

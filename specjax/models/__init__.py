@@ -14,6 +14,7 @@ three methods.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.struct
@@ -145,6 +146,9 @@ class Model(Decoder, DeclaredModel):
     """
     if isinstance(plan, str):
       plan = MatmulPlan.parse(plan)
+    # Int8 activations keep their row-invariant attention on any plan.
+    plan = dataclasses.replace(
+        plan, row_invariant=plan.row_invariant or self.plan.row_invariant)
     params = self.canonical_params()
     if plan.transposed != self.plan.transposed:
       flat = flatten(params)
@@ -206,22 +210,41 @@ class Model(Decoder, DeclaredModel):
   @property
   def int8_activations(self) -> bool:
     """Whether its products quantize activations to int8
-    (`with_activations`): speculation on it is exact only up to rounding
-    (`quantized` module docstring)."""
+    (`with_activations`)."""
     return any(quantized.is_quantized(w) and w.act_bits == 8
                for w in jax.tree.leaves(self.params, is_leaf=is_quantized))
+
+  @property
+  def int8_rounding(self) -> bool:
+    """Whether speculation on it is exact only up to rounding: int8
+    activations computed where a row of a verification pass may round
+    differently from the same row alone, so that an int8 code, and the
+    greedy output after it, may change at a near-tie (XLA's products, or
+    attention over all rows at once). On a kernel plan every int8 product
+    is the kernel's, row-invariant, and `with_activations` makes attention
+    row-invariant too (`MatmulPlan.row_invariant`): with every layer
+    matrix quantized, a pass's rows reproduce decode steps bit for bit
+    (`quantized` module docstring)."""
+    kernel = self.plan.kernel
+    int8 = [w for w in jax.tree.leaves(self.params, is_leaf=is_quantized)
+            if quantized.is_quantized(w) and w.act_bits == 8]
+    return bool(int8) and not (kernel and self.plan.row_invariant and all(
+        kernel.supports(w) for w in int8))
 
   def with_activations(self, bits: int) -> "Model":
     """The same quantized weights multiplying int8 activations (bits 8:
     each row quantized per chunk of 64 inputs, integer dot products, as
     llama.cpp computes; `quantized.quantize_activations`) or float ones
-    (0). Speculation on int8 activations is exact only up to rounding
-    (`int8_activations`).
+    (0). Bits 8 also make attention row-invariant
+    (`MatmulPlan.row_invariant`), so that on a kernel plan speculation
+    stays exact (`int8_rounding`).
 
     Raises:
       ValueError: the model has no quantized matrix, or bits not 0 or 8.
     """
-    return self.replace(params=quantized.with_activations(self.params, bits))
+    return self.replace(
+        params=quantized.with_activations(self.params, bits),
+        plan=dataclasses.replace(self.plan, row_invariant=bits == 8))
 
   def init_cache(self, batch: int, size: int) -> cache_lib.KVCache:
     c = self.config

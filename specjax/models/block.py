@@ -98,6 +98,108 @@ def param(module: nn.Module, name: str, shape, dtype, init=_INIT):
       return w
   return module.param(name, init, shape, dtype)
 
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array,
+           k_cache: jax.Array | None, v_cache: jax.Array | None,
+           cache_mask: jax.Array | None, chunk_mask: jax.Array,
+           cap: float | None) -> jax.Array:
+  """Grouped-query attention of a chunk over the cache, then the chunk.
+
+  Args:
+    q: [B, T, K, R, D] scaled queries.
+    k, v: [B, T, K, D] the chunk's keys and values.
+    k_cache, v_cache: [B, S, K, D] the cache's, or None (prefill).
+    cache_mask: [B, T, S] bool (with a cache); chunk_mask [B or 1, T, T].
+    cap: the scores' soft cap, or None.
+
+  Returns:
+    [B, T, K, R, D].
+  """
+  f32 = jnp.float32
+  t = q.shape[1]
+  scores = jnp.einsum("btkrd,bukd->bkrtu", q, k,
+                      preferred_element_type=f32)  # [B, K, R, T, T]
+  scores = softcap(scores, cap)
+  scores = jnp.where(chunk_mask[:, None, None], scores, -jnp.inf)
+  if k_cache is not None:
+    s_cache = jnp.einsum("btkrd,bskd->bkrts", q, k_cache.astype(q.dtype),
+                         preferred_element_type=f32)  # [B, K, R, T, S]
+    s_cache = softcap(s_cache, cap)
+    s_cache = jnp.where(cache_mask[:, None, None], s_cache, -jnp.inf)
+    scores = jnp.concatenate([s_cache, scores], -1)  # [B, K, R, T, S+T]
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  attn = jnp.einsum("bkrtu,bukd->btkrd", probs[..., -t:], v)
+  if k_cache is not None:
+    attn += jnp.einsum("bkrts,bskd->btkrd", probs[..., :-t],
+                       v_cache.astype(v.dtype))
+  return attn
+
+
+# Query rows `attend_by_row` writes out one by one; more go through a loop.
+_UNROLLED_ROWS = 16
+
+
+def attend_by_row(q: jax.Array, k: jax.Array, v: jax.Array,
+                  k_cache: jax.Array, v_cache: jax.Array,
+                  cache_mask: jax.Array, chunk_mask: jax.Array,
+                  chunk_slots: jax.Array, cap: float | None) -> jax.Array:
+  """`attend` with each query row's sums in the order of a one-token step.
+
+  The chunk's keys and values go into the cache at `chunk_slots` first (a
+  copy: the cache itself is written after the layers), so that a key sits
+  at the same index of every sum whether it came in this chunk or an
+  earlier one; then each query row attends alone, in the shapes of a
+  one-token step: written out up to `_UNROLLED_ROWS` rows (a verification
+  pass), in a `lax.map` above (a prefill chunk), which computes the same
+  values but costs a loop's overhead per row (9 rows of the 1.5B's
+  attention: 1.36 ms a layer in a loop, 0.62 written out, 0.53 for
+  `attend`). XLA's dots and reductions over T rows at
+  once group their sums by T, so a verification pass would round
+  differently from decode steps; with int8 activations such differences
+  change the codes the next product reads.
+
+  Args:
+    q: [B, T, K, R, D] scaled queries; k, v: [B, T, K, D].
+    k_cache, v_cache: [B, S, K, D]; cache_mask: [B, T, S] bool.
+    chunk_mask: [B or 1, T, T] bool; chunk_slots: [B] int32, where each
+      row's chunk goes (its cache length).
+    cap: the scores' soft cap, or None.
+
+  Returns:
+    [B, T, K, R, D], the same values as `attend` up to rounding.
+  """
+  b, t = q.shape[:2]
+  size = k_cache.shape[1]
+  place = jax.vmap(lambda c, x, at: jax.lax.dynamic_update_slice_in_dim(
+      c, x.astype(c.dtype), at, axis=0))
+  keys = place(k_cache, k, chunk_slots).astype(q.dtype)  # [B, S, K, D]
+  values = place(v_cache, v, chunk_slots).astype(v.dtype)
+  # Which slots each query reads: the cache's below the chunk, then the
+  # chunk's own by chunk_mask.
+  rel = jnp.arange(size)[None, :] - chunk_slots[:, None]  # [B, S]
+  in_chunk = (rel >= 0) & (rel < t)
+  own = jnp.take_along_axis(
+      jnp.broadcast_to(chunk_mask, (b, t, t)),
+      jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None], (b, t, size)),
+      axis=2)
+  mask = jnp.where(in_chunk[:, None], own, cache_mask)  # [B, T, S]
+
+  def row(q_row, m_row):  # [B, 1, K, R, D], [B, 1, S] -> [B, 1, K, R, D]
+    scores = jnp.einsum("btkrd,bskd->bkrts", q_row, keys,
+                        preferred_element_type=jnp.float32)
+    scores = softcap(scores, cap)
+    scores = jnp.where(m_row[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    return jnp.einsum("bkrts,bskd->btkrd", probs, values)
+
+  if t <= _UNROLLED_ROWS:
+    return jnp.concatenate([row(q[:, i:i + 1], mask[:, i:i + 1])
+                            for i in range(t)], axis=1)
+  rows = jax.lax.map(lambda a: row(*a), (q[:, :, None].swapaxes(0, 1),
+                                         mask[:, :, None].swapaxes(0, 1)))
+  return rows[:, :, 0].swapaxes(0, 1)  # [T, B, 1, ...] -> [B, T, ...]
+
+
 class Block(nn.Module):
   """Pre-norm decoder layer: grouped-query attention and a gated MLP
   (SwiGLU, or Gemma's GeGLU with QK-norm and post-norms), or a mixture of
@@ -172,7 +274,8 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, k_cache: jax.Array | None,
                v_cache: jax.Array | None, positions: jax.Array,
-               cache_mask: jax.Array | None, chunk_mask: jax.Array):
+               cache_mask: jax.Array | None, chunk_mask: jax.Array,
+               chunk_slots: jax.Array | None = None):
     """One layer over a chunk.
 
     Args:
@@ -185,6 +288,10 @@ class Block(nn.Module):
       cache_mask: [B, T, S or W] which cache slots each query reads, or
         None.
       chunk_mask: [B or 1, T, T] which chunk tokens each query reads.
+      chunk_slots: [B] int32, the slot of k_cache where each row's chunk
+        will be written: with a cache, attention then takes one query row
+        at a time and reads the chunk there (`attend_by_row`,
+        `MatmulPlan.row_invariant`); None: all rows at once (`attend`).
 
     Returns:
       x [B, T, E], and the chunk's keys and values [B, T, K, D] for the cache.
@@ -216,22 +323,12 @@ class Block(nn.Module):
       # Queries grouped by key/value head: [B, T, H, D] -> [B, T, K, R, D].
       scale = c.query_pre_attn_scalar or d
       q = q.reshape(b, t, nk, nh // nk, d) / np.sqrt(scale).astype(q.dtype)
-      f32 = jnp.float32
-      scores = jnp.einsum("btkrd,bukd->bkrtu", q, k,
-                          preferred_element_type=f32)  # [B, K, R, T, T]
-      scores = softcap(scores, c.attn_logit_softcap)
-      scores = jnp.where(chunk_mask[:, None, None], scores, -jnp.inf)
-      if k_cache is not None:
-        s_cache = jnp.einsum("btkrd,bskd->bkrts", q, k_cache.astype(q.dtype),
-                             preferred_element_type=f32)  # [B, K, R, T, S]
-        s_cache = softcap(s_cache, c.attn_logit_softcap)
-        s_cache = jnp.where(cache_mask[:, None, None], s_cache, -jnp.inf)
-        scores = jnp.concatenate([s_cache, scores], -1)  # [B, K, R, T, S+T]
-      probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-      attn = jnp.einsum("bkrtu,bukd->btkrd", probs[..., -t:], v)
-      if k_cache is not None:
-        attn += jnp.einsum("bkrts,bskd->btkrd", probs[..., :-t],
-                           v_cache.astype(v.dtype))  # [B, T, K, R, D]
+      if k_cache is not None and chunk_slots is not None:
+        attn = attend_by_row(q, k, v, k_cache, v_cache, cache_mask,
+                             chunk_mask, chunk_slots, c.attn_logit_softcap)
+      else:
+        attn = attend(q, k, v, k_cache, v_cache, cache_mask, chunk_mask,
+                      c.attn_logit_softcap)
       out = self._dense(attn.reshape(b, t, nh * d), "o", nh * d, e)
       if c.post_norms:
         out = self._norm(out, "attn_post_norm")

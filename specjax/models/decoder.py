@@ -77,7 +77,7 @@ class Decoder:
       cache, last, everything = carry
       piece = jax.lax.dynamic_slice_in_dim(tokens, start, size, axis=1)
       cache = cache.rollback(jnp.full((batch,), start, jnp.int32))
-      out = self.forward(piece, cache)
+      out = self.forward(piece, cache, prefill=True)
       hidden, cache = out.hidden, out.cache  # [B, size, E]
       at = lengths - 1 - start  # the last prompt position, if in this piece
       here = jnp.take_along_axis(

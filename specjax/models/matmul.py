@@ -63,6 +63,12 @@ class MatmulPlan:
     scan_layers: store the layers stacked [L, ...] and run them as one
       `lax.scan` of XLA's dots (`specjax.models.stacking`): the GPU and
       TPU layout. Not with `kernel`, which has its own loop.
+    row_invariant: attention over a cache takes one query row at a time,
+      with the chunk placed in its cache slots (`block.attend_by_row`), so
+      that a row's sums run as a one-token step's do. With products that
+      are row-invariant too (the kernel's), a verification pass then
+      reproduces decode steps bit for bit; int8 activations need it
+      (`Model.with_activations` sets it).
   """
 
   layout: str = "in_out"
@@ -71,6 +77,7 @@ class MatmulPlan:
   kernel_min_rows: int = 1
   layer_loop: bool = True
   scan_layers: bool = False
+  row_invariant: bool = False
 
   def __post_init__(self):
     if not self.kernel:

@@ -47,14 +47,16 @@ With `act_bits` 8 (`with_activations`, a ":a8" suffix on `quantize`) a
 product first quantizes x to int8 per row and chunk of `ACT_CHUNK` inputs
 (`quantize_activations`): a different model from the weight-only one,
 which a kernel computes with integer dot products, as llama.cpp's
-quantized matmuls do. The kernel's rows are exact (a row's codes, integer
-sums and float epilogue do not depend on X), but the float operations
-between the products are XLA's, whose reductions (RMSNorm, attention) may
-round a row differently in a pass of T rows than alone; int8 codes turn
-such a last-bit difference into a different code now and then, so a
-verification pass matches the decode steps only up to rounding, and
-speculation on int8 activations is not lossless (greedy output may part
-from `generate` at a near-tie).
+quantized matmuls do. Int8 codes turn a last-bit difference in x into a
+different code now and then, so a verification pass reproduces the
+decode steps only if each of its rows rounds as the same row alone. The
+kernel's rows do (a row's codes, integer sums and float epilogue do not
+depend on X), and so does attention by row (`MatmulPlan.row_invariant`,
+which `with_activations` sets): on a kernel plan speculation on int8
+activations is exact. XLA's products and its attention over all rows at
+once group their sums by X, so elsewhere it is exact only up to rounding
+(`Model.int8_rounding`): greedy output may part from `generate` at a
+near-tie.
 """
 
 from __future__ import annotations

@@ -183,7 +183,8 @@ class Transformer(nn.Module):
                hidden_layers: tuple[int, ...] = (),
                cache_is_empty: bool = False,
                cache_mask: jax.Array | None = None,
-               write_cache: bool = True) -> "TransformerOutput":
+               write_cache: bool = True,
+               prefill: bool = False) -> "TransformerOutput":
     """Runs a chunk of tokens per row at the rows' cache offsets.
 
     Args:
@@ -212,6 +213,9 @@ class Transformer(nn.Module):
         caller that writes them itself (`KVCache.write`): inside a
         `lax.switch` branch, an in-place write forces XLA to copy the
         whole cache first, every step.
+      prefill: static; a prompt chunk (`Decoder.prefill`), whose rows are
+        compared with no one-token step: attention takes them all at once
+        even on a `MatmulPlan.row_invariant` plan.
 
     Returns:
       A `TransformerOutput`; the cache in it has the chunk written and
@@ -244,7 +248,8 @@ class Transformer(nn.Module):
     masks = {}
     for window in sorted({c.layer_window(i) for i in range(first, stop)},
                          key=str):
-      start = (None if cache_mask is not None or cache_is_empty else
+      start = (None if cache_mask is not None or cache_is_empty
+               or self.plan.row_invariant else
                window_start(positions, cache.size, window))
       cache_m, chunk_m = attention_masks(
           offsets, positions, mask,
@@ -252,18 +257,21 @@ class Transformer(nn.Module):
       if cache_mask is not None:
         cache_m &= cache_mask
       masks[window] = (cache_m, chunk_m, start)
+    # Where each row's chunk goes, for attention by row (None: at once).
+    chunk_slots = (cache.lengths if self.plan.row_invariant and not prefill
+                   else None)
     if self.plan.scan_layers:
       x, keys, values, chosen = self._scanned(
-          x, cache, positions, masks, first, stop, hidden_layers,
-          cache_is_empty)
+          x, cache, positions, masks, chunk_slots, first, stop,
+          hidden_layers, cache_is_empty)
     elif self._loops(first, stop, x):
       x, keys, values, chosen = self._layer_loop(
-          x, cache, positions, masks, first, stop, hidden_layers,
-          cache_is_empty)
+          x, cache, positions, masks, chunk_slots, first, stop,
+          hidden_layers, cache_is_empty)
     else:
       x, keys, values, chosen = self._unrolled(
-          x, cache, positions, masks, first, stop, hidden_layers,
-          cache_is_empty)
+          x, cache, positions, masks, chunk_slots, first, stop,
+          hidden_layers, cache_is_empty)
     missing = set(hidden_layers) - set(chosen)
     if missing:
       raise ValueError(f"hidden_layers {sorted(missing)} are not run by "
@@ -307,8 +315,8 @@ class Transformer(nn.Module):
     return self.plan.kernel.loops(
         [params[f"layers_{i}"] for i in range(first, stop)], x.dtype)
 
-  def _unrolled(self, x, cache, positions, masks, first, stop,
-                hidden_layers, cache_is_empty):
+  def _unrolled(self, x, cache, positions, masks, chunk_slots, first,
+                stop, hidden_layers, cache_is_empty):
     """Layers first..stop-1 one after another, each its own code.
 
     Returns:
@@ -329,15 +337,15 @@ class Transformer(nn.Module):
             k_cache = window_slots(k_cache, start, window)
             v_cache = window_slots(v_cache, start, window)
           x, k, v = self.layers[i](x, k_cache, v_cache, positions,
-                                   cache_m, chunk_m)
+                                   cache_m, chunk_m, chunk_slots)
       ks.append(k)
       vs.append(v)
       if i in hidden_layers:
         chosen[i] = x
     return x, jnp.stack(ks), jnp.stack(vs), chosen
 
-  def _layer_loop(self, x, cache, positions, masks, first, stop,
-                  hidden_layers, cache_is_empty):
+  def _layer_loop(self, x, cache, positions, masks, chunk_slots, first,
+                  stop, hidden_layers, cache_is_empty):
     """Layers first..stop-1 as one `lax.scan` over the layer index: one
     copy of the layer's code, whose matrices are `LayerPick`s of every
     layer's (read in place by the kernel) and whose norms and biases are
@@ -367,7 +375,7 @@ class Transformer(nn.Module):
           k_cache = window_slots(k_cache, start, window)
           v_cache = window_slots(v_cache, start, window)
       x, k, v = block.apply({"params": params}, x, k_cache, v_cache,
-                            positions, cache_m, chunk_m)
+                            positions, cache_m, chunk_m, chunk_slots)
       return x, (k, v, x if hidden_layers else None)
 
     with jax.named_scope("layers"):
@@ -377,8 +385,8 @@ class Transformer(nn.Module):
               if first <= i < stop}
     return x, keys, values, chosen
 
-  def _scanned(self, x, cache, positions, masks, first, stop,
-               hidden_layers, cache_is_empty):
+  def _scanned(self, x, cache, positions, masks, chunk_slots, first,
+               stop, hidden_layers, cache_is_empty):
     """Layers first..stop-1 from stacked [L, ...] parameters, as one
     `lax.scan` over groups of P layers (`stacking.layer_period`: P = 1
     unless windows or ropes alternate), each step indexing its layers'
@@ -410,7 +418,7 @@ class Transformer(nn.Module):
       # here, in this module's own collection.
       (x, k, v), sown = blocks[j].apply(
           {"params": params}, x, k_cache, v_cache, positions, cache_m,
-          chunk_m, mutable=["intermediates"])
+          chunk_m, chunk_slots, mutable=["intermediates"])
       return x, k, v, sum(jax.tree.leaves(sown), jnp.int32(0))
 
     def unrolled(x, layers):
