@@ -324,8 +324,9 @@ def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:
                "chain. lossless: prompts whose greedy output equals the "
                "baseline's; `lossy` marks a lossy acceptance rule "
                "(typical, relaxed), never lossless; `rounding` a target "
-               "with int8 activations, exact only up to rounding (its "
-               "prompts equal to the baseline's follow).")
+               "with int8 activations off the CPU kernel's plan, exact "
+               "only up to rounding (its prompts equal to the baseline's "
+               "follow).")
   lines += _quality_lines(results)
   head = (f"{results.get('drafter', 'model')}, B={results['batch_size']}, "
           f"γ={results['gamma']}")

@@ -233,8 +233,8 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, *,
       int8 and int4 codes), else "in_out/xla". Not with `mesh`. A ":a8"
       suffix ("gguf:a8", "int4:a8") also quantizes the activations to
       int8 (`Model.with_activations`: llama.cpp's arithmetic, integer
-      dot products in the CPU kernel; speculation on it is exact only up
-      to rounding).
+      dot products in the CPU kernel, where speculation on it is exact;
+      elsewhere only up to rounding, `Model.int8_rounding`).
     workload: the calls `quantize="auto"` prices (`cpu.quantize.Workload`;
       default: speculative decoding at the γ of `tune_rows`).
 
