@@ -145,18 +145,16 @@ def attend_by_row(q: jax.Array, k: jax.Array, v: jax.Array,
                   chunk_slots: jax.Array, cap: float | None) -> jax.Array:
   """`attend` with each query row's sums in the order of a one-token step.
 
-  The chunk's keys and values go into the cache at `chunk_slots` first (a
-  copy: the cache itself is written after the layers), so that a key sits
-  at the same index of every sum whether it came in this chunk or an
-  earlier one; then each query row attends alone, in the shapes of a
-  one-token step: written out up to `_UNROLLED_ROWS` rows (a verification
-  pass), in a `lax.map` above (a prefill chunk), which computes the same
-  values but costs a loop's overhead per row (9 rows of the 1.5B's
-  attention: 1.36 ms a layer in a loop, 0.62 written out, 0.53 for
-  `attend`). XLA's dots and reductions over T rows at
-  once group their sums by T, so a verification pass would round
-  differently from decode steps; with int8 activations such differences
-  change the codes the next product reads.
+  XLA's dots and reductions over T rows at once group their sums by T, so
+  a verification pass would round differently from decode steps; with
+  int8 activations such differences change the codes the next product
+  reads. Here the chunk's keys and values go into the cache at
+  `chunk_slots` first (a copy: the cache itself is written after the
+  layers), so that a key sits at the same index of every sum whether it
+  came in this chunk or an earlier one; then each query row attends
+  alone, in the shapes of a one-token step: written out up to
+  `_UNROLLED_ROWS` rows (a verification pass costs what `attend` does),
+  in a `lax.map` above, the same values at a loop's overhead per row.
 
   Args:
     q: [B, T, K, R, D] scaled queries; k, v: [B, T, K, D].
