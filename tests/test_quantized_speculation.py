@@ -139,6 +139,28 @@ def test_an_int8_activation_pass_reproduces_its_decode_steps(models_):
   assert _rows_apart(at_once, 7, 5).max() > 0
 
 
+def test_row_invariant_attention_is_left_to_kernel_plans(models_):
+  """On an XLA plan, whose int8 products group a pass's sums by its rows
+  anyway, `with_activations(8)`'s row-invariant flag buys no exactness:
+  the pass keeps attention over all rows at once, bit for bit."""
+  quant = models_[0].quantize("int4:a8")
+  assert quant.plan.row_invariant and not quant.plan.kernel
+  assert quant.int8_rounding
+  at_once = quant.replace(plan=dataclasses.replace(quant.plan,
+                                                   row_invariant=False))
+  lengths = jnp.asarray([4], jnp.int32)
+  prompt = jnp.arange(7, dtype=jnp.int32)[None] % 97
+  tokens = (jnp.arange(5, dtype=jnp.int32)[None] * 7 + 3) % 97
+
+  def pass_(model):
+    cache = model.init_cache(1, 20)
+    _, cache = jax.jit(type(model).prefill)(model, prompt, lengths, cache)
+    return np.asarray(jax.jit(lambda m, t, c: m.forward(t, c).hidden)(
+        model, tokens, cache))
+
+  np.testing.assert_array_equal(pass_(quant), pass_(at_once))
+
+
 @pytest.fixture(scope="module")
 def quantized_pair():
   target = _peaked(testing.TINY_TARGET, 0).quantize("int4")

@@ -63,12 +63,14 @@ class MatmulPlan:
     scan_layers: store the layers stacked [L, ...] and run them as one
       `lax.scan` of XLA's dots (`specjax.models.stacking`): the GPU and
       TPU layout. Not with `kernel`, which has its own loop.
-    row_invariant: attention over a cache takes one query row at a time,
-      with the chunk placed in its cache slots (`block.attend_by_row`), so
-      that a row's sums run as a one-token step's do. With products that
-      are row-invariant too (the kernel's), a verification pass then
-      reproduces decode steps bit for bit; int8 activations need it
-      (`Model.with_activations` sets it).
+    row_invariant: with `kernel`, attention over a cache takes one query
+      row at a time, with the chunk placed in its cache slots
+      (`block.attend_by_row`), so that a row's sums run as a one-token
+      step's do; with the kernel's row-invariant products, a verification
+      pass then reproduces decode steps bit for bit. Int8 activations need
+      it (`Model.with_activations` sets it). Without a kernel it does
+      nothing: XLA's products are not row-invariant, so attention by row
+      would buy no exactness.
   """
 
   layout: str = "in_out"

@@ -245,12 +245,15 @@ class Transformer(nn.Module):
     # [B] or None) per window run. Local layers read only their window's
     # slots of a long cache (`window_start`); a caller's own cache mask
     # (tree drafts kept in the cache) sees every slot.
+    # Attention by row where it buys exactness: with the kernel's
+    # row-invariant products, and on rows compared with one-token steps.
+    by_row = bool(self.plan.row_invariant and self.plan.kernel
+                  and not prefill)
     masks = {}
     for window in sorted({c.layer_window(i) for i in range(first, stop)},
                          key=str):
-      start = (None if cache_mask is not None or cache_is_empty
-               or self.plan.row_invariant else
-               window_start(positions, cache.size, window))
+      start = (None if cache_mask is not None or cache_is_empty or by_row
+               else window_start(positions, cache.size, window))
       cache_m, chunk_m = attention_masks(
           offsets, positions, mask,
           cache.size if start is None else window, window, start)
@@ -258,8 +261,7 @@ class Transformer(nn.Module):
         cache_m &= cache_mask
       masks[window] = (cache_m, chunk_m, start)
     # Where each row's chunk goes, for attention by row (None: at once).
-    chunk_slots = (cache.lengths if self.plan.row_invariant and not prefill
-                   else None)
+    chunk_slots = cache.lengths if by_row else None
     if self.plan.scan_layers:
       x, keys, values, chosen = self._scanned(
           x, cache, positions, masks, chunk_slots, first, stop,
