@@ -7,12 +7,14 @@ float32 and in each GGUF format the offline Qwen files use (random blocks,
 verification pass at γ = 8, 64: a prefill chunk). Prints the best of 20
 calls per format and path, in ms, with the bytes the product reads and
 the implied GB/s: the kernel with float activations (exact), with int8
-activations (`a8`, llama.cpp's arithmetic), and XLA. The peak is XLA's
+activations (`a8`, llama.cpp's arithmetic; AMX tiles from 12 rows where
+`kernels.amx()`, off with SPECJAX_NO_AMX=1), and XLA. The peak is XLA's
 fp32 dot at [2048, 2048] x [2048, 2048] (compute-bound, in cache); each
 row also gives XLA's fp32 dot of its own shape, and each kernel's
 GFLOP/s as a fraction of the peak (`of_peak`).
 
-COMMAND: python scripts/bench_quant_kernel.py [--rows=1,9,64]
+COMMAND: [SPECJAX_NO_AMX=1] python scripts/bench_quant_kernel.py \
+  [--rows=1,9,64]
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def main() -> None:
   peak = 2 * 2048 ** 3 / _best_ms(dot, square, square, calls=5) / 1e6
   print(json.dumps({"cpu": hardware.cpu_id(), "jax": jax.__version__,
                     "shape": [O, I], "kernels": kernels.available(),
-                    "peak_GFLOP_per_s": round(peak)}))
+                    "amx": kernels.amx(), "peak_GFLOP_per_s": round(peak)}))
   for rows in (int(r) for r in args.rows.split(",")):
     x = jax.random.normal(jax.random.key(rows), (rows, I), jnp.float32)
     # float32's own path: the kernel up to its row limit, XLA's dot above

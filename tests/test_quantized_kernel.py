@@ -6,6 +6,7 @@ the same packed arrays, to float32 accumulation-order rounding.
 """
 
 import os
+import pathlib
 import platform
 import shutil
 import subprocess
@@ -88,7 +89,7 @@ def test_layer_loop_pick_reads_each_layers_format(act_bits, rows):
 
 
 @pytest.mark.parametrize("name", sorted(MATRICES))
-@pytest.mark.parametrize("rows", [1, 3, 9, 33, 100])
+@pytest.mark.parametrize("rows", [1, 3, 9, 12, 33, 100])
 def test_int8_activation_kernel_equals_the_xla_product(name, rows):
   """act_bits 8: the kernel's integer dot products equal XLA's product of
   the int8-quantized activations (`quantize_activations`) and the
@@ -100,7 +101,8 @@ def test_int8_activation_kernel_equals_the_xla_product(name, rows):
   want = np.asarray(jax.jit(quantized.matmul)(x, w))
   _assert_rounding_close(got, want)
   # Every row as a decode step computes it, bit for bit, whatever tiles
-  # the X rows took (one, two or four weight rows a tile).
+  # the X rows took (one, two or four weight rows a tile, or from 12 rows
+  # AMX's tiles of 16 weight rows where `kernels.amx()`).
   for i in {0, rows - 1}:
     np.testing.assert_array_equal(np.asarray(run(x[i:i + 1], w)),
                                   got[i:i + 1])
@@ -109,6 +111,17 @@ def test_int8_activation_kernel_equals_the_xla_product(name, rows):
   exact = np.asarray(jax.jit(quantized.matmul)(x, MATRICES[name]))
   moved = np.abs(want - exact).max() / np.abs(exact).max()
   assert 1e-4 < moved < 3e-2, moved
+
+
+def test_int8_products_take_amx_tiles_where_the_cpu_has_them():
+  """A CPU listing AMX-INT8 gets its tiles (the row checks above then hold
+  them to the one-row products, which never take them)."""
+  cpuinfo = pathlib.Path("/proc/cpuinfo")
+  flags = next((line for line in cpuinfo.read_text().splitlines()
+                if line.startswith("flags")), "") if cpuinfo.exists() else ""
+  if not {"amx_tile", "amx_int8"} <= set(flags.split()):
+    pytest.skip("the CPU has no AMX-INT8")
+  assert kernels.amx()
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "int4:g64:sym"])

@@ -42,8 +42,8 @@ import numpy as np
 from specjax import hardware
 from specjax import paths
 
-__all__ = ["ACT_CHUNK", "KernelError", "MAX_ROWS", "available", "build",
-           "quantized_format_ok", "smallm_matmul", "smallm_pick",
+__all__ = ["ACT_CHUNK", "KernelError", "MAX_ROWS", "amx", "available",
+           "build", "quantized_format_ok", "smallm_matmul", "smallm_pick",
            "smallm_quantized", "smallm_quantized_pick", "source_hash"]
 
 _SOURCE = pathlib.Path(__file__).with_name("smallm.cc")
@@ -150,6 +150,16 @@ def available() -> bool:
     _log.warning("specjax kernels unavailable: %s", e)
     return False
   return True
+
+
+def amx() -> bool:
+  """Whether int8-activation products of 12 rows or more use AMX tiles here
+  (Intel AMX-INT8: the build targets it and Linux grants its registers;
+  SPECJAX_NO_AMX=1 turns it off). Every row stays bit for bit the same as
+  without them."""
+  if not available():
+    return False
+  return bool(ctypes.cdll.LoadLibrary(str(build())).SpecjaxAmx())
 
 
 def _require() -> None:

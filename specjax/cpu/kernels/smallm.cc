@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -29,6 +30,10 @@
 
 #if defined(__AVX512F__) || defined(__F16C__) || defined(__FMA__)
 #include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace ffi = xla::ffi;
@@ -1021,6 +1026,264 @@ inline GTiles gtiles(int64_t bits, int64_t group, int64_t k) {
 inline GTiles gtiles(int64_t, int64_t, int64_t) { return {}; }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && \
+    defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__linux__)
+#define SPECJAX_AMX 1
+// AMX tiles for int8 activations, in the formats gtile takes (groups of 16,
+// 32 or 64): 16 weight rows a tile against up to 16 x rows at once. Per
+// block and group, one tdpbusd gives the group's integer sums for every
+// (weight row, x row) pair: A is the weight rows' codes (uint8, [16, G]),
+// B the x rows' codes (int8, [G / 4, 16, 4]), C [16 weight rows, 16 x rows]
+// int32. The float epilogue then runs gtile's operations on each sum, the
+// same ones on the same values in the same order (one conversion, a
+// product with scale * d, one fused multiply-add, one fused subtraction of
+// coef times the group sum of q * d, over blocks; the block's groups
+// summed in gtile's tree at the end), so every row equals a gtile row, and
+// a one-row decode step, bit for bit. Integer sums are exact in any order.
+
+// Rows of a tile: x rows (B's columns, C's) and weight rows (A's, C's).
+constexpr int64_t kAmxRows = 16;
+// From this many x rows on, int8 products take AMX tiles. A tile's
+// epilogue costs the same for 1 to 16 x rows (its vectors run over them),
+// so fewer rows ran faster in gtile, measured on a [8960, 1536] product
+// (Q4_K, Q5_0, Q6_K): AMX 0.5-0.9x gtile at 4-10 rows, 1.05-1.2x at
+// 12-16, 1.3-1.7x at 32-64.
+constexpr int64_t kAmxMinRows = 12;
+
+// Whether this process may use AMX tiles: Linux grants their register
+// state on request, once per process; an older kernel, or a hypervisor
+// without it, refuses, and gtile serves. SPECJAX_NO_AMX=1 turns them off.
+inline bool amx_usable() {
+  static const bool usable = [] {
+    const char* off = std::getenv("SPECJAX_NO_AMX");
+    if (off && off[0] && off[0] != '0') return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+// A tile's groups of a block in K: the low part's G / 2 codes, then the
+// high part's (any order serves an integer sum, the same for A and B).
+// Weights: the block's low and high 64 bytes of codes, interleaved in
+// chunks of G / 2 (qwords) so that group g is bytes [G g, G (g + 1)).
+template <int G>
+inline void amx_interleave(__m512i lo, __m512i hi, uint8_t* out) {
+  alignas(64) static constexpr auto idx = [] {
+    constexpr int cq = G / 16;  // qwords a half group
+    std::array<int64_t, 16> t{};
+    for (int o = 0; o < 16; ++o) {
+      const int within = o % (2 * cq);
+      t[o] = within / cq * 8 + o / (2 * cq) * cq + within % cq;
+    }
+    return t;
+  }();
+  _mm512_storeu_si512(out, _mm512_permutex2var_epi64(
+                               lo, _mm512_load_si512(idx.data()), hi));
+  _mm512_storeu_si512(out + 64, _mm512_permutex2var_epi64(
+                                    lo, _mm512_load_si512(idx.data() + 8),
+                                    hi));
+}
+
+// x's operands for AMX tiles, from Act8 (with qp): per group of 16 x rows
+// (xg), block b and group i of the block, B [G / 4, 16, 4] of the group's
+// codes in amx_interleave's K order, and d and the group's sum of q * d as
+// vectors over the 16 rows (lanes past M zero).
+struct AmxAct {
+  std::unique_ptr<int8_t[]> b;    // [XG, blocks, groups a block, G * 16]
+  std::unique_ptr<float[]> d, g;  // [XG, blocks, groups a block, 16]
+  int64_t xgroups, blocks, gpb, group;
+
+  AmxAct(const Act8& a, int64_t k, int64_t group)
+      : xgroups((a.m + kAmxRows - 1) / kAmxRows),
+        blocks(k / kNibBlock),
+        gpb(kNibBlock / group),
+        group(group) {
+    const int64_t m = a.m, tile = group * kAmxRows;  // bytes of a B tile
+    b.reset(new int8_t[xgroups * blocks * gpb * tile]());
+    d.reset(new float[xgroups * blocks * gpb * 16]());
+    g.reset(new float[xgroups * blocks * gpb * 16]());
+    const int64_t half = group / 2;
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t xg = r / kAmxRows, lane = r % kAmxRows;
+      for (int64_t bl = 0; bl < blocks; ++bl) {
+        const int8_t* q = a.qp.get() + (bl * m + r) * kNibBlock;
+        for (int64_t i = 0; i < gpb; ++i) {
+          const int64_t at = (xg * blocks + bl) * gpb + i;
+          int8_t* t = b.get() + at * tile;
+          for (int64_t e = 0; e < group; ++e) {
+            const int64_t part = e / half, src = 64 * part + half * i + e % half;
+            t[e / 4 * 64 + lane * 4 + e % 4] = q[src];
+          }
+          const int64_t grp = bl * gpb + i;
+          d[at * 16 + lane] = a.d[r * (k / kChunk) + grp * group / kChunk];
+          g[at * 16 + lane] = a.gsum[(grp / 16 * m + r) * 16 + grp % 16];
+        }
+      }
+    }
+  }
+};
+
+// AMX's tile registers: C (sums) 0-3, A (weights) 4-5, B (x codes) 6-7.
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+
+  explicit AmxConfig(int group) {
+    for (int t = 0; t < 4; ++t) colsb[t] = 64, rows[t] = kAmxRows;
+    for (int t = 4; t < 6; ++t) colsb[t] = group, rows[t] = kAmxRows;
+    for (int t = 6; t < 8; ++t) colsb[t] = 64, rows[t] = group / 4;
+  }
+};
+
+// Groups [i, i + NG) of one block (NG 2 or 4): C = A (weights, rows of
+// 128 bytes at w) times B (tiles of G * 16 bytes at x) -> c[NG][16][16].
+template <int G, int NG>
+[[gnu::always_inline]] inline void amx_groups(const uint8_t* w,
+                                              const int8_t* x, int32_t* c) {
+  constexpr int64_t kB = G * kAmxRows;
+  _tile_zero(0);
+  _tile_loadd(4, w, 128);
+  _tile_loadd(6, x, 64);
+  _tile_zero(1);
+  _tile_loadd(5, w + G, 128);
+  _tile_loadd(7, x + kB, 64);
+  _tile_dpbusd(0, 4, 6);
+  _tile_dpbusd(1, 5, 7);
+  if constexpr (NG == 4) {
+    _tile_zero(2);
+    _tile_loadd(4, w + 2 * G, 128);
+    _tile_loadd(6, x + 2 * kB, 64);
+    _tile_zero(3);
+    _tile_loadd(5, w + 3 * G, 128);
+    _tile_loadd(7, x + 3 * kB, 64);
+    _tile_dpbusd(2, 4, 6);
+    _tile_dpbusd(3, 5, 7);
+  }
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + 256, 64);
+  if constexpr (NG == 4) {
+    _tile_stored(2, c + 512, 64);
+    _tile_stored(3, c + 768, 64);
+  }
+}
+
+// gtile's tree over a row's groups of a block, at lanes of `a` (one
+// vector over x rows per group): G = 32 (0 + 1) + (2 + 3), G = 16 ((0 +
+// 2) + (4 + 6)) + ((1 + 3) + (5 + 7)), G = 64 0 + 1.
+template <int G>
+[[gnu::always_inline]] inline __m512 amx_tree(const float* a) {
+  const auto v = [a](int i) { return _mm512_loadu_ps(a + 16 * i); };
+  if constexpr (G == 64) return _mm512_add_ps(v(0), v(1));
+  if constexpr (G == 32) {
+    return _mm512_add_ps(_mm512_add_ps(v(0), v(1)),
+                         _mm512_add_ps(v(2), v(3)));
+  }
+  return _mm512_add_ps(
+      _mm512_add_ps(_mm512_add_ps(v(0), v(2)), _mm512_add_ps(v(4), v(6))),
+      _mm512_add_ps(_mm512_add_ps(v(1), v(3)), _mm512_add_ps(v(5), v(7))));
+}
+
+// Per-thread buffers of amx_tile.
+struct AmxBuffers {
+  alignas(64) uint8_t w[kAmxRows * kNibBlock];         // A, a block
+  alignas(64) int32_t c[8 * kAmxRows * kAmxRows];      // C, a block
+  std::unique_ptr<float[]> acc;  // [XG, 16 weight rows, groups a block, 16]
+
+  explicit AmxBuffers(int64_t xgroups)
+      : acc(new float[xgroups * kAmxRows * 8 * 16]) {}
+};
+
+// 16 weight rows (packed low nibbles from low, k / 2 bytes a row; high
+// bits from high, k * HB / 8; scales s and coef, rows `stride` apart)
+// against every x row of `x` -> y[r * ldy + t], t < 16.
+template <int G, int HB>
+void amx_tile(const AmxAct& x, int64_t m, int64_t k, const uint8_t* low,
+              const uint8_t* high, const float* s, const float* coef,
+              int64_t stride, AmxBuffers& buf, float* y, int64_t ldy) {
+  constexpr int kGpb = kNibBlock / G;
+  constexpr int64_t kB = G * kAmxRows;
+  const int64_t blocks = k / kNibBlock, xgroups = x.xgroups;
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  float* acc = buf.acc.get();
+  std::fill(acc, acc + xgroups * kAmxRows * kGpb * 16, 0.f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t t = 0; t < kAmxRows; ++t) {
+      const uint8_t* row = low + t * (k / 2) + 64 * b;
+      const __m512i packed = _mm512_loadu_si512(row);
+      _mm_prefetch(reinterpret_cast<const char*>(row + 64 * 4), _MM_HINT_T0);
+      __m512i lo = _mm512_and_si512(packed, nibble);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      if constexpr (HB > 0) {
+        const uint8_t* h = high + t * (k * HB / 8) + 16 * HB * b;
+        const __m512i src =
+            HB == 1
+                ? _mm512_castsi128_si512(
+                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(h)))
+                : _mm512_castsi256_si512(_mm256_loadu_si256(
+                      reinterpret_cast<const __m256i*>(h)));
+        lo = _mm512_or_si512(lo, high_part<G, HB, 0>(src));
+        hi = _mm512_or_si512(hi, high_part<G, HB, 1>(src));
+      }
+      amx_interleave<G>(lo, hi, buf.w + t * kNibBlock);
+    }
+    for (int64_t xg = 0; xg < xgroups; ++xg) {
+      const int64_t at = (xg * blocks + b) * kGpb;
+      const int8_t* xb = x.b.get() + at * kB;
+      for (int i = 0; i < kGpb; i += 4) {
+        if constexpr (kGpb == 2) {
+          amx_groups<G, 2>(buf.w, xb, buf.c);
+        } else {
+          amx_groups<G, 4>(buf.w + G * i, xb + kB * i, buf.c + 256 * i);
+        }
+      }
+      float* a = acc + xg * kAmxRows * kGpb * 16;
+      for (int i = 0; i < kGpb; ++i) {
+        const __m512 dv = _mm512_loadu_ps(x.d.get() + (at + i) * 16);
+        const __m512 gv = _mm512_loadu_ps(x.g.get() + (at + i) * 16);
+        const int64_t grp = b * kGpb + i;
+        for (int64_t t = 0; t < kAmxRows; ++t) {
+          float* at_acc = a + (t * kGpb + i) * 16;
+          const __m512 sums = _mm512_cvtepi32_ps(
+              _mm512_load_si512(buf.c + 256 * i + 16 * t));
+          const __m512 sum = _mm512_fmadd_ps(
+              sums, _mm512_mul_ps(_mm512_set1_ps(s[t * stride + grp]), dv),
+              _mm512_loadu_ps(at_acc));
+          _mm512_storeu_ps(at_acc, _mm512_fnmadd_ps(
+                                      _mm512_set1_ps(coef[t * stride + grp]),
+                                      gv, sum));
+        }
+      }
+    }
+  }
+  for (int64_t xg = 0; xg < xgroups; ++xg) {
+    const int64_t rows = std::min(kAmxRows, m - xg * kAmxRows);
+    for (int64_t t = 0; t < kAmxRows; ++t) {
+      alignas(64) float h[16];
+      _mm512_store_ps(h, amx_tree<G>(acc + (xg * kAmxRows + t) * kGpb * 16));
+      for (int64_t r = 0; r < rows; ++r) {
+        y[(xg * kAmxRows + r) * ldy + t] = h[r];
+      }
+    }
+  }
+}
+
+using AmxTileFn = void (*)(const AmxAct&, int64_t, int64_t, const uint8_t*,
+                           const uint8_t*, const float*, const float*,
+                           int64_t, AmxBuffers&, float*, int64_t);
+
+// amx_tile for the formats gtile takes, or null.
+inline AmxTileFn amx_tiles(int64_t bits, int64_t group, int64_t k) {
+  if (k % kNibBlock || !amx_usable()) return nullptr;
+  if (bits == 4 && group == 32) return amx_tile<32, 0>;
+  if (bits == 4 && group == 64) return amx_tile<64, 0>;
+  if (bits == 5 && group == 32) return amx_tile<32, 1>;
+  if (bits == 6 && group == 16) return amx_tile<16, 2>;
+  return nullptr;
+}
+#endif
+
 // 16 bytes, read as uint8 (or with Signed as int8) -> 16 int32 (GCC turns
 // __builtin_convertvector on a loaded vector into byte-by-byte inserts).
 template <bool Signed = false>
@@ -1393,6 +1656,10 @@ struct QWork {
   FTiles ft;  // float activations, nibble formats: ftile's tiles
   std::unique_ptr<XPerm> xperm;  // x for ftile
   GTiles gt;  // gtile's tiles, where it takes the format
+#if defined(SPECJAX_AMX)
+  AmxTileFn amx = nullptr;  // AMX tiles, from kAmxMinRows x rows
+  std::unique_ptr<AmxAct> amx_act;
+#endif
   int64_t m, k, n, group, bits, offset, chunk;
   std::unique_ptr<Chunks> chunks;
 
@@ -1551,7 +1818,7 @@ struct QWork {
   // kMaxRows); others are unpacked a weight row at a time into u (K bytes,
   // in L1) for qtile.
   void columns_a8(int64_t n0, int64_t n1, uint8_t* u, float* coef,
-                  float* tmp) const {
+                  float* tmp, void* amx_buf) const {
     const int64_t groups = k / group, cstride = gsum_blocks(groups) * 16;
     const int lpg = group >= kChunk ? 16 : static_cast<int>(group / 4);
     const QTileFn* tiles = lpg == 4 ? kQRow<4> : lpg == 8 ? kQRow<8>
@@ -1562,6 +1829,25 @@ struct QWork {
     const int64_t row_groups = (m + max_rows - 1) / max_rows;
     const int64_t hb_row = high ? k * (bits - 4) / 8 : 0;
     for (int64_t j = n0; j < n1;) {
+#if defined(SPECJAX_AMX)
+      if (amx && j + kAmxRows <= n1) {  // 16 weight rows in AMX tiles
+        const float* s = scales.row(j, groups, tmp);
+        for (int64_t t = 1; t < kAmxRows; ++t) {
+          scales.row(j + t, groups, tmp + t * groups);
+        }
+        for (int64_t t = 0; t < kAmxRows; ++t) {
+          const float* mn =
+              mins.row(j + t, groups, tmp + kAmxRows * groups);
+          for (int64_t g = 0; g < groups; ++g) {
+            coef[t * groups + g] = s[t * groups + g] * off + (mn ? mn[g] : 0.f);
+          }
+        }
+        amx(*amx_act, m, k, codes + j * k / 2, high ? high + j * hb_row : nullptr,
+            s, coef, groups, *static_cast<AmxBuffers*>(amx_buf), y + j, n);
+        j += kAmxRows;
+        continue;
+      }
+#endif
       const int64_t nb = j + width <= n1 ? width : 1;
       // Rows j.. of scales lie groups apart: as stored, or converted.
       const float* s = scales.row(j, groups, tmp);
@@ -1598,15 +1884,35 @@ struct QWork {
   void drain() {
     std::unique_ptr<float[]> buf(new float[kMaxBlock * k]);
     std::unique_ptr<uint8_t[]> u(new uint8_t[k]);
+    void* amx_buf = nullptr;
+#if defined(SPECJAX_AMX)
+    // Scales and mins of 16 weight rows; tiles configured per thread.
+    std::unique_ptr<float[]> tmp(new float[(kAmxRows + 5) * (k / group)]);
+    std::unique_ptr<AmxBuffers> amx_bufs;
+    if (amx) {
+      amx_bufs.reset(new AmxBuffers(amx_act->xgroups));
+      amx_buf = amx_bufs.get();
+      const AmxConfig config(static_cast<int>(group));
+      // GCC's _tile_loadconfig tells the compiler it reads 8 bytes, which
+      // then dropped the stores of the other 56 as dead (and ldtilecfg
+      // faulted on garbage): a barrier keeps them.
+      asm volatile("" : : "r"(&config) : "memory");
+      _tile_loadconfig(&config);
+    }
+#else
     std::unique_ptr<float[]> tmp(new float[5 * (k / group)]);
+#endif
     chunks->drain([&](int64_t c) {
       const int64_t n0 = c * chunk, n1 = std::min(n, n0 + chunk);
       if (act) {
-        columns_a8(n0, n1, u.get(), buf.get(), tmp.get());
+        columns_a8(n0, n1, u.get(), buf.get(), tmp.get(), amx_buf);
       } else {
         columns(n0, n1, u.get(), buf.get(), tmp.get());
       }
     });
+#if defined(SPECJAX_AMX)
+    if (amx) _tile_release();
+#endif
   }
 };
 
@@ -1716,6 +2022,12 @@ ffi::Error QuantProduct(ffi::ThreadPool& pool, const float* x, int64_t m,
     work->gt = gtiles(bits, group, k);
     work->act.reset(new Act8(work->x, work->m, work->k, group,
                              work->gt.one != nullptr));
+#if defined(SPECJAX_AMX)
+    if (work->gt.one && m >= kAmxMinRows && cd[0] >= kAmxRows &&
+        (work->amx = amx_tiles(bits, group, k))) {
+      work->amx_act.reset(new AmxAct(*work->act, k, group));
+    }
+#endif
   } else if (k % kNibBlock == 0 && (work->ft = ftiles(bits, group)).one) {
     work->xperm.reset(new XPerm(x, m, k, static_cast<int>(group)));
   }
@@ -1723,6 +2035,11 @@ ffi::Error QuantProduct(ffi::ThreadPool& pool, const float* x, int64_t m,
   const int64_t row_bytes = std::max<int64_t>(1, work->k * bits / 8);
   work->chunk = std::max<int64_t>(
       kMaxBlock, (1 << 16) / row_bytes / kMaxBlock * kMaxBlock);
+#if defined(SPECJAX_AMX)
+  if (work->amx) {  // whole AMX tiles of weight rows
+    work->chunk = std::max(kAmxRows, work->chunk / kAmxRows * kAmxRows);
+  }
+#endif
   RunChunks(pool, work, (work->n + work->chunk - 1) / work->chunk);
   return ffi::Error::Success();
 }
@@ -1859,3 +2176,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxSmallMQuantPick, SmallMQuantPickImpl,
                                   .Attr<ffi::Span<const int64_t>>("offset")
                                   .Attr<ffi::Span<const int64_t>>("has_mins")
                                   .Attr<int64_t>("act8"));
+
+// 1 where int8 products of kAmxMinRows x rows or more take AMX tiles in
+// this process, else 0 (specjax.cpu.kernels.amx).
+extern "C" int SpecjaxAmx() {
+#if defined(SPECJAX_AMX)
+  return amx_usable() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
