@@ -10,7 +10,8 @@ on some CPUs a 5-row pass costs far more than a 1-row pass (BENCHMARKS.md
 "Verification cost"). The kernel
 (`smallm.cc`) reads each weight row once and applies it to all X rows.
 `smallm_quantized` does the same from packed codes, with float or int8
-activations (integer dot products, AVX-512 VNNI where present).
+activations (integer dot products, AVX-512 VNNI where present, AMX tiles
+from 12 rows where the CPU and Linux grant them: `amx`).
 
 The source ships with the package and is compiled once per machine with the
 host's C++ compiler and `-march=native` into
@@ -349,7 +350,8 @@ def smallm_quantized(x: jax.Array, codes: jax.Array, scales: jax.Array,
     super_mins: the same for integer mins, or None.
     int8_activations: quantize x's rows to int8 per chunk of `ACT_CHUNK`
       inputs (`specjax.models.quantized.quantize_activations`) and sum
-      integer products (VNNI where the CPU has it).
+      integer products (VNNI where the CPU has it; AMX tiles from 12
+      rows, `amx`).
 
   Raises:
     KernelError: the kernels are not available here.
