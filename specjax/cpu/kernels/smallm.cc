@@ -846,6 +846,28 @@ inline __m512i high_part(__m512i src) {
       _mm512_set1_epi8(static_cast<char>(((1 << HB) - 1) << 4)));
 }
 
+// One block's 128 codes of a weight row: its 64 packed bytes at row, and
+// for HB > 0 its 16 * HB high bytes at h -> the low part's (lo) and the
+// high part's (hi), one code a byte.
+template <int G, int HB>
+[[gnu::always_inline]] inline void block_codes(const uint8_t* row,
+                                               const uint8_t* h, __m512i* lo,
+                                               __m512i* hi) {
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const __m512i packed = _mm512_loadu_si512(row);
+  *lo = _mm512_and_si512(packed, nibble);
+  *hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+  if constexpr (HB > 0) {
+    const __m512i src =
+        HB == 1 ? _mm512_castsi128_si512(
+                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(h)))
+                : _mm512_castsi256_si512(_mm256_loadu_si256(
+                      reinterpret_cast<const __m256i*>(h)));
+    *lo = _mm512_or_si512(*lo, high_part<G, HB, 0>(src));
+    *hi = _mm512_or_si512(*hi, high_part<G, HB, 1>(src));
+  }
+}
+
 // The group sums (lane_group, lane_row) of a tile's NB weight rows' int32
 // dot-product lanes v[0, NB): NB = 4 (G = 32), 2 (G = 16) or 1 (the row's
 // sums repeated in the others' lanes; G = 64 always). Integer sums: exact,
@@ -930,7 +952,6 @@ void gtile(const Act8& a, int64_t r0, int64_t k, const uint8_t* low,
            const float* coef, int64_t cstride, float* y, int64_t ldy) {
   constexpr int kGpb = kNibBlock / G;
   const int64_t blocks = k / kNibBlock;
-  const __m512i nibble = _mm512_set1_epi8(0x0f);
   const int8_t* q0 = a.qp.get() + r0 * kNibBlock;
   const float* dl0 = a.dl.get() + r0 * 16;
   const float* gl0 = a.gl.get() + r0 * 16;
@@ -941,23 +962,11 @@ void gtile(const Act8& a, int64_t r0, int64_t k, const uint8_t* low,
     __m512i lo[NB], hi[NB];
     unroll<NB>([&](auto t) {
       const uint8_t* row = low + t * (k / 2) + 64 * b;
-      const __m512i packed = _mm512_loadu_si512(row);
       // The next tile's block: one linear stream ahead of this tile's.
       _mm_prefetch(reinterpret_cast<const char*>(row + NB * (k / 2)),
                    _MM_HINT_T0);
-      lo[t] = _mm512_and_si512(packed, nibble);
-      hi[t] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-      if constexpr (HB > 0) {  // the block's 16 * HB high bytes
-        const uint8_t* h = high + t * (k * HB / 8) + 16 * HB * b;
-        const __m512i src =
-            HB == 1
-                ? _mm512_castsi128_si512(
-                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(h)))
-                : _mm512_castsi256_si512(_mm256_loadu_si256(
-                      reinterpret_cast<const __m256i*>(h)));
-        lo[t] = _mm512_or_si512(lo[t], high_part<G, HB, 0>(src));
-        hi[t] = _mm512_or_si512(hi[t], high_part<G, HB, 1>(src));
-      }
+      block_codes<G, HB>(row, high + t * (k * HB / 8) + 16 * HB * b, &lo[t],
+                         &hi[t]);
     });
     const __m512 sc = group_factors<G, NB>(s + kGpb * b, sstride);
     const __m512 cf = group_factors<G, NB>(coef + kGpb * b, cstride);
@@ -1205,27 +1214,14 @@ void amx_tile(const AmxAct& x, int64_t m, int64_t k, const uint8_t* low,
   constexpr int kGpb = kNibBlock / G;
   constexpr int64_t kB = G * kAmxRows;
   const int64_t blocks = k / kNibBlock, xgroups = x.xgroups;
-  const __m512i nibble = _mm512_set1_epi8(0x0f);
   float* acc = buf.acc.get();
   std::fill(acc, acc + xgroups * kAmxRows * kGpb * 16, 0.f);
   for (int64_t b = 0; b < blocks; ++b) {
     for (int64_t t = 0; t < kAmxRows; ++t) {
       const uint8_t* row = low + t * (k / 2) + 64 * b;
-      const __m512i packed = _mm512_loadu_si512(row);
       _mm_prefetch(reinterpret_cast<const char*>(row + 64 * 4), _MM_HINT_T0);
-      __m512i lo = _mm512_and_si512(packed, nibble);
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-      if constexpr (HB > 0) {
-        const uint8_t* h = high + t * (k * HB / 8) + 16 * HB * b;
-        const __m512i src =
-            HB == 1
-                ? _mm512_castsi128_si512(
-                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(h)))
-                : _mm512_castsi256_si512(_mm256_loadu_si256(
-                      reinterpret_cast<const __m256i*>(h)));
-        lo = _mm512_or_si512(lo, high_part<G, HB, 0>(src));
-        hi = _mm512_or_si512(hi, high_part<G, HB, 1>(src));
-      }
+      __m512i lo, hi;
+      block_codes<G, HB>(row, high + t * (k * HB / 8) + 16 * HB * b, &lo, &hi);
       amx_interleave<G>(lo, hi, buf.w + t * kNibBlock);
     }
     for (int64_t xg = 0; xg < xgroups; ++xg) {
