@@ -1101,13 +1101,12 @@ inline void amx_interleave(__m512i lo, __m512i hi, uint8_t* out) {
 struct AmxAct {
   std::unique_ptr<int8_t[]> b;    // [XG, blocks, groups a block, G * 16]
   std::unique_ptr<float[]> d, g;  // [XG, blocks, groups a block, 16]
-  int64_t xgroups, blocks, gpb, group;
+  int64_t xgroups, blocks, gpb;
 
   AmxAct(const Act8& a, int64_t k, int64_t group)
       : xgroups((a.m + kAmxRows - 1) / kAmxRows),
         blocks(k / kNibBlock),
-        gpb(kNibBlock / group),
-        group(group) {
+        gpb(kNibBlock / group) {
     const int64_t m = a.m, tile = group * kAmxRows;  // bytes of a B tile
     b.reset(new int8_t[xgroups * blocks * gpb * tile]());
     d.reset(new float[xgroups * blocks * gpb * 16]());
@@ -1121,7 +1120,7 @@ struct AmxAct {
           const int64_t at = (xg * blocks + bl) * gpb + i;
           int8_t* t = b.get() + at * tile;
           for (int64_t e = 0; e < group; ++e) {
-            const int64_t part = e / half, src = 64 * part + half * i + e % half;
+            const int64_t src = 64 * (e / half) + half * i + e % half;
             t[e / 4 * 64 + lane * 4 + e % 4] = q[src];
           }
           const int64_t grp = bl * gpb + i;
@@ -1835,11 +1834,13 @@ struct QWork {
           const float* mn =
               mins.row(j + t, groups, tmp + kAmxRows * groups);
           for (int64_t g = 0; g < groups; ++g) {
-            coef[t * groups + g] = s[t * groups + g] * off + (mn ? mn[g] : 0.f);
+            coef[t * groups + g] =
+                s[t * groups + g] * off + (mn ? mn[g] : 0.f);
           }
         }
-        amx(*amx_act, m, k, codes + j * k / 2, high ? high + j * hb_row : nullptr,
-            s, coef, groups, *static_cast<AmxBuffers*>(amx_buf), y + j, n);
+        amx(*amx_act, m, k, codes + j * k / 2,
+            high ? high + j * hb_row : nullptr, s, coef, groups,
+            *static_cast<AmxBuffers*>(amx_buf), y + j, n);
         j += kAmxRows;
         continue;
       }
