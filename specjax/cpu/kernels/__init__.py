@@ -123,8 +123,13 @@ def build(cache_dir: str | None = None) -> pathlib.Path:
 
 
 @functools.cache
+def _library() -> ctypes.CDLL:
+  return ctypes.cdll.LoadLibrary(str(build()))
+
+
+@functools.cache
 def _register() -> None:
-  library = ctypes.cdll.LoadLibrary(str(build()))
+  library = _library()
   jax.ffi.register_ffi_target(
       _TARGET, jax.ffi.pycapsule(library.SpecjaxSmallM), platform="cpu")
   jax.ffi.register_ffi_target(
@@ -160,7 +165,7 @@ def amx() -> bool:
   without them."""
   if not available():
     return False
-  return bool(ctypes.cdll.LoadLibrary(str(build())).SpecjaxAmx())
+  return bool(_library().SpecjaxAmx())
 
 
 def _require() -> None:

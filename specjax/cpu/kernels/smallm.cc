@@ -1204,12 +1204,13 @@ struct AmxBuffers {
 };
 
 // 16 weight rows (packed low nibbles from low, k / 2 bytes a row; high
-// bits from high, k * HB / 8; scales s and coef, rows `stride` apart)
-// against every x row of `x` -> y[r * ldy + t], t < 16.
+// bits from high, k * HB / 8; scales s, rows sstride apart, and coef,
+// rows cstride apart) against every x row of `x` -> y[r * ldy + t], t < 16.
 template <int G, int HB>
 void amx_tile(const AmxAct& x, int64_t m, int64_t k, const uint8_t* low,
-              const uint8_t* high, const float* s, const float* coef,
-              int64_t stride, AmxBuffers& buf, float* y, int64_t ldy) {
+              const uint8_t* high, const float* s, int64_t sstride,
+              const float* coef, int64_t cstride, AmxBuffers& buf, float* y,
+              int64_t ldy) {
   constexpr int kGpb = kNibBlock / G;
   constexpr int64_t kB = G * kAmxRows;
   const int64_t blocks = k / kNibBlock, xgroups = x.xgroups;
@@ -1243,10 +1244,10 @@ void amx_tile(const AmxAct& x, int64_t m, int64_t k, const uint8_t* low,
           const __m512 sums = _mm512_cvtepi32_ps(
               _mm512_load_si512(buf.c + 256 * i + 16 * t));
           const __m512 sum = _mm512_fmadd_ps(
-              sums, _mm512_mul_ps(_mm512_set1_ps(s[t * stride + grp]), dv),
+              sums, _mm512_mul_ps(_mm512_set1_ps(s[t * sstride + grp]), dv),
               _mm512_loadu_ps(at_acc));
           _mm512_storeu_ps(at_acc, _mm512_fnmadd_ps(
-                                      _mm512_set1_ps(coef[t * stride + grp]),
+                                      _mm512_set1_ps(coef[t * cstride + grp]),
                                       gv, sum));
         }
       }
@@ -1265,8 +1266,9 @@ void amx_tile(const AmxAct& x, int64_t m, int64_t k, const uint8_t* low,
 }
 
 using AmxTileFn = void (*)(const AmxAct&, int64_t, int64_t, const uint8_t*,
-                           const uint8_t*, const float*, const float*,
-                           int64_t, AmxBuffers&, float*, int64_t);
+                           const uint8_t*, const float*, int64_t,
+                           const float*, int64_t, AmxBuffers&, float*,
+                           int64_t);
 
 // amx_tile for the formats gtile takes, or null.
 inline AmxTileFn amx_tiles(int64_t bits, int64_t group, int64_t k) {
@@ -1823,42 +1825,37 @@ struct QWork {
     const int64_t max_rows = width > 1 ? kMultiMaxRows : kMaxRows;
     const int64_t row_groups = (m + max_rows - 1) / max_rows;
     const int64_t hb_row = high ? k * (bits - 4) / 8 : 0;
+    // The scales of weight rows j.. (count of them, groups apart: as
+    // stored, or converted into tmp), and their coef (scale * offset +
+    // min) into coef, rows cstride apart, zero from groups on.
+    const auto factors = [&](int64_t j, int64_t count) {
+      const float* s = scales.row(j, groups, tmp);
+      for (int64_t t = 1; t < count; ++t) {
+        scales.row(j + t, groups, tmp + t * groups);
+      }
+      for (int64_t t = 0; t < count; ++t) {
+        float* c = coef + t * cstride;
+        const float* mn = mins.row(j + t, groups, tmp + count * groups);
+        for (int64_t g = 0; g < groups; ++g) {
+          c[g] = s[t * groups + g] * off + (mn ? mn[g] : 0.f);
+        }
+        std::fill(c + groups, c + cstride, 0.f);
+      }
+      return s;
+    };
     for (int64_t j = n0; j < n1;) {
 #if defined(SPECJAX_AMX)
       if (amx && j + kAmxRows <= n1) {  // 16 weight rows in AMX tiles
-        const float* s = scales.row(j, groups, tmp);
-        for (int64_t t = 1; t < kAmxRows; ++t) {
-          scales.row(j + t, groups, tmp + t * groups);
-        }
-        for (int64_t t = 0; t < kAmxRows; ++t) {
-          const float* mn =
-              mins.row(j + t, groups, tmp + kAmxRows * groups);
-          for (int64_t g = 0; g < groups; ++g) {
-            coef[t * groups + g] =
-                s[t * groups + g] * off + (mn ? mn[g] : 0.f);
-          }
-        }
+        const float* s = factors(j, kAmxRows);
         amx(*amx_act, m, k, codes + j * k / 2,
-            high ? high + j * hb_row : nullptr, s, coef, groups,
+            high ? high + j * hb_row : nullptr, s, groups, coef, cstride,
             *static_cast<AmxBuffers*>(amx_buf), y + j, n);
         j += kAmxRows;
         continue;
       }
 #endif
       const int64_t nb = j + width <= n1 ? width : 1;
-      // Rows j.. of scales lie groups apart: as stored, or converted.
-      const float* s = scales.row(j, groups, tmp);
-      for (int64_t t = 1; t < nb; ++t) {
-        scales.row(j + t, groups, tmp + t * groups);
-      }
-      for (int64_t t = 0; t < nb; ++t) {
-        float* c = coef + t * cstride;
-        const float* mn = mins.row(j + t, groups, tmp + 4 * groups);
-        for (int64_t g = 0; g < groups; ++g) {
-          c[g] = s[t * groups + g] * off + (mn ? mn[g] : 0.f);
-        }
-        std::fill(c + groups, c + cstride, 0.f);
-      }
+      const float* s = factors(j, nb);
       const uint8_t* low = codes + j * k / 2;
       const uint8_t* hb = high ? high + j * hb_row : nullptr;
       if (!gt.one) row_codes(j, u);
