@@ -5,8 +5,11 @@ each fixed γ, transformers' heuristic schedule and `gamma="auto"`
 (`specjax.policies`) on the same prompts (`auto` cold, from its prior, and
 `auto warm`, started from the estimates the cold run ended with, then each
 round from the round before it, as a server carries them from request to
-request), and reports the decoding-phase tokens/s of each (the first token's
-prompt pass timed apart and subtracted, `hardware.timed_call`), the ratio
+request), and reports the decoding-phase tokens/s of each (timed within
+the call, from the host's receipt of its first streamed token:
+`hardware.timed_call(streamed=True)`; at large B the prompt pass is most
+of a call, and a difference of two calls' times would be mostly their
+noise), the ratio
 of `auto` to the best of the others, and the cost model's prediction beside
 each measurement.
 Each program first runs once untimed (compilation; the cold `auto` run
@@ -187,7 +190,7 @@ def _run_batch(config: Any, target, drafter, prompts, alpha, seen,
   # starts from what the one before it ended with.
   for name, (_, fn) in list(calls.items()):
     warmed, _ = hardware.warm_up(functools.partial(fn, key=config.repeats),
-                              (name, batch), seen)
+                                 (name, batch), seen, streamed=True)
     if name == "auto":
       warm = policies["auto"].warm(warmed.policy_state)
       calls["auto warm"] = warm, make(warm)
@@ -220,7 +223,7 @@ def _run_batch(config: Any, target, drafter, prompts, alpha, seen,
         # α and the key are traced (nothing compiles anew).
         timed.setdefault(name, []).append(hardware.timed_call(
             functools.partial(calls[name][1], key=round_key),
-            (name.split()[0], batch), seen, 1))
+            (name.split()[0], batch), seen, 1, streamed=True))
     keep = min if config.keep == "fastest" else np.mean
     kept = {name: dataclasses.replace(
         times[0], seconds=float(keep([c.seconds for c in times])),

@@ -304,22 +304,35 @@ def _time(fn: Callable[[], Any], repeats: int,
   return summary(times), out
 
 
-def warm_up(fn: Callable[..., Any], key: tuple, seen: set
-            ) -> tuple[Any, float]:
+def warm_up(fn: Callable[..., Any], key: tuple, seen: set,
+            streamed: bool = False) -> tuple[Any, float]:
   """Runs `fn()` and `fn(max_new_tokens=1)` once untimed (compilation) and
-  records `key` in `seen`; returns fn()'s output and the seconds both
-  took."""
+  records `key` in `seen`; returns fn()'s output and the seconds the
+  calls took. `streamed`: fn() alone, streaming, as `timed_call` times
+  it."""
   start = time.perf_counter()
-  out = fn()
-  fn(max_new_tokens=1)
+  if streamed:
+    out = fn(on_tokens=lambda _: None)
+  else:
+    out = fn()
+    fn(max_new_tokens=1)
   seen.add(key)
   return out, time.perf_counter() - start
 
 
+def _streamed(fn: Callable[..., Any]) -> tuple[float, float, Any]:
+  """Runs `fn` streamed (`on_tokens`); returns its seconds, the seconds
+  until the host received its first token, and its output."""
+  first = []
+  start = time.perf_counter()
+  out = fn(on_tokens=lambda _: first or first.append(time.perf_counter()))
+  return time.perf_counter() - start, first[0] - start, out
+
+
 def timed_call(fn: Callable[..., Any], key: tuple, seen: set,
                repeats: int,
-               summary: Callable[[list[float]], float] = statistics.median
-               ) -> Call:
+               summary: Callable[[list[float]], float] = statistics.median,
+               streamed: bool = False) -> Call:
   """Times `fn(max_new_tokens=N)` and its prefill, `fn(max_new_tokens=1)`,
   each `repeats` times, reduced by `summary` (the median; `min` where
   every repeat does the same work, so that only interference from
@@ -329,7 +342,18 @@ def timed_call(fn: Callable[..., Any], key: tuple, seen: set,
   The prefill call (prompt pass(es) and the first token, the loop exits at
   once) lets the decoding phase be reported apart from the prompt: the
   Leviathan et al. prediction models only the decoding phase.
+
+  `streamed`: instead, each call streams its tokens (`on_tokens`, one host
+  callback per step) and its prefill is the time until the host got the
+  first token, so the decoding phase is timed within one call. Where the
+  prompt pass dominates (many rows of long prompts), the difference of two
+  calls' noisy times leaves the short decoding phase little precision.
   """
+  if streamed:
+    warmup = 0.0 if key in seen else warm_up(fn, key, seen, True)[1]
+    runs = [_streamed(fn) for _ in range(repeats)]
+    return Call(runs[0][2], summary([r[0] for r in runs]), warmup,
+                summary([r[1] for r in runs]))
   prefill = functools.partial(fn, max_new_tokens=1)
   warmup = 0.0 if key in seen else warm_up(fn, key, seen)[1]
   seconds, out = _time(fn, repeats, summary)

@@ -17,6 +17,7 @@ import pathlib
 import string
 import subprocess
 import sys
+import time
 import types
 
 import jax
@@ -542,6 +543,27 @@ def test_bad_policy_and_tree_config(field, value, message):
   config[field] = value
   with pytest.raises(bench.ConfigError, match=message):
     bench.run_experiment(config)
+
+
+def test_a_streamed_call_is_timed_from_its_first_token():
+  # A call whose first token reaches the host after 0.2 s and that ends
+  # 0.3 s later: the decoding phase is the 0.3 s, timed within the call;
+  # the warm-up ran the streamed call once, untimed.
+  streamed = []
+
+  def call(max_new_tokens=4, on_tokens=None):
+    streamed.append(on_tokens is not None)
+    time.sleep(0.2)
+    on_tokens([[1]])
+    if max_new_tokens > 1:
+      time.sleep(0.3)
+      on_tokens([[2, 3]])
+    return max_new_tokens
+
+  timed = hardware.timed_call(call, ("call",), set(), 2, streamed=True)
+  assert timed.output == 4 and streamed == [True] * 3
+  assert 0.2 <= timed.prefill_s < timed.seconds
+  assert 0.3 <= timed.decode_s < 0.5
 
 
 @pytest.mark.slow
