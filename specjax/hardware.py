@@ -15,7 +15,8 @@ every candidate instead of biasing whichever ran during a busy spell;
 `settled_ms` repeats such passes, one candidate's steps at a time, until
 two agree and keeps each step's least, for one-time choices;
 `timed_call` times a whole generate call as a user runs it, and its
-prefill alone, so the decoding phase can be reported apart.
+prefill alone (or the moment its first token streams out), so the decoding
+phase can be reported apart.
 """
 
 from __future__ import annotations
@@ -273,7 +274,8 @@ class Call:
     output: the call's `GenerateOutput` or `SpecOutput`.
     seconds: its wall time, reduced over repeats (median by default).
     warmup_s: the untimed first calls (compilation and a run), 0 if warm.
-    prefill_s: wall time of the same call with one new token.
+    prefill_s: wall time of the same call with one new token, or (a
+      streamed call) of the call until its first token reached the host.
   """
 
   output: Any
