@@ -352,7 +352,8 @@ def timed_call(fn: Callable[..., Any], key: tuple, seen: set,
   calls' noisy times leaves the short decoding phase little precision.
   """
   if streamed:
-    warmup = 0.0 if key in seen else warm_up(fn, key, seen, True)[1]
+    warmup = 0.0 if key in seen else warm_up(fn, key, seen,
+                                             streamed=True)[1]
     runs = [_streamed(fn) for _ in range(repeats)]
     return Call(runs[0][2], summary([r[0] for r in runs]), warmup,
                 summary([r[1] for r in runs]))
