@@ -126,14 +126,15 @@ def test_int8_products_take_amx_tiles_where_the_cpu_has_them():
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "int4:g64:sym"])
 def test_an_odd_output_count_leaves_a_one_row_tile(name):
-  """41 outputs: float tiles of two weight rows leave one, which must sum
-  in the same order (13 rows: weights dequantised once, then loaded)."""
+  """41 outputs: float tiles of four weight rows leave one, which must sum
+  in the same order (13 rows: weights dequantised once, then loaded by x
+  rows in tiles of 4, 4 and 5: every row checked)."""
   w = jax.tree.map(lambda a: a[:41], MATRICES[name])
   x = jax.random.normal(jax.random.key(7), (13, 512), jnp.float32)
   run = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=KERNEL))
   got = np.asarray(run(x, w))
   _assert_rounding_close(got, np.asarray(jax.jit(quantized.matmul)(x, w)))
-  for r in (0, 12):
+  for r in range(13):
     np.testing.assert_array_equal(np.asarray(run(x[r:r + 1], w))[0], got[r])
 
 

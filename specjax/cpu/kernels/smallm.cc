@@ -1350,12 +1350,14 @@ using FTileFn = void (*)(const XPerm&, int64_t, int64_t, int64_t,
 // ftile's tiles: multi[rows] (up to kFTileRows x rows), two weight rows
 // sharing each x load (even at one x row: two independent chains of sums),
 // and one[rows] for a last odd weight row; the *_load ones read weights
-// that [0] (kStore) dequantised, when M takes many passes of tiles.
+// that [0] (kStore) dequantised, when M takes many passes of tiles, and
+// wide_load[rows] (up to kFWideRows) kFWideBlock of them a tile.
 struct FTiles {
   const FTileFn* one = nullptr;
   const FTileFn* multi = nullptr;
   const FTileFn* one_load = nullptr;
   const FTileFn* multi_load = nullptr;
+  const FTileFn* wide_load = nullptr;
 };
 // x rows a tile, in both modes. Taller tiles ran slower, measured: 9 rows
 // of a [1536] x [1536, 8960] Q4_K product took 1.5x as long in one tile as
@@ -1365,6 +1367,15 @@ constexpr int kFTileRows = 6;
 // Up to this many x rows, each tile of rows dequantises the weights again
 // in registers; above, they are dequantised once into L1 (kStore, kLoad).
 constexpr int kFRegsRows = 12;
+// Loading tiles of this many weight rows and up to kFWideRows x rows: each
+// x vector loaded serves kFWideBlock products instead of two, so that x
+// rows streaming from L2 keep up with the FMAs (20 accumulators, 8 weight
+// vectors and an x vector in the 32 registers). Measured on a Zen 5 core,
+// 64 rows of a [1536] x [1536, 8960] product: Q4_K 1.26x and Q6_K 1.48x
+// as fast as tiles of two weight rows and 6 x rows; 6 x rows (33
+// registers) spilled and ran 1.2x slower than 5.
+constexpr int kFWideBlock = 4;
+constexpr int kFWideRows = 5;
 // Bytes of x [M, K] above which ftile's passes take x rows outer
 // (`columns`): more than an L2 holds beside the weights.
 constexpr int64_t kFXBytes = int64_t{1} << 20;
@@ -1553,7 +1564,8 @@ constexpr FTiles ftiles_of() {
   return {kFTiles<1, G, HB, kRegs, kFTileRows>.data(),
           kFTiles<2, G, HB, kRegs, kFTileRows>.data(),
           kFTiles<1, G, HB, kLoad, kFTileRows>.data(),
-          kFTiles<2, G, HB, kLoad, kFTileRows>.data()};
+          kFTiles<2, G, HB, kLoad, kFTileRows>.data(),
+          kFTiles<kFWideBlock, G, HB, kLoad, kFWideRows>.data()};
 }
 
 // ftile's tiles for a nibble format, or none.
@@ -1741,14 +1753,15 @@ struct QWork {
       const int64_t ng = k / group, hb_row = high ? k * (bits - 4) / 8 : 0;
       // Weight rows j.. (nb of them): rows of scales and mins lie ng
       // apart, as stored or converted (scales into tmp, mins into tmp +
-      // 2 ng).
+      // kFWideBlock ng).
+      constexpr int64_t kMins = kFWideBlock;
       auto weight_rows = [&](int64_t j, int64_t nb) {
         FRows w{codes + j * (k / 2), high ? high + j * hb_row : nullptr,
-                scales.row(j, ng, tmp), mins.row(j, ng, tmp + 2 * ng), ng,
-                rows_buf};
+                scales.row(j, ng, tmp), mins.row(j, ng, tmp + kMins * ng),
+                ng, rows_buf};
         for (int64_t t = 1; t < nb; ++t) {
           scales.row(j + t, ng, tmp + t * ng);
-          mins.row(j + t, ng, tmp + (2 + t) * ng);
+          mins.row(j + t, ng, tmp + (kMins + t) * ng);
         }
         return w;
       };
@@ -1774,17 +1787,20 @@ struct QWork {
         }
         return;
       }
+      const int64_t wide_groups = (m + kFWideRows - 1) / kFWideRows;
       for (int64_t j = n0; j < n1;) {
-        const int64_t nb = j + 2 <= n1 ? 2 : 1;
+        const bool wide = !in_registers && j + kFWideBlock <= n1;
+        const int64_t nb = wide ? kFWideBlock : j + 2 <= n1 ? 2 : 1;
         const FRows w = weight_rows(j, nb);
-        const FTileFn* tiles = nb > 1 ? ft.multi : ft.one;
+        const FTileFn* tiles = wide ? ft.wide_load : nb > 1 ? ft.multi : ft.one;
         if (!in_registers) {
           tiles[0](*xperm, m, 0, k, w, static_cast<int8_t>(offset), y, n);
-          tiles = nb > 1 ? ft.multi_load : ft.one_load;
+          if (!wide) tiles = nb > 1 ? ft.multi_load : ft.one_load;
         }
+        const int64_t groups = wide ? wide_groups : row_groups;
         int64_t r0 = 0;
-        for (int64_t g = 0; g < row_groups; ++g) {
-          const int64_t rows = (m - r0) / (row_groups - g);
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t rows = (m - r0) / (groups - g);
           tiles[rows](*xperm, m, r0, k, w, static_cast<int8_t>(offset),
                       y + r0 * n + j, n);
           r0 += rows;
@@ -1894,7 +1910,7 @@ struct QWork {
       _tile_loadconfig(&config);
     }
 #else
-    std::unique_ptr<float[]> tmp(new float[5 * (k / group)]);
+    std::unique_ptr<float[]> tmp(new float[2 * kFWideBlock * (k / group)]);
 #endif
     chunks->drain([&](int64_t c) {
       const int64_t n0 = c * chunk, n1 = std::min(n, n0 + chunk);
