@@ -233,13 +233,18 @@ def _matmul_lines(results: dict[str, Any]) -> list[str]:
   choice = results.get("quantize")
   if choice:
     measured = "; ".join(
-        f"{name} " + "/".join(f"{ms:.1f}" for ms in t.values())
-        + f" ms at {'/'.join(t)} rows"
+        f"{name}: layers {_ms_at(t)}, head {_ms_at(choice['head_ms'][name])}"
         for name, t in choice["model_ms"].items())
     lines.append(f"weights (target, quantize=auto): {choice['why']}"
                  + (f"; one forward's products: {measured}"
                     if measured else ""))
   return ([""] + lines) if lines else []
+
+
+def _ms_at(ms: dict[str, float]) -> str:
+  """{str(X): ms} -> "12.0/40.5 ms at 9/64 rows"."""
+  return "/".join(f"{t:.1f}" for t in ms.values()) + (
+      f" ms at {'/'.join(ms)} rows")
 
 
 def format_report(results: dict[str, Any], per_prompt: bool = True) -> str:

@@ -17,7 +17,10 @@ from experiments import learned
 from experiments import pair as pair_lib
 from specjax import registry
 from specjax.cpu import kernels
+from specjax.cpu import plans
 from specjax.cpu import quantize as tuning
+from specjax.models import MatmulPlan
+from specjax.models.matmul import LayerPick
 
 import test_gguf
 
@@ -48,6 +51,8 @@ def test_measures_once_then_prices_each_workload(gguf_file, tmp_path):
   assert first.source == "measured"
   # tune_rows (1, 3): speculation at γ = 2, after 64-row prefill chunks.
   assert all(set(t) == {"3", "64"} for t in first.model_ms.values())
+  # The head: each prompt's last position, then every verified row.
+  assert all(set(t) == {"1", "3"} for t in first.head_ms.values())
   assert first.quantize == ("gguf" if first.call_ms["gguf"]
                             < first.call_ms["float"] else None)
   second = _auto(gguf_file, cache)
@@ -61,9 +66,10 @@ def test_measures_once_then_prices_each_workload(gguf_file, tmp_path):
   path = tuning.cache_file(cache)
   for fast, quantization in (("float", None), ("gguf", "q8_0")):
     entries = json.loads(path.read_text())
-    for name, ms in entries[first.key]["model_ms"].items():
-      entries[first.key]["model_ms"][name] = {
-          x: 1.0 if name == fast else 2.0 for x in ms}
+    for part in ("model_ms", "head_ms"):
+      for name, ms in entries[first.key][part].items():
+        entries[first.key][part][name] = {
+            x: 1.0 if name == fast else 2.0 for x in ms}
     path.write_text(json.dumps(entries))
     model, _ = registry.load_pretrained(gguf_file, quantize="auto",
                                         cache_dir=cache, tune_rows=(1, 3),
@@ -77,6 +83,13 @@ def _choose(config, ms, workload, cache):
                        cache_dir=cache)
 
 
+def _inject(monkeypatch, ms, head_ms):
+  """`_measure` returns these costs: {candidate: {str(X): ms}}."""
+  monkeypatch.setattr(tuning, "_measure", lambda *a: {
+      n: ({str(x): ms[n][str(x)] for x in a[-2]},
+          {str(x): head_ms[n][str(x)] for x in a[-1]}) for n in ms})
+
+
 def test_the_workload_decides(gguf_file, tmp_path, monkeypatch):
   """Costs injected as a machine where the blocks win a decode step and
   lose a verification pass and a prefill chunk: `generate` keeps the
@@ -85,19 +98,21 @@ def test_the_workload_decides(gguf_file, tmp_path, monkeypatch):
                                     progress=False)[0].config
   ms = {"float": {"1": 230.0, "9": 300.0, "64": 800.0},
         "gguf": {"1": 70.0, "9": 302.0, "64": 1300.0}}
-  monkeypatch.setattr(tuning, "_measure",
-                      lambda *a: {n: {str(x): t[str(x)] for x in a[-1]}
-                                  for n, t in ms.items()})
+  head_ms = {"float": {"1": 10.0, "9": 12.0}, "gguf": {"1": 5.0, "9": 12.0}}
+  _inject(monkeypatch, ms, head_ms)
   generate = tuning.Workload.decoding(prompt_tokens=150, new_tokens=64)
   speculate = tuning.Workload.decoding(prompt_tokens=150, new_tokens=64,
                                        gamma=8)
-  assert generate.passes == ((1, 64.0), (64, 3.0))
+  assert generate.passes == ((1, 64.0), (64, 2.5))
+  assert generate.head_passes == ((1, 65.0),)
   assert [x for x, _ in speculate.passes] == [9, 64]
+  assert [x for x, _ in speculate.head_passes] == [1, 9]
   for workload, want in ((generate, "gguf"), (speculate, None)):
     choice = _choose(config, ms, workload, tmp_path)
     assert choice.quantize == want
-    assert choice.call_ms["gguf"] == pytest.approx(sum(
-        n * ms["gguf"][str(x)] for x, n in workload.passes))
+    assert choice.call_ms["gguf"] == pytest.approx(
+        sum(n * ms["gguf"][str(x)] for x, n in workload.passes)
+        + sum(n * head_ms["gguf"][str(x)] for x, n in workload.head_passes))
     assert workload.label in choice.why
   # Where the blocks also win the pass of γ + 1 rows, speculation keeps
   # them: the call, not one kind of pass, decides.
@@ -115,13 +130,13 @@ def test_passes_measured_by_an_earlier_run_price_the_job(gguf_file, tmp_path,
                                     progress=False)[0].config
   ms = {"float": {"9": 300.0, "64": 1000.0},
         "gguf": {"9": 150.0, "64": 1800.0}}
-  monkeypatch.setattr(tuning, "_measure",
-                      lambda *a: {n: {str(x): t[str(x)] for x in a[-1]}
-                                  for n, t in ms.items()})
+  same = {"1": 10.0, "9": 12.0}
+  _inject(monkeypatch, ms, {"float": same, "gguf": same})
   job = dict(prompt_tokens=150, new_tokens=64, gamma=8)
   prior = tuning.Workload.decoding(**job)
   measured = tuning.Workload.decoding(**job, steps=9.125)
-  assert measured.passes == ((9, 9.125), (64, 3.0))
+  assert measured.passes == ((9, 9.125), (64, 2.5))
+  assert measured.head_passes == ((1, 1.0), (9, 9.125))
   assert "9.1 passes of 9 rows, measured" in measured.label
   assert dict(prior.passes)[9] > 20
   assert _choose(config, ms, prior, tmp_path).quantize == "gguf"
@@ -144,6 +159,31 @@ def test_passes_measured_by_an_earlier_run_price_the_job(gguf_file, tmp_path,
     changed = llama_pair.get_config(arg)
     changed.cache_dir = job_config.cache_dir
     assert learned.steps_per_call(changed) is None, arg
+
+
+def test_a_prefill_is_priced_as_the_decoder_runs_it():
+  """`Decoder.prefill`: whole chunks of 64 rows, the rest in one piece of
+  16, 32 or 64 rows, and the head on each prompt's last position only."""
+  for prompt, chunks in ((64, 1.0), (100, 2.0), (128, 2.0), (129, 2.25),
+                         (150, 2.5), (190, 3.0)):
+    work = tuning.Workload.decoding(batch=2, prompt_tokens=prompt,
+                                    new_tokens=8)
+    assert work.passes == ((2, 8.0), (128, chunks)), prompt
+    assert work.head_passes == ((2, 9.0),)
+
+
+@needs_kernel
+def test_float_layers_are_priced_as_their_loop_multiplies_them(gguf_file):
+  """A float model on a looping kernel plan multiplies every matrix in the
+  kernel at any X (`LayerPick`), so its timed stack does too; an XLA plan
+  keeps its arrays."""
+  config = registry.load_pretrained(gguf_file, matmul=None,
+                                    progress=False)[0].config
+  layers, _ = plans.stack(config, jnp.float32, tuning.KERNEL_PLAN)
+  looped = tuning._as_looped(layers, tuning.KERNEL_PLAN, jnp.float32)
+  assert all(isinstance(w, LayerPick) for p in looped for w in p.values())
+  xla = MatmulPlan.parse("out_in/xla")
+  assert tuning._as_looped(layers, xla, jnp.float32) is layers
 
 
 def test_speculative_steps_follow_the_acceptance():

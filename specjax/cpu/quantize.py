@@ -12,10 +12,12 @@ the block kernel is bound by compute (unpacking), the float product by
 memory (BENCHMARKS.md "Quantized weights").
 
 The choice is priced by the job the caller will run, a `Workload`: the
-matrix products of one decoding call by rows per product. `generate` is
-its prefill chunks (B · 64 rows each) and one B-row step per token; a
-speculative call at γ is the same chunks and one B(γ+1)-row verification
-pass per step: as many steps as an earlier run of the same job took where
+matrix products of one decoding call by rows per product, the layers' and
+the vocabulary head's apart. `generate` is its prefill (chunks of B · 64
+rows through the layers, then the head for each prompt's last position)
+and one B-row step per token; a speculative call at γ is the same prefill
+and one B(γ+1)-row verification pass per step: as many steps as an
+earlier run of the same job took where
 the caller knows them (`Workload.decoding(steps=...)`; the experiments
 record them per job), else E[steps] at the acceptance `gamma="auto"`
 assumes before measuring (`policies.auto.PRIOR`). A draft model's passes
@@ -24,8 +26,10 @@ decode step (they read a quarter of the bytes) and lose a verification
 pass or a prefill chunk (their unpacking is compute), so the job, not one
 step, decides.
 
-`choose` times, at each X the workload needs, every matrix product of one
-forward of each candidate: one candidate's products round-robin, then the
+`choose` times, at each X the workload needs, the layers' and the head's
+products of one forward of each candidate, multiplied as the model's
+forward multiplies them (in the kernel from the layer loop's `LayerPick`s
+at any X, where the plan loops): one candidate's products round-robin, then the
 other's, in passes until two agree (`hardware.settled_ms`), so that
 neither a slow moment of a shared machine nor the other candidate's
 products decide:
@@ -89,11 +93,14 @@ class Workload:
   """The matrix products of one decoding call, by rows per product.
 
   Attributes:
-    passes: ((X, passes per call), ...), X rows per product, X ascending.
+    passes: ((X, passes per call), ...) through the layers, X rows per
+      product, X ascending.
+    head_passes: the same for the vocabulary head.
     label: the call, for reports.
   """
 
   passes: tuple[tuple[int, float], ...]
+  head_passes: tuple[tuple[int, float], ...]
   label: str
 
   @classmethod
@@ -105,8 +112,10 @@ class Workload:
 
     Args:
       batch: B rows.
-      prompt_tokens: the prompts' mean length; prefill runs ceil(P / 64)
-        chunks of B · 64 rows (`models.decoder.PREFILL_CHUNK`).
+      prompt_tokens: the prompts' mean length P. `Decoder.prefill` runs
+        floor(P / 64) chunks of B · 64 rows (`models.decoder
+        .PREFILL_CHUNK`), then the rest in one piece of 16, 32 or 64 rows
+        (priced as that share of a chunk), then the head on B rows.
       new_tokens: N per row.
       gamma: γ draft tokens per step (0: autoregressive).
       width: rows per row of a verification pass (default γ + 1; a tree
@@ -123,28 +132,43 @@ class Workload:
       raise ValueError(f"measured steps must be in [1, {new_tokens}] and "
                        f"need gamma >= 1, got {steps} at gamma={gamma}.")
     width = gamma + 1 if width is None else width
-    chunks = math.ceil(prompt_tokens / PREFILL_CHUNK)
+    full = math.floor(prompt_tokens / PREFILL_CHUNK)
+    rest = prompt_tokens - full * PREFILL_CHUNK
+    piece = next(size for size in (0, 16, 32, PREFILL_CHUNK) if rest <= size)
+    chunks = full + piece / PREFILL_CHUNK
     how = "measured" if steps is not None else f"at acceptance {acceptance}"
     if steps is None:
       steps = (costs.expected_steps([acceptance] * gamma, gamma, new_tokens,
                                     batch) if gamma else new_tokens)
-    passes: dict[int, float] = {}
-    for rows, n in ((batch * PREFILL_CHUNK, chunks), (batch * width, steps)):
-      passes[rows] = passes.get(rows, 0.0) + n
+
+    def merged(*pairs: tuple[int, float]) -> tuple[tuple[int, float], ...]:
+      out: dict[int, float] = {}
+      for rows, n in pairs:
+        out[rows] = out.get(rows, 0.0) + n
+      return tuple(sorted(out.items()))
+
     call = (f"speculative decoding at γ={gamma} ({steps:.1f} passes of "
             f"{batch * width} rows, {how})" if gamma
             else f"generate ({steps} steps of {batch} rows)")
-    return cls(tuple(sorted(passes.items())),
-               f"{call} after {chunks} prefill chunk(s) of "
+    return cls(merged((batch * PREFILL_CHUNK, chunks), (batch * width, steps)),
+               merged((batch, 1.0), (batch * width, steps)),
+               f"{call} after {chunks:g} prefill chunk(s) of "
                f"{batch * PREFILL_CHUNK} rows, B={batch}, N={new_tokens}")
 
   @property
   def rows(self) -> tuple[int, ...]:
     return tuple(x for x, _ in self.passes)
 
-  def cost(self, ms: Mapping[str, float]) -> float:
-    """ms of one call, from {str(X): ms of one forward's products}."""
-    return sum(n * ms[str(x)] for x, n in self.passes)
+  @property
+  def head_rows(self) -> tuple[int, ...]:
+    return tuple(x for x, _ in self.head_passes)
+
+  def cost(self, ms: Mapping[str, float], head_ms: Mapping[str, float]
+           ) -> float:
+    """ms of one call, from {str(X): ms of one forward's products} of the
+    layers (`ms`) and of the head (`head_ms`)."""
+    return (sum(n * ms[str(x)] for x, n in self.passes)
+            + sum(n * head_ms[str(x)] for x, n in self.head_passes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +179,8 @@ class QuantizeChoice:
     quantize: "gguf" or None (float weights).
     source: "measured", "cache", or "fixed" (nothing to measure: `why`).
     model_ms: "float" / "gguf" -> {str(X): estimated ms of one forward's
-      matrix products at X rows}; empty when fixed.
+      matrix products through the layers at X rows}; empty when fixed.
+    head_ms: the same for the vocabulary head.
     workload: the call priced (`Workload.label`).
     call_ms: "float" / "gguf" -> ms of the workload's products; empty
       when fixed.
@@ -166,6 +191,7 @@ class QuantizeChoice:
   quantize: str | None
   source: str
   model_ms: dict[str, dict[str, float]]
+  head_ms: dict[str, dict[str, float]]
   workload: str
   call_ms: dict[str, float]
   why: str
@@ -174,7 +200,8 @@ class QuantizeChoice:
   @classmethod
   def fixed(cls, why: str, workload: Workload) -> "QuantizeChoice":
     """Float weights, nothing measured: `why` the blocks cannot win."""
-    return cls(None, "fixed", {}, workload.label, {}, f"float weights: {why}")
+    return cls(None, "fixed", {}, {}, workload.label, {},
+               f"float weights: {why}")
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -192,7 +219,8 @@ def block_types(reader: GGUFFile) -> collections.Counter:
 
 
 def _check_entry(entry: Any) -> None:
-  if set(entry["model_ms"]) != {"float", "gguf"}:
+  if set(entry["model_ms"]) != {"float", "gguf"} or set(
+      entry.get("head_ms", entry["model_ms"])) != {"float", "gguf"}:
     raise ValueError("an entry lacks a candidate's timings")
 
 
@@ -202,16 +230,17 @@ def _layers(model: Model) -> list[dict[str, Any]]:
           for i in range(model.config.num_layers)]
 
 
-def _as_looped(layers: list[dict[str, Any]], plan: MatmulPlan
+def _as_looped(layers: list[dict[str, Any]], plan: MatmulPlan, dtype: Any
                ) -> list[dict[str, Any]]:
-  """`layers` as the model's layer loop multiplies them: with a kernel
-  plan, packed matrices go to the kernel at any X (`LayerPick`)."""
-  if not (plan.kernel and plan.layer_loop):
+  """`layers` as the model's forward multiplies them: where its plan runs
+  them as a loop (`Transformer._loops`), every matrix, float or packed,
+  goes to the kernel at any X (`LayerPick`)."""
+  if not (plan.kernel and plan.layer_loop and plan.kernel.loops(layers,
+                                                                dtype)):
     return layers
   zero = jnp.zeros((), jnp.int32)
-  return [{n: LayerPick(ws=(w,), index=zero)
-           if quantized.is_quantized(w) and plan.kernel.supports(w)
-           else w for n, w in layer.items()} for layer in layers]
+  return [{n: LayerPick(ws=(w,), index=zero) if w.ndim == 2 else w
+           for n, w in layer.items()} for layer in layers]
 
 
 def _head(model: Model) -> Any:
@@ -220,30 +249,34 @@ def _head(model: Model) -> Any:
 
 
 def _measure(config: ModelConfig, dtype: Any, float_plan: MatmulPlan,
-             blocks: Model, blocks_plan: MatmulPlan, rows: Sequence[int]
-             ) -> dict[str, dict[str, float]]:
-  """Estimated ms of one forward's products per candidate and X."""
+             blocks: Model, blocks_plan: MatmulPlan, rows: Sequence[int],
+             head_rows: Sequence[int]
+             ) -> dict[str, tuple[dict[str, float], dict[str, float]]]:
+  """Estimated ms of one forward's products per candidate: through the
+  layers at each X of `rows`, through the head at each X of `head_rows`."""
   blocks = blocks.with_plan(blocks_plan)
   layers, head = plans.stack(config, dtype, float_plan,
                               head_rows=config.vocab_size)
   candidates = {
-      "float": (float_plan, layers, head, config.num_layers / len(layers)),
-      "gguf": (blocks.plan, _as_looped(_layers(blocks), blocks.plan),
+      "float": (float_plan, _as_looped(layers, float_plan, dtype), head,
+                config.num_layers / len(layers)),
+      "gguf": (blocks.plan, _as_looped(_layers(blocks), blocks.plan, dtype),
                _head(blocks), 1.0)}
   run = jax.jit(plans.run_layers, static_argnames="plan")
   logits = jax.jit(project, static_argnames="plan")
   steps: dict[tuple[str, str, int], Callable[[], Any]] = {}
   for name, (plan, ws, w_head, _) in candidates.items():
-    for m in rows:
-      x = jnp.full((m, config.hidden_size), 0.5, dtype)
-      steps[(name, "layers", m)] = (
-          lambda x=x, ws=ws, p=plan: run(x, ws, plan=p))
-      steps[(name, "head", m)] = (
-          lambda x=x, w=w_head, p=plans.head_plan(plan): logits(x, w,
-                                                                 plan=p))
+    for part, part_rows in (("layers", rows), ("head", head_rows)):
+      for m in part_rows:
+        x = jnp.full((m, config.hidden_size), 0.5, dtype)
+        steps[(name, part, m)] = (
+            (lambda x=x, ws=ws, p=plan: run(x, ws, plan=p))
+            if part == "layers" else
+            (lambda x=x, w=w_head, p=plans.head_plan(plan): logits(
+                x, w, plan=p)))
   times = hardware.settled_ms(steps, _REPEATS, group=lambda k: k[0])
-  return {name: {str(m): times[(name, "layers", m)] * scale
-                 + times[(name, "head", m)] for m in rows}
+  return {name: ({str(m): times[(name, "layers", m)] * scale for m in rows},
+                 {str(m): times[(name, "head", m)] for m in head_rows})
           for name, (_, _, _, scale) in candidates.items()}
 
 
@@ -269,22 +302,33 @@ def choose(config: ModelConfig, blocks: Callable[[], Model], *,
     A `QuantizeChoice`.
   """
   key = (f"{plans.cache_key(config, dtype, None)}|float={float_plan.name}"
-         f"|blocks={blocks_plan.name}|{types}")
+         f"|blocks={blocks_plan.name}|{types}|layers,head")
   path = cache_file(cache_dir)
   entries = store.read(path, _check_entry)
-  model_ms = entries.get(key, {}).get("model_ms", {"float": {}, "gguf": {}})
-  missing = [x for x in workload.rows if str(x) not in model_ms["float"]
-             or str(x) not in model_ms["gguf"]]
+  entry = entries.get(key, {})
+  model_ms = entry.get("model_ms", {"float": {}, "gguf": {}})
+  head_ms = entry.get("head_ms", {"float": {}, "gguf": {}})
+
+  def missing(rows: Sequence[int], ms: dict[str, dict[str, float]]
+              ) -> list[int]:
+    return [x for x in rows if not all(str(x) in t for t in ms.values())]
+
+  layer_rows = missing(workload.rows, model_ms)
+  head_rows = missing(workload.head_rows, head_ms)
   source = "cache"
-  if missing:
+  if layer_rows or head_rows:
     source = "measured"
-    for name, ms in _measure(config, dtype, float_plan, blocks(),
-                             blocks_plan, missing).items():
+    for name, (ms, head) in _measure(config, dtype, float_plan, blocks(),
+                                     blocks_plan, layer_rows,
+                                     head_rows).items():
       model_ms[name].update(ms)
-    entries[key] = {"model_ms": model_ms, "measured": datetime.datetime.now(
-        ).isoformat(timespec="seconds")}
+      head_ms[name].update(head)
+    entries[key] = {"model_ms": model_ms, "head_ms": head_ms,
+                    "measured": datetime.datetime.now().isoformat(
+                        timespec="seconds")}
     store.write(path, entries)
-  call_ms = {name: workload.cost(ms) for name, ms in model_ms.items()}
+  call_ms = {name: workload.cost(model_ms[name], head_ms[name])
+             for name in model_ms}
   chosen = min(call_ms, key=call_ms.get)
   other = "float" if chosen == "gguf" else "gguf"
   why = (f"{chosen} weights: {workload.label} costs "
@@ -293,6 +337,8 @@ def choose(config: ModelConfig, blocks: Callable[[], Model], *,
   return QuantizeChoice("gguf" if chosen == "gguf" else None, source,
                         {n: {str(x): model_ms[n][str(x)]
                              for x in workload.rows} for n in model_ms},
+                        {n: {str(x): head_ms[n][str(x)]
+                             for x in workload.head_rows} for n in head_ms},
                         workload.label, call_ms, why, key)
 
 
