@@ -219,9 +219,11 @@ def block_types(reader: GGUFFile) -> collections.Counter:
 
 
 def _check_entry(entry: Any) -> None:
-  if set(entry["model_ms"]) != {"float", "gguf"} or set(
-      entry.get("head_ms", entry["model_ms"])) != {"float", "gguf"}:
-    raise ValueError("an entry lacks a candidate's timings")
+  # Entries under keys without "|layers,head" price the head inside
+  # model_ms and have no head_ms; `choose` never reads them.
+  for part in ("model_ms", "head_ms"):
+    if set(entry.get(part, entry["model_ms"])) != {"float", "gguf"}:
+      raise ValueError("an entry lacks a candidate's timings")
 
 
 def _layers(model: Model) -> list[dict[str, Any]]:
