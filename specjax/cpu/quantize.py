@@ -28,11 +28,11 @@ step, decides.
 
 `choose` times, at each X the workload needs, the layers' and the head's
 products of one forward of each candidate, multiplied as the model's
-forward multiplies them (in the kernel from the layer loop's `LayerPick`s
-at any X, where the plan loops): one candidate's products round-robin, then the
-other's, in passes until two agree (`hardware.settled_ms`), so that
-neither a slow moment of a shared machine nor the other candidate's
-products decide:
+forward multiplies them (in the kernel at any X through the layer loop's
+`LayerPick`s, where the plan loops): one candidate's products
+round-robin, then the other's, in passes until two agree
+(`hardware.settled_ms`), so that neither a slow moment of a shared
+machine nor the other candidate's products decide:
 
 - "gguf": the model's own block matrices, all L layers and the head,
   through the plan a quantized model gets (the CPU kernel, which its
@@ -134,7 +134,8 @@ class Workload:
     width = gamma + 1 if width is None else width
     full = math.floor(prompt_tokens / PREFILL_CHUNK)
     rest = prompt_tokens - full * PREFILL_CHUNK
-    piece = next(size for size in (0, 16, 32, PREFILL_CHUNK) if rest <= size)
+    piece = next(size for size in (0, PREFILL_CHUNK // 4, PREFILL_CHUNK // 2,
+                                   PREFILL_CHUNK) if rest <= size)
     chunks = full + piece / PREFILL_CHUNK
     how = "measured" if steps is not None else f"at acceptance {acceptance}"
     if steps is None:
