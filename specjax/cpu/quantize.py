@@ -73,7 +73,6 @@ from specjax.cpu.matmul import SMALLM
 from specjax.models import MatmulPlan
 from specjax.models import Model
 from specjax.models import ModelConfig
-from specjax.models import quantized
 from specjax.models.matmul import LayerPick
 from specjax.models.decoder import PREFILL_CHUNK
 from specjax.models.matmul import project
@@ -86,6 +85,14 @@ __all__ = ["KERNEL_PLAN", "QuantizeChoice", "Workload", "block_types",
 # The plan `load_pretrained` gives a quantized model where the kernels are.
 KERNEL_PLAN = MatmulPlan.parse("out_in/kernel", SMALLM)
 _REPEATS = 7
+
+
+def _by_rows(*passes: tuple[int, float]) -> tuple[tuple[int, float], ...]:
+  """(X, passes) pairs summed per X, X ascending."""
+  out: dict[int, float] = {}
+  for rows, n in passes:
+    out[rows] = out.get(rows, 0.0) + n
+  return tuple(sorted(out.items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,18 +148,12 @@ class Workload:
     if steps is None:
       steps = (costs.expected_steps([acceptance] * gamma, gamma, new_tokens,
                                     batch) if gamma else new_tokens)
-
-    def merged(*pairs: tuple[int, float]) -> tuple[tuple[int, float], ...]:
-      out: dict[int, float] = {}
-      for rows, n in pairs:
-        out[rows] = out.get(rows, 0.0) + n
-      return tuple(sorted(out.items()))
-
     call = (f"speculative decoding at γ={gamma} ({steps:.1f} passes of "
             f"{batch * width} rows, {how})" if gamma
             else f"generate ({steps} steps of {batch} rows)")
-    return cls(merged((batch * PREFILL_CHUNK, chunks), (batch * width, steps)),
-               merged((batch, 1.0), (batch * width, steps)),
+    return cls(_by_rows((batch * PREFILL_CHUNK, chunks),
+                        (batch * width, steps)),
+               _by_rows((batch, 1.0), (batch * width, steps)),
                f"{call} after {chunks:g} prefill chunk(s) of "
                f"{batch * PREFILL_CHUNK} rows, B={batch}, N={new_tokens}")
 
