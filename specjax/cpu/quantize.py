@@ -75,6 +75,7 @@ from specjax.models import Model
 from specjax.models import ModelConfig
 from specjax.models.matmul import LayerPick
 from specjax.models.decoder import PREFILL_CHUNK
+from specjax.models.decoder import piece_sizes
 from specjax.models.matmul import project
 from specjax.policies import auto
 from specjax.policies import costs
@@ -141,8 +142,7 @@ class Workload:
     width = gamma + 1 if width is None else width
     full = math.floor(prompt_tokens / PREFILL_CHUNK)
     rest = prompt_tokens - full * PREFILL_CHUNK
-    piece = next(size for size in (0, PREFILL_CHUNK // 4, PREFILL_CHUNK // 2,
-                                   PREFILL_CHUNK) if rest <= size)
+    piece = next(size for size in (0, *piece_sizes()) if rest <= size)
     chunks = full + piece / PREFILL_CHUNK
     how = "measured" if steps is not None else f"at acceptance {acceptance}"
     if steps is None:
@@ -268,16 +268,17 @@ def _measure(config: ModelConfig, dtype: Any, float_plan: MatmulPlan,
                _head(blocks), 1.0)}
   run = jax.jit(plans.run_layers, static_argnames="plan")
   logits = jax.jit(project, static_argnames="plan")
+  xs = {m: jnp.full((m, config.hidden_size), 0.5, dtype)
+        for m in {*rows, *head_rows}}
   steps: dict[tuple[str, str, int], Callable[[], Any]] = {}
   for name, (plan, ws, w_head, _) in candidates.items():
-    for part, part_rows in (("layers", rows), ("head", head_rows)):
-      for m in part_rows:
-        x = jnp.full((m, config.hidden_size), 0.5, dtype)
-        steps[(name, part, m)] = (
-            (lambda x=x, ws=ws, p=plan: run(x, ws, plan=p))
-            if part == "layers" else
-            (lambda x=x, w=w_head, p=plans.head_plan(plan): logits(
-                x, w, plan=p)))
+    for m in rows:
+      steps[(name, "layers", m)] = (
+          lambda x=xs[m], ws=ws, p=plan: run(x, ws, plan=p))
+    for m in head_rows:
+      steps[(name, "head", m)] = (
+          lambda x=xs[m], w=w_head, p=plans.head_plan(plan): logits(
+              x, w, plan=p))
   times = hardware.settled_ms(steps, _REPEATS, group=lambda k: k[0])
   return {name: ({str(m): times[(name, "layers", m)] * scale for m in rows},
                  {str(m): times[(name, "head", m)] for m in head_rows})

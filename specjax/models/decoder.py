@@ -19,6 +19,13 @@ from specjax.models.protocol import ModelOutput
 PREFILL_CHUNK = 64
 
 
+def piece_sizes(chunk: int = PREFILL_CHUNK) -> list[int]:
+  """Sizes of the one piece `Decoder.prefill` runs a prompt's rest in,
+  after its whole chunks (the smallest that holds the rest): chunk/4,
+  chunk/2 and chunk, ascending."""
+  return sorted({max(chunk >> k, 1) for k in (2, 1, 0)})
+
+
 def chunked(width: int, size: int, chunk: int | None = PREFILL_CHUNK
             ) -> bool:
   """Whether `Decoder.prefill` runs a prompt buffer of P = `width` in a
@@ -101,8 +108,7 @@ class Decoder:
     # model, memory-bound at these sizes, keeps one size: each size is
     # another forward to compile.
     rest = longest - full * chunk
-    sizes = [chunk] if self.plan.scan_layers else sorted(
-        {max(chunk >> k, 1) for k in (2, 1, 0)})
+    sizes = [chunk] if self.plan.scan_layers else piece_sizes(chunk)
     pieces = [lambda c: c] + [
         functools.partial(run, size, full * chunk) for size in sizes]
     pick = jnp.where(rest > 0, 1 + jnp.searchsorted(

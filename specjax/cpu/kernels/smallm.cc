@@ -1754,14 +1754,13 @@ struct QWork {
       // Weight rows j.. (nb of them): rows of scales and mins lie ng
       // apart, as stored or converted (scales into tmp, mins into tmp +
       // kFWideBlock ng).
-      constexpr int64_t kMins = kFWideBlock;
       auto weight_rows = [&](int64_t j, int64_t nb) {
         FRows w{codes + j * (k / 2), high ? high + j * hb_row : nullptr,
-                scales.row(j, ng, tmp), mins.row(j, ng, tmp + kMins * ng),
-                ng, rows_buf};
+                scales.row(j, ng, tmp),
+                mins.row(j, ng, tmp + kFWideBlock * ng), ng, rows_buf};
         for (int64_t t = 1; t < nb; ++t) {
           scales.row(j + t, ng, tmp + t * ng);
-          mins.row(j + t, ng, tmp + (kMins + t) * ng);
+          mins.row(j + t, ng, tmp + (kFWideBlock + t) * ng);
         }
         return w;
       };
