@@ -239,8 +239,7 @@ def _as_looped(layers: list[dict[str, Any]], plan: MatmulPlan, dtype: Any
   """`layers` as the model's forward multiplies them: where its plan runs
   them as a loop (`Transformer._loops`), every matrix, float or packed,
   goes to the kernel at any X (`LayerPick`)."""
-  if not (plan.kernel and plan.layer_loop and plan.kernel.loops(layers,
-                                                                dtype)):
+  if not plan.loops(layers, dtype):
     return layers
   zero = jnp.zeros((), jnp.int32)
   return [{n: LayerPick(ws=(w,), index=zero) if w.ndim == 2 else w

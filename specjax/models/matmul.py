@@ -29,6 +29,7 @@ float32 rounding (tests check each plan against transformers).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Mapping, Sequence
 
 import flax.struct
 import jax
@@ -104,6 +105,12 @@ class MatmulPlan:
     if not 1 <= self.kernel_min_rows <= self.kernel_max_rows:
       raise ValueError(f"kernel_min_rows must be in [1, kernel_max_rows], "
                        f"got {self.kernel_min_rows}.")
+
+  def loops(self, layers: Sequence[Mapping[str, Any]], dtype: Any) -> bool:
+    """Whether these layers' parameters (one dict each) may run as one
+    loop of kernel products (`layer_loop`, `MatmulKernel.loops`)."""
+    return bool(self.kernel and self.layer_loop
+                and self.kernel.loops(layers, dtype))
 
   @property
   def name(self) -> str:

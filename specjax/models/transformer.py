@@ -294,7 +294,7 @@ class Transformer(nn.Module):
   def _loops(self, first: int, stop: int, x: jax.Array) -> bool:
     """Whether layers first..stop-1 run as one `lax.scan` (`_layer_loop`)
     rather than unrolled: on a plan with a kernel that multiplies every
-    one of their matrices in place (`MatmulKernel.loops`), for layers that
+    one of their matrices in place (`MatmulPlan.loops`), for layers that
     share one window and rope (Llama, Qwen2, Mistral; not Gemma 3's local
     and global mix).
 
@@ -308,13 +308,12 @@ class Transformer(nn.Module):
               for i in range(first, stop)}
     # A mixture of experts' stacked experts are no kernel matrices: a loop
     # would stack every layer's [X, ...] experts per call.
-    if (not (self.plan.kernel and self.plan.layer_loop) or stop - first < 2
-        or len(shared) != 1 or c.num_experts):
+    if stop - first < 2 or len(shared) != 1 or c.num_experts:
       return False
     params = self.variables.get("params", {})
     if not all(f"layers_{i}" in params for i in range(first, stop)):
       return False
-    return self.plan.kernel.loops(
+    return self.plan.loops(
         [params[f"layers_{i}"] for i in range(first, stop)], x.dtype)
 
   def _unrolled(self, x, cache, positions, masks, chunk_slots, first,
