@@ -186,6 +186,7 @@ class Prepared:
     tokens: [B_pad, P] int32 padded prompts (numpy; global arrays on a
       mesh).
     lengths: [B_pad] int32 prompt lengths.
+    longest: the longest prompt's length (host).
     budget: N as [] int32, or [B_pad] int32 with 0 for rows the mesh added.
     params: `StepParams`: the sampler, controls, EOS ids and stop strings.
     key: the PRNG key.
@@ -201,6 +202,7 @@ class Prepared:
   policy: policies.GammaPolicy | None
   tokens: Any
   lengths: Any
+  longest: int
   budget: Any
   params: StepParams
   key: jax.Array
@@ -213,14 +215,16 @@ class Prepared:
   def drafts(self) -> bool:
     """Whether the call runs the speculative loop. A policy that could
     never draft at these costs, or whose drafts could never repay the
-    draft model's prefill (priced by the roofline,
-    `Roofline.prefill_ms`) over N tokens, runs the plain one."""
+    draft model's prefill (priced by the roofline at the passes it runs
+    for the longest prompt, `Roofline.prefill_ms`) over N tokens, runs
+    the plain one."""
     if self.policy is None:
       return False
     model = self.drafter.cost_model
     prefill = 0.0 if model is None else policies.Roofline.cached(
         ).prefill_ms(model, batch=self.tokens.shape[0],
-                     width=self.tokens.shape[1], cache_size=self.cache_size)
+                     width=self.tokens.shape[1], cache_size=self.cache_size,
+                     longest=self.longest)
     return self.policy.may_draft(self.max_new_tokens, prefill)
 
 
@@ -360,12 +364,14 @@ class SpeculativeDecoder:
         self.gamma, max_gamma=self.max_gamma, target=target,
         drafter=drafter, batch=len(rows), cache_size=cache_size,
         num_nodes=self.num_nodes)
+    longest = int(np.max(lengths))
     tokens, lengths, budget = where.inputs(tokens, lengths, max_new_tokens)
     key, seed = _sampling_key(key)
     return Prepared(
         where=where, target=target, drafter=drafter,
-        policy=policy, tokens=tokens, lengths=lengths, budget=budget,
-        params=params, key=key, seed=seed, max_new_tokens=max_new_tokens,
+        policy=policy, tokens=tokens, lengths=lengths, longest=longest,
+        budget=budget, params=params, key=key, seed=seed,
+        max_new_tokens=max_new_tokens,
         cache_size=cache_size, tokens_cap=cap)
 
   def run(self, call: Prepared, on_tokens: Any = None

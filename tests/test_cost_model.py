@@ -351,3 +351,24 @@ def test_a_pass_of_a_mixture_of_experts_reads_the_union_of_its_experts():
     assert ms[9] / ms[1] == pytest.approx(
         (geo.bytes_read(9) + kv) / (geo.bytes_read(1) + kv))
     assert (ms[9] > ms[1]) == more
+
+
+def test_a_draft_prefill_is_priced_at_the_passes_the_decoder_runs():
+  # `Decoder.prefill` runs a 256-wide buffer up to its longest prompt:
+  # 150 tokens are two chunks of 64 and a piece of 32 (the rest, 22, fits
+  # 32 and not 16), not the buffer's four chunks; 128 end on a chunk edge.
+  from specjax.models.decoder import prefill_passes  # pylint: disable=g-import-not-at-top
+  assert prefill_passes(150, 256, 512) == [64, 64, 32]
+  assert prefill_passes(128, 256, 512) == [64, 64]
+  assert prefill_passes(10, 256, 512) == [16]
+  assert prefill_passes(48, 48, 512) == [48]  # one pass: not chunked
+  with pytest.raises(ValueError, match="longest"):
+    prefill_passes(300, 256, 512)
+  # Compute-bound, no overhead: a pass costs its rows, so the prompt of
+  # 150 costs 160 rows of the buffer's 256.
+  roofline = policies.costs.Roofline(bandwidth=1e30, flops=1e9,
+                                     overhead_ms=0.0)
+  target = testing.tiny_pair()[0]
+  price = lambda **kw: roofline.prefill_ms(target, batch=2, width=256,
+                                           cache_size=512, **kw)
+  assert price(longest=150) == pytest.approx(price() * 160 / 256)

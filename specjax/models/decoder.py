@@ -35,6 +35,23 @@ def chunked(width: int, size: int, chunk: int | None = PREFILL_CHUNK
               or width > size)
 
 
+def prefill_passes(longest: int, width: int, size: int,
+                   chunk: int | None = PREFILL_CHUNK) -> list[int]:
+  """Tokens per row of each forward `Decoder.prefill` runs for prompts
+  whose longest has `longest` tokens, in a buffer P = `width` at S =
+  `size`: where it chunks the buffer (`chunked`), floor(longest / chunk)
+  chunks, then the smallest piece (`piece_sizes`) that holds the rest;
+  else one pass over all P."""
+  if not 1 <= longest <= width:
+    raise ValueError(f"longest must be in [1, width={width}], got "
+                     f"{longest}.")
+  if not chunked(width, size, chunk):
+    return [width]
+  full, rest = divmod(longest, chunk)
+  piece = [next(s for s in piece_sizes(chunk) if rest <= s)] if rest else []
+  return [chunk] * full + piece
+
+
 class Decoder:
   """`__call__` and `prefill` of the `LanguageModel` protocol, for a class
   with `forward` (a `Transformer.__call__`), `logits`, `config`, `plan` and

@@ -71,8 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import hardware
-from specjax.models.decoder import chunked
-from specjax.models.decoder import PREFILL_CHUNK
+from specjax.models.decoder import prefill_passes
 from specjax.models.protocol import declared
 from specjax.models.protocol import LanguageModel
 from specjax.policies import measured
@@ -188,14 +187,15 @@ class Roofline:
     return ForwardCosts(batch, ms, "roofline")
 
   def prefill_ms(self, model: LanguageModel, *, batch: int, width: int,
-                 cache_size: int) -> float:
-    """ms `model` spends prefilling a prompt buffer [B, P = `width`] at S:
-    `Decoder.prefill`'s passes, of `PREFILL_CHUNK` tokens where it chunks
-    the buffer (`chunked`), else one of P."""
-    chunk = PREFILL_CHUNK if chunked(width, cache_size) else width
-    costs = self.forward(model, batch=batch, chunks=(chunk,),
+                 cache_size: int, longest: int | None = None) -> float:
+    """ms `model` spends prefilling a prompt buffer [B, P = `width`] at S
+    whose longest prompt has `longest` tokens (default P): the passes
+    `Decoder.prefill` runs (`prefill_passes`)."""
+    passes = prefill_passes(width if longest is None else longest, width,
+                            cache_size)
+    costs = self.forward(model, batch=batch, chunks=sorted(set(passes)),
                          cache_size=cache_size)
-    return width // chunk * costs.at(chunk)
+    return sum(costs.at(t) for t in passes)
 
 
 def survival(acceptance: Sequence[float], gamma: int) -> np.ndarray:
