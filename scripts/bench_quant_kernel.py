@@ -13,8 +13,14 @@ fp32 dot at [2048, 2048] x [2048, 2048] (compute-bound, in cache); each
 row also gives XLA's fp32 dot of its own shape, and each kernel's
 GFLOP/s as a fraction of the peak (`of_peak`).
 
+One matrix called again stays in the cache, which a model's forward never
+sees: with `--streamed=L` each format also runs L different matrices of
+the shape in one jitted call, as a forward's layers run them, and reports
+the mean ms a matrix from memory (`streamed_ms`, `streamed_a8_ms`: 24
+matrices of Q4_K are 191 MB, beyond any L3).
+
 COMMAND: [SPECJAX_NO_AMX=1] python scripts/bench_quant_kernel.py \
-  [--rows=1,9,64]
+  [--rows=1,9,64] [--streamed=24]
 """
 
 from __future__ import annotations
@@ -52,15 +58,26 @@ def _best_ms(fn, *args, calls: int = 20) -> float:
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--rows", default="1,9,64")
+  parser.add_argument("--streamed", type=int, default=0,
+                      help="also time this many different matrices a call")
   args = parser.parse_args()
-  matrices = {}
-  for qtype in (Q.Q4_K, Q.Q5_0, Q.Q6_K, Q.Q8_0):
+
+  def blocks(qtype, seed=0):
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
-    matrices[qtype.name] = jax.tree.map(jnp.asarray, gguf_blocks.from_blocks(
-        random_blocks(qtype, O, I // block), qtype, "bench", (I, O)))
+    return jax.tree.map(jnp.asarray, gguf_blocks.from_blocks(
+        random_blocks(qtype, O, I // block, seed), qtype, "bench", (I, O)))
+
+  qtypes = (Q.Q4_K, Q.Q5_0, Q.Q6_K, Q.Q8_0)
+  matrices = {qtype.name: blocks(qtype) for qtype in qtypes}
+  stacks = {qtype.name: [matrices[qtype.name]] + [
+      blocks(qtype, seed) for seed in range(1, args.streamed)]
+            for qtype in qtypes} if args.streamed > 1 else {}
   dense = jnp.asarray(np.random.default_rng(0).normal(
       size=(O, I)).astype(np.float32))
   kernel = jax.jit(lambda x, w: quantized.matmul(x, w, kernel=cpu.SMALLM))
+  # Every matrix of a list in one call (a column of each output kept).
+  each = jax.jit(lambda x, ws: [
+      quantized.matmul(x, w, kernel=cpu.SMALLM)[:, 0] for w in ws])
   xla = jax.jit(quantized.matmul)
   dot = jax.jit(lambda x, w: x @ w.T)
   square = jnp.ones((2048, 2048), jnp.float32)
@@ -85,8 +102,15 @@ def main() -> None:
     for name, w in matrices.items():
       ms = _best_ms(kernel, x, w)
       a8 = _best_ms(kernel, x, w.replace(act_bits=8))
+      streamed = {}
+      if name in stacks:
+        ws = stacks[name]
+        streamed = {
+            "streamed_ms": round(_best_ms(each, x, ws, calls=5) / len(ws), 3),
+            "streamed_a8_ms": round(_best_ms(each, x, [
+                v.replace(act_bits=8) for v in ws], calls=5) / len(ws), 3)}
       print(json.dumps({
-          "rows": rows, "format": name, "bytes": w.nbytes,
+          "rows": rows, "format": name, "bytes": w.nbytes, **streamed,
           "kernel_ms": round(ms, 3), "kernel_a8_ms": round(a8, 3),
           "xla_ms": round(_best_ms(xla, x, w), 3),
           "GB_per_s": round(w.nbytes / ms / 1e6, 1),
