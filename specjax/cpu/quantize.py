@@ -54,7 +54,6 @@ import collections
 import dataclasses
 import datetime
 import functools
-import math
 import os
 import pathlib
 from typing import Any, Callable, Mapping, Sequence
@@ -75,7 +74,7 @@ from specjax.models import Model
 from specjax.models import ModelConfig
 from specjax.models.matmul import LayerPick
 from specjax.models.decoder import PREFILL_CHUNK
-from specjax.models.decoder import piece_sizes
+from specjax.models.decoder import prefill_split
 from specjax.models.matmul import project
 from specjax.policies import auto
 from specjax.policies import costs
@@ -140,9 +139,7 @@ class Workload:
       raise ValueError(f"measured steps must be in [1, {new_tokens}] and "
                        f"need gamma >= 1, got {steps} at gamma={gamma}.")
     width = gamma + 1 if width is None else width
-    full = math.floor(prompt_tokens / PREFILL_CHUNK)
-    rest = prompt_tokens - full * PREFILL_CHUNK
-    piece = next(size for size in (0, *piece_sizes()) if rest <= size)
+    full, piece = prefill_split(prompt_tokens)
     chunks = full + piece / PREFILL_CHUNK
     how = "measured" if steps is not None else f"at acceptance {acceptance}"
     if steps is None:

@@ -47,9 +47,17 @@ def prefill_passes(longest: int, width: int, size: int,
                      f"{longest}.")
   if not chunked(width, size, chunk):
     return [width]
-  full, rest = divmod(longest, chunk)
-  piece = [next(s for s in piece_sizes(chunk) if rest <= s)] if rest else []
-  return [chunk] * full + piece
+  full, piece = prefill_split(longest, chunk)
+  return [chunk] * full + ([piece] if piece else [])
+
+
+def prefill_split(tokens: float, chunk: int = PREFILL_CHUNK
+                  ) -> tuple[int, int]:
+  """(whole chunks, size of the last piece or 0) that a chunked
+  `Decoder.prefill` runs `tokens` prompt tokens (a mean may be
+  fractional) in: the smallest of `piece_sizes` that holds the rest."""
+  full, rest = divmod(tokens, chunk)
+  return int(full), next(s for s in (0, *piece_sizes(chunk)) if rest <= s)
 
 
 class Decoder:
