@@ -371,8 +371,7 @@ class SpeculativeDecoder:
         where=where, target=target, drafter=drafter,
         policy=policy, tokens=tokens, lengths=lengths, longest=longest,
         budget=budget, params=params, key=key, seed=seed,
-        max_new_tokens=max_new_tokens,
-        cache_size=cache_size, tokens_cap=cap)
+        max_new_tokens=max_new_tokens, cache_size=cache_size, tokens_cap=cap)
 
   def run(self, call: Prepared, on_tokens: Any = None
           ) -> GenerateOutput | SpecOutput:

@@ -41,7 +41,8 @@ def prefill_passes(longest: int, width: int, size: int,
   whose longest has `longest` tokens, in a buffer P = `width` at S =
   `size`: where it chunks the buffer (`chunked`), floor(longest / chunk)
   chunks, then the smallest piece (`piece_sizes`) that holds the rest;
-  else one pass over all P."""
+  else one pass over all P. (A scanned model, `MatmulPlan.scan_layers`,
+  runs that piece as a whole chunk.)"""
   if not 1 <= longest <= width:
     raise ValueError(f"longest must be in [1, width={width}], got "
                      f"{longest}.")
