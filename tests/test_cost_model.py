@@ -15,6 +15,7 @@ from specjax import metrics
 from specjax import models
 from specjax import policies
 from specjax import testing
+from specjax.models.decoder import prefill_passes
 from specjax.policies.costs import expected_steps
 from specjax.policies.costs import expected_tokens
 from specjax.policies.costs import ForwardCosts
@@ -357,7 +358,6 @@ def test_a_draft_prefill_is_priced_at_the_passes_the_decoder_runs():
   # `Decoder.prefill` runs a 256-wide buffer up to its longest prompt:
   # 150 tokens are two chunks of 64 and a piece of 32 (the rest, 22, fits
   # 32 and not 16), not the buffer's four chunks; 128 end on a chunk edge.
-  from specjax.models.decoder import prefill_passes  # pylint: disable=g-import-not-at-top
   assert prefill_passes(150, 256, 512) == [64, 64, 32]
   assert prefill_passes(128, 256, 512) == [64, 64]
   assert prefill_passes(10, 256, 512) == [16]
