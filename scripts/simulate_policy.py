@@ -70,6 +70,8 @@ _TOKENS = flags.DEFINE_integer("tokens", 32, "New tokens per row.")
 _OPTIMISM = flags.DEFINE_string("optimism", "1", "`Auto` optimism values.")
 _HORIZON = flags.DEFINE_string("horizon", "64", "`Auto` horizon values.")
 _MARGIN = flags.DEFINE_string("margin", "0.03", "`Auto` margin values.")
+_PROBE_PRICE = flags.DEFINE_string("probe_price", "0.25",
+                                   "`Auto` probe_price values.")
 _ERROR = flags.DEFINE_string(
     "error", "1", "Factors by which the drafting steps' true costs differ "
     "from the cost set the policy chooses by.")
@@ -146,19 +148,22 @@ def main(argv) -> None:
     raise app.UsageError("Give --costs or --runs.")
   alphas = _alphas(_ALPHAS.value)
   label = lambda a: ":".join(map(str, a)) if isinstance(a, tuple) else a
-  print("costs | B | optimism | horizon | observe | margin | error | "
-        + " | ".join(f"α = {label(a)}" for a in alphas))
-  print(" | ".join("---" for _ in range(7 + len(alphas))))
-  # (optimism, horizon, observe, margin) -> every ratio it scored.
+  print("costs | B | optimism | horizon | observe | margin | probe price | "
+        "error | " + " | ".join(f"α = {label(a)}" for a in alphas))
+  print(" | ".join("---" for _ in range(8 + len(alphas))))
+  # (optimism, horizon, observe, margin, probe_price) -> every ratio it
+  # scored.
   scores = {}
   for name, batch, costs in sets:
     batch = _BATCH.value or batch
-    for optimism, horizon, observe, margin, error in itertools.product(
-        _floats(_OPTIMISM.value), _floats(_HORIZON.value),
-        _floats(_OBSERVE.value), _floats(_MARGIN.value),
-        _floats(_ERROR.value)):
+    for optimism, horizon, observe, margin, price, error in (
+        itertools.product(
+            _floats(_OPTIMISM.value), _floats(_HORIZON.value),
+            _floats(_OBSERVE.value), _floats(_MARGIN.value),
+            _floats(_PROBE_PRICE.value), _floats(_ERROR.value))):
       policy = policies.Auto.from_costs(
-          costs, optimism=optimism, horizon=int(horizon), margin=margin)
+          costs, optimism=optimism, horizon=int(horizon), margin=margin,
+          probe_price=price)
       observe = bool(observe) and costs.draft_ms > 0
       # A policy that can never draft runs `generate` (no draft prefill).
       drafts = policy.may_draft()
@@ -172,20 +177,22 @@ def main(argv) -> None:
             tokens=_TOKENS.value, samples=_SAMPLES.value,
             observe_first=observe and drafts, warm_after=after)
                   for p, after in starts]
-        scores.setdefault((optimism, horizon, observe, margin),
+        scores.setdefault((optimism, horizon, observe, margin, price),
                           []).append(ratios)
         cells.append(" / ".join(f"{r:.3f}" for r in ratios))
       print(f"{name} | {batch} | {optimism:g} | {horizon:g} | "
-            f"{int(observe)} | {margin:g} | {error:g} | "
+            f"{int(observe)} | {margin:g} | {price:g} | {error:g} | "
             + " | ".join(cells), flush=True)
-  print("\noptimism | horizon | observe | margin | worst cell | mean cell")
-  print(" | ".join("---" for _ in range(6)))
-  for (optimism, horizon, observe, margin), ratios in scores.items():
+  print("\noptimism | horizon | observe | margin | probe price | worst "
+        "cell | mean cell")
+  print(" | ".join("---" for _ in range(7)))
+  for (optimism, horizon, observe, margin, price), ratios in (
+      scores.items()):
     ratios = np.asarray(ratios)  # [cells, starts]
     worst, mean = (" / ".join(f"{r:.3f}" for r in f(ratios, 0))
                    for f in (np.min, np.mean))
     print(f"{optimism:g} | {horizon:g} | {int(observe)} | {margin:g} | "
-          f"{worst} | {mean}")
+          f"{price:g} | {worst} | {mean}")
 
 
 if __name__ == "__main__":

@@ -648,6 +648,26 @@ def test_a_gain_under_the_margin_is_not_drafted():
     policies.Auto.create(**F_B1, margin=-0.01)
 
 
+def test_a_dear_probe_waits_in_proportion_to_its_price():
+  """Prompt lookup (no draft model) at costs where a two-token pass is
+  1.77 plain steps: a probe costs 0.77 of a plain step beyond one, over
+  the default `probe_price` of 0.25, so the first scheduled probe (wait
+  16) waits 16 * 0.77 / 0.25 = 49.3 plain steps, i.e. falls due at the
+  50th; with a `probe_price` of 1 at the 16th, as does a probe that costs
+  0.05 of a step at the default."""
+  dear = dict(max_gamma=GAMMA, target_ms=[1.0, 1.77, 2.1, 4.6])
+  due_at = lambda policy: next(
+      idle for idle in range(1, 200)
+      if policy._due(policy.init(1).replace(idle=jnp.int32(idle),
+                                            wait=policy.probe_every)))
+  assert due_at(policies.Auto.create(**dear)) == 50
+  assert due_at(policies.Auto.create(**dear, probe_price=1.0)) == 16
+  assert due_at(policies.Auto.create(
+      max_gamma=GAMMA, target_ms=[1.0, 1.05, 1.1, 1.2])) == 16
+  with pytest.raises(ValueError, match="probe_price"):
+    policies.Auto.create(**dear, probe_price=0.0)
+
+
 @pytest.mark.slow  # over 15 s on a 2-core CPU; runs in the slow step
 def test_low_acceptance_drops_to_autoregressive_steps(pair):
   # Synthetic acceptance 0 on the tiny pair: once its estimates have

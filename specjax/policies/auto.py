@@ -87,6 +87,9 @@ class Auto(Estimates, PlainRuns):
     probe_every: [] int32 draft one token after this many steps without
       drafting.
     probe_max: [] int32 the longest wait the backoff reaches.
+    probe_price: [] float32 the price of a probe beyond a plain step, in
+      plain steps, up to which it waits `wait` plain steps; a dearer one
+      waits longer in proportion (`_due`).
     first_wait: [] int32 the wait before a generation's first probe: 0
       from the prior (`create`, unless `probe_first=False`), so the first
       step drafts at least one token unless the rows observed position 1
@@ -116,6 +119,7 @@ class Auto(Estimates, PlainRuns):
   rate: jax.Array
   probe_every: jax.Array
   probe_max: jax.Array
+  probe_price: jax.Array
   first_wait: jax.Array
   optimism: jax.Array
   margin: jax.Array
@@ -130,7 +134,8 @@ class Auto(Estimates, PlainRuns):
   def create(cls, *, max_gamma: int, target_ms: Sequence[float],
              draft_ms: float = 0.0, first_draft_ms: float | None = None,
              prior: float = PRIOR, rate: float = 0.05, probe_every: int = 16,
-             probe_max: int = 128, probe_first: bool = True,
+             probe_max: int = 128, probe_price: float = 0.25,
+             probe_first: bool = True,
              optimism: float = 1.0, margin: float = 0.03, horizon: int = 64,
              serial_finish: bool | None = None,
              widths: Sequence[int] | None = None) -> "Auto":
@@ -148,6 +153,12 @@ class Auto(Estimates, PlainRuns):
       probe_every: steps without drafting before a one-token probe, >= 1.
       probe_max: the longest wait between probes that find drafting still
         not worth it (each doubles the wait), >= probe_every.
+      probe_price: the price of a probe beyond a plain step, in plain
+        steps, up to which it waits `probe_every` (then twice that, ...)
+        plain steps, > 0: a dearer one waits longer in proportion, so
+        probes take at most `probe_price` / `probe_every` of the time
+        (where a wide pass is compute-bound, a probe can cost most of a
+        plain step).
       probe_first: draft at least one token at the first step, whatever
         the prior predicts, so that the prior is tested at once (unless
         `observe` tested it at prefill).
@@ -191,6 +202,8 @@ class Auto(Estimates, PlainRuns):
     if serial_finish is not None and not isinstance(serial_finish, bool):
       raise ValueError(f"serial_finish must be True, False or None, got "
                        f"{serial_finish!r}.")
+    if not probe_price > 0:
+      raise ValueError(f"probe_price must be > 0, got {probe_price}.")
     if int(probe_max) < int(probe_every):
       raise ValueError(f"probe_max must be >= probe_every={probe_every}, "
                        f"got {probe_max}.")
@@ -202,6 +215,7 @@ class Auto(Estimates, PlainRuns):
                rate=jnp.float32(rate),
                probe_every=jnp.int32(probe_every),
                probe_max=jnp.int32(probe_max),
+               probe_price=jnp.float32(probe_price),
                first_wait=jnp.int32(0 if probe_first else probe_every),
                optimism=jnp.float32(optimism), margin=jnp.float32(margin),
                max_gamma=int(max_gamma),
@@ -362,13 +376,16 @@ class Auto(Estimates, PlainRuns):
 
   def _due(self, state: AutoState) -> jax.Array:
     """[] bool: enough plain steps for a probe: `wait` of them, stretched
-    to `wait` times the probe's price in plain steps. The price is the
-    catch-up on the steps idle so far, or on `wait` of them before that:
-    the probe fires later than `wait` wherever its price exceeds a plain
-    step, and pays the catch-up on every step skipped by then."""
+    by the probe's price beyond a plain step over `probe_price` plain
+    steps where that is more than one, so that a probe costs at most
+    `probe_price` / `wait` of the plain steps' time before it. The price
+    is the catch-up on the steps idle so far, or on `wait` of them before
+    that: the probe fires later than `wait` wherever its price is high,
+    and pays the catch-up on every step skipped by then."""
     plain = self.target_ms[0]
+    price = self.probe_ms(jnp.maximum(state.idle, state.wait))
     return state.idle * plain >= state.wait * jnp.maximum(
-        plain, self.probe_ms(jnp.maximum(state.idle, state.wait)))
+        plain, price / self.probe_price)
 
   def _pays_back(self, state: AutoState, active: jax.Array,
                  remaining: jax.Array | None) -> jax.Array:
