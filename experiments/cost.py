@@ -56,7 +56,8 @@ def measure_cost(target: Any, draft: Any | None,
                   for name, model in models.items()}
   if weight_bytes["target"]:
     steps["read"] = read_step()
-  ms = hardware.median_ms(steps, repeats)
+  # Each timed right after a call of its own, as a generation runs them.
+  ms = hardware.median_ms(steps, repeats, settle=1)
   out = {"batch_size": len(prompts), "repeats": repeats}
   for name in models:
     forward = ms[(name, 1)]

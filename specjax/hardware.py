@@ -11,7 +11,8 @@ machine nothing has measured.
 
 Timing, for every benchmark and tuning step: `median_ms` times steps
 interleaved round-robin, so load changes on a shared machine spread over
-every candidate instead of biasing whichever ran during a busy spell;
+every candidate instead of biasing whichever ran during a busy spell (and,
+with `settle`, each right after a call of its own, as a loop runs it);
 `settled_ms` repeats such passes, one candidate's steps at a time, until
 two agree and keeps each step's least, for one-time choices;
 `timed_call` times a whole generate call as a user runs it, and its
@@ -200,13 +201,18 @@ def machine_key() -> str:
 
 
 def median_ms(steps: Mapping[str, Callable[[], Any]], repeats: int,
-              warmup: int = 2) -> dict[str, float]:
+              warmup: int = 2, settle: int = 0) -> dict[str, float]:
   """Median milliseconds per call of each step, timed round-robin.
 
   Args:
     steps: name -> a function of no arguments returning arrays.
     repeats: timed calls per step.
     warmup: untimed calls per step first (compilation, page faults).
+    settle: untimed calls of a step right before each of its timed ones,
+      so that it is timed as a run of its own calls runs, not right after
+      another step: on a 2-core CPU a one-token forward of the 1.5B blocks
+      at B = 8 takes 120 ms after itself and 160 ms after a five-token
+      one.
 
   Returns:
     name -> median ms.
@@ -217,6 +223,8 @@ def median_ms(steps: Mapping[str, Callable[[], Any]], repeats: int,
   times = {name: [] for name in steps}
   for _ in range(repeats):
     for name, step in steps.items():
+      for _ in range(settle):
+        jax.block_until_ready(step())
       start = time.perf_counter()
       jax.block_until_ready(step())
       times[name].append(time.perf_counter() - start)

@@ -63,11 +63,11 @@ def pytest_configure(config):
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def _scripted_ms(steps, repeats, warmup=2):
+def _scripted_ms(steps, repeats, warmup=2, settle=0):
   """Stands in for `hardware.median_ms` in the default suite: runs each
   step once (so every code path still compiles and executes) and returns
   a fixed, distinct time per step name instead of a measurement."""
-  del repeats, warmup
+  del repeats, warmup, settle
   import jax  # pylint: disable=g-import-not-at-top
   out = {}
   for name, step in steps.items():

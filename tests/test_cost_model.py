@@ -157,8 +157,9 @@ class _Timings:
     monkeypatch.setattr(cost.hardware, "median_ms", self)
     monkeypatch.setattr(cost, "_DUE", {})  # as in a new process
 
-  def __call__(self, steps, repeats):
+  def __call__(self, steps, repeats, settle=0):
     del repeats
+    assert settle == 1  # each T timed after a forward of its own
     self.calls.append(sorted(steps))
     times = self.passes.pop(0)
     return {t: float(times[t]) for t in steps}

@@ -107,6 +107,26 @@ def test_cpus_sharing_a_name_measure_apart(cache, monkeypatch):
   assert len(keys) == 3, keys
 
 
+def test_settle_times_each_step_after_a_call_of_its_own(monkeypatch):
+  """Two steps, each 1 ms after a call of itself and 40 ms after the
+  other's (as a one-token forward after a wide one): timed round-robin,
+  both come out near 40 ms; settled, near 1 ms."""
+  import time  # pylint: disable=g-import-not-at-top
+  from specjax import hardware  # pylint: disable=g-import-not-at-top
+  monkeypatch.undo()  # the real `median_ms`, not the suite's stand-in
+  last = []
+
+  def step(name):
+    def call():
+      time.sleep(0.001 if last[-1:] == [name] else 0.04)
+      last.append(name)
+    return call
+
+  steps = {"a": step("a"), "b": step("b")}
+  assert min(hardware.median_ms(steps, 3, warmup=0).values()) > 30
+  assert max(hardware.median_ms(steps, 3, warmup=0, settle=1).values()) < 20
+
+
 def test_a_slow_moment_does_not_decide(monkeypatch):
   """`settled_ms` takes passes until two agree and keeps each step's least:
   a pass that caught the machine busy for one step is outvoted. Each pass

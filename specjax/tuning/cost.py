@@ -163,6 +163,12 @@ def measure(model: Any, *, batch: int, chunks: Sequence[int],
   lengths, so a forward's cost grows with S; measure at the S the
   generation will use, or the verify pass's cost relative to a one-token
   step comes out wrong.
+
+  Each T is timed right after an untimed forward of its own
+  (`hardware.median_ms`'s `settle`), as a generation's plain steps and
+  its verification passes run in runs of their own: timed after a wider
+  forward, a one-token step can cost a third more than it does in a
+  generation, and a policy priced by that drafts where it loses.
   """
   chunks = tuple(sorted(set(int(t) for t in chunks)))
   path = store.path_for("cost", cache_dir)
@@ -184,7 +190,7 @@ def measure(model: Any, *, batch: int, chunks: Sequence[int],
   prompts = [[(7 * i + b) % (model.vocab_size - 1) + 1
               for i in range(prompt_tokens)] for b in range(batch)]
   steps = {t: forward_step(model, prompts, cache_size, t) for t in chunks}
-  timed = lambda: hardware.median_ms(steps, repeats)
+  timed = lambda: hardware.median_ms(steps, repeats, settle=1)
   new = [timed()]
   if passes and not hardware.agree_ms(new[0], cached.forward_ms, DRIFT):
     passes = []  # the machine has changed
