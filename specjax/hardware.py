@@ -251,9 +251,10 @@ def settled_ms(steps: Mapping[Any, Callable[[], Any]], repeats: int, *,
 
   - a pass times each `group` of steps (steps named alike by `group`: one
     candidate's) round-robin by `median_ms`, the groups one after the
-    other, so a step never runs right after another candidate's: on one
-    2-core Xeon a float product timed just after a block kernel's long
-    product took 1.6x its time alone;
+    other, each step right after an untimed call of its own (`settle`),
+    so a step is never timed right after another's: on one 2-core Xeon a
+    float product timed just after a block kernel's long product took
+    1.6x its time alone;
   - time only adds to a step, so the least of settled passes is the
     estimate of what the machine does undisturbed.
   """
@@ -265,7 +266,7 @@ def settled_ms(steps: Mapping[Any, Callable[[], Any]], repeats: int, *,
 
   def timed() -> dict[Any, float]:
     return {k: v for g in groups.values() for k, v in
-            median_ms(g, repeats).items()}
+            median_ms(g, repeats, settle=1).items()}
 
   passes = [timed(), timed()]
   while len(passes) < max_passes and not agree_ms(passes[-1], passes[-2],

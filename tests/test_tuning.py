@@ -138,7 +138,8 @@ def test_a_slow_moment_does_not_decide(monkeypatch):
                  {"a": 9.0, "b": 9.0}])  # never reached
   calls = []
 
-  def median_ms(steps, repeats):
+  def median_ms(steps, repeats, settle=0):
+    assert settle == 1  # each step timed after a call of its own
     calls.append(sorted(steps))
     if steps.keys() == {"a"}:
       current.update(next(passes))
@@ -152,7 +153,7 @@ def test_a_slow_moment_does_not_decide(monkeypatch):
   assert next(passes) == {"a": 9.0, "b": 9.0}
   # At most `max_passes`, however much they disagree; one group by default.
   monkeypatch.setattr(hardware, "median_ms",
-                      lambda steps, r, n=iter(range(1, 9)): {
+                      lambda steps, r, settle, n=iter(range(1, 9)): {
                           k: float(next(n)) ** 2 for k in steps})
   assert hardware.settled_ms(steps, 3, max_passes=3) == {"a": 1.0, "b": 4.0}
   with pytest.raises(ValueError, match="max_passes"):
