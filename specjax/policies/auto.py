@@ -17,9 +17,8 @@ of K tokens. K = 0 is a plain step, kept unless the best K predicts more
 than `margin` over it (`choose`). Around that core:
 
 - near the end it prices when the slowest row ends (`finish_rate`);
-- a plain step drafts what an upper confidence bound on position 1's
-  acceptance hopes for (`hoped`), so a few unlucky rejections do not stop
-  drafting for long;
+- a plain step drafts what an upper confidence bound on position 1 hopes
+  for (`hoped`): a few unlucky rejections do not stop drafting for long;
 - while it takes plain steps it probes with one draft now and then, priced
   and backed off (`_due`, `probe_ms`, `_pays_back`): the estimates learn
   only from drafted steps;
@@ -87,9 +86,8 @@ class Auto(Estimates, PlainRuns):
     probe_every: [] int32 draft one token after this many steps without
       drafting.
     probe_max: [] int32 the longest wait the backoff reaches.
-    probe_price: [] float32 the price of a probe beyond a plain step, in
-      plain steps, up to which it waits `wait` plain steps; a dearer one
-      waits longer in proportion (`_due`).
+    probe_price: [] float32 a probe's price beyond a plain step, in plain
+      steps, above which it waits longer in proportion (`_due`).
     first_wait: [] int32 the wait before a generation's first probe: 0
       from the prior (`create`, unless `probe_first=False`), so the first
       step drafts at least one token unless the rows observed position 1
@@ -135,8 +133,8 @@ class Auto(Estimates, PlainRuns):
              draft_ms: float = 0.0, first_draft_ms: float | None = None,
              prior: float = PRIOR, rate: float = 0.05, probe_every: int = 16,
              probe_max: int = 128, probe_price: float = 0.25,
-             probe_first: bool = True,
-             optimism: float = 1.0, margin: float = 0.03, horizon: int = 64,
+             probe_first: bool = True, optimism: float = 1.0,
+             margin: float = 0.03, horizon: int = 64,
              serial_finish: bool | None = None,
              widths: Sequence[int] | None = None) -> "Auto":
     """Validates host values.
@@ -153,12 +151,9 @@ class Auto(Estimates, PlainRuns):
       probe_every: steps without drafting before a one-token probe, >= 1.
       probe_max: the longest wait between probes that find drafting still
         not worth it (each doubles the wait), >= probe_every.
-      probe_price: the price of a probe beyond a plain step, in plain
-        steps, up to which it waits `probe_every` (then twice that, ...)
-        plain steps, > 0: a dearer one waits longer in proportion, so
-        probes take at most `probe_price` / `probe_every` of the time
-        (where a wide pass is compute-bound, a probe can cost most of a
-        plain step).
+      probe_price: a probe's price beyond a plain step, in plain steps,
+        > 0, above which it waits longer in proportion: probes then take
+        at most `probe_price` / `probe_every` of the time.
       probe_first: draft at least one token at the first step, whatever
         the prior predicts, so that the prior is tested at once (unless
         `observe` tested it at prefill).
@@ -376,16 +371,14 @@ class Auto(Estimates, PlainRuns):
 
   def _due(self, state: AutoState) -> jax.Array:
     """[] bool: enough plain steps for a probe: `wait` of them, stretched
-    by the probe's price beyond a plain step over `probe_price` plain
-    steps where that is more than one, so that a probe costs at most
-    `probe_price` / `wait` of the plain steps' time before it. The price
-    is the catch-up on the steps idle so far, or on `wait` of them before
-    that: the probe fires later than `wait` wherever its price is high,
-    and pays the catch-up on every step skipped by then."""
+    by its price over `probe_price` plain steps where that exceeds one,
+    so a probe costs at most `probe_price` / `wait` of the time before
+    it. The price is the catch-up on the steps idle so far, or on `wait`
+    of them before that: a dear probe fires later than `wait`, and pays
+    the catch-up on every step skipped by then."""
     plain = self.target_ms[0]
-    price = self.probe_ms(jnp.maximum(state.idle, state.wait))
-    return state.idle * plain >= state.wait * jnp.maximum(
-        plain, price / self.probe_price)
+    return state.idle * plain >= state.wait * jnp.maximum(plain, self.probe_ms(
+        jnp.maximum(state.idle, state.wait)) / self.probe_price)
 
   def _pays_back(self, state: AutoState, active: jax.Array,
                  remaining: jax.Array | None) -> jax.Array:
@@ -500,9 +493,8 @@ class Auto(Estimates, PlainRuns):
              remaining: jax.Array | None) -> jax.Array:
     """[] the budget `k`, or where it is 0 a probe: the budget `hoped`
     for, else one token if one is due (`_due`); only where some active
-    row can use a draft (`available` [B] drafts per row, None for any)
-    and the tokens left (`remaining` [B]) could repay it
-    (`_may_probe`)."""
+    row can use a draft (`available` [B], None for any) and the tokens
+    left (`remaining` [B]) could repay it (`_may_probe`)."""
     # Only a plain step asks what the bound hopes for.
     hope = jax.lax.cond(
         k == 0, lambda: self.hoped(state, active, available,
