@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Call", "DATASHEETS", "agree_ms", "cpu_id", "cpu_model",
-           "cpu_simd", "default_dtype", "machine", "machine_key", "median_ms",
-           "nominal_rates", "num_cores", "resolve_dtype", "settled_ms",
-           "source_version", "timed_call", "warm_up"]
+__all__ = ["Call", "DATASHEETS", "TIMED", "agree_ms", "cpu_id",
+           "cpu_model", "cpu_simd", "default_dtype", "machine", "machine_key",
+           "median_ms", "nominal_rates", "num_cores", "resolve_dtype",
+           "settled_ms", "source_version", "timed_call", "warm_up"]
 
 # SIMD extensions that change which code is fastest, or which code runs.
 _SIMD = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
@@ -198,6 +198,12 @@ def machine_key() -> str:
   """A key for caches of measurements: CPU, cores, backend and JAX."""
   return (f"{cpu_id()}|cores={os.cpu_count()}|"
           f"{jax.default_backend()}|jax={jax.__version__}")
+
+
+# How the tuning steps time a step (`median_ms(settle=1)`, `settled_ms`),
+# part of the keys of the measurements they cache: a cached measurement
+# timed otherwise is not read.
+TIMED = "each-after-itself"
 
 
 def median_ms(steps: Mapping[str, Callable[[], Any]], repeats: int,

@@ -44,6 +44,19 @@ def test_deleting_the_cache_re_measures(cache):
       "measured")
 
 
+def test_a_choice_timed_another_way_is_made_again(cache, monkeypatch):
+  from specjax import hardware  # pylint: disable=g-import-not-at-top
+  timed = hardware.TIMED
+  monkeypatch.setattr(hardware, "TIMED", "round-robin")
+  assert tuning.tune(testing.TINY_TARGET, rows=(1, 3),
+                     cache_dir=cache).source == "measured"
+  assert tuning.tune(testing.TINY_TARGET, rows=(1, 3),
+                     cache_dir=cache).source == "cache"
+  monkeypatch.setattr(hardware, "TIMED", timed)
+  assert tuning.tune(testing.TINY_TARGET, rows=(1, 3),
+                     cache_dir=cache).source == "measured"
+
+
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]",
                                      '{"k": {"plan": "sideways/xla"}}'])
 def test_a_corrupt_cache_is_ignored_with_a_warning(cache, content):

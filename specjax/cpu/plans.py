@@ -105,14 +105,16 @@ def _shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def cache_key(config: ModelConfig, dtype: Any,
               rows: Sequence[int] | None) -> str:
-  """Names the machine, kernel sources, candidates, dtype, shapes and rows
-  (None: an entry that holds timings per row count)."""
+  """Names the machine, kernel sources, candidates, dtype, shapes, rows
+  (None: an entry that holds timings per row count) and how the steps were
+  timed (`hardware.TIMED`)."""
   shapes = ",".join(f"{k}={i}x{o}" for k, (i, o) in _shapes(config).items())
   # The candidates are in the key: a new candidate plan re-measures.
   return (f"{hardware.machine_key()}|kernel={kernels.source_hash()}|"
           f"plans={'+'.join(candidates(dtype))}|"
           f"{jnp.dtype(dtype).name}|{shapes}"
-          + ("" if rows is None else f"|rows={','.join(map(str, rows))}"))
+          + ("" if rows is None else f"|rows={','.join(map(str, rows))}")
+          + f"|timed={hardware.TIMED}")
 
 
 def stack(config: ModelConfig, dtype: Any, plan: MatmulPlan,

@@ -29,23 +29,19 @@ from specjax import store
 from specjax.models.protocol import declared
 from specjax.models.protocol import LanguageModel
 
-__all__ = ["TIMED", "check_entry", "check_machine", "forward_ms",
+__all__ = ["check_entry", "check_machine", "forward_ms",
            "machine_rates", "table_key"]
-
-
-# How the tuning step times a table (`tuning.cost.measure`), part of its
-# key: a table timed otherwise is not read.
-TIMED = "each-after-itself"
 
 
 def table_key(model: LanguageModel, batch: int, cache_size: int,
               chunks: Sequence[int]) -> str:
   """The key of `model`'s cost table at B, S and chunk lengths T: this
   machine's, then the model's own (`CostGeometry.key`), and how it was
-  timed (`TIMED`)."""
+  timed (`hardware.TIMED`)."""
   geometry = declared(model).cost_geometry()
   return (f"{hardware.machine_key()}|{geometry.key}|B={batch}|"
-          f"S={cache_size}|T={','.join(map(str, chunks))}|timed={TIMED}")
+          f"S={cache_size}|T={','.join(map(str, chunks))}|"
+          f"timed={hardware.TIMED}")
 
 
 def check_entry(entry: Any) -> None:
