@@ -370,15 +370,15 @@ class Auto(Estimates, PlainRuns):
             - self.target_ms[0])
 
   def _due(self, state: AutoState) -> jax.Array:
-    """[] bool: enough plain steps for a probe: `wait` of them, stretched
-    by its price over `probe_price` plain steps where that exceeds one,
-    so a probe costs at most `probe_price` / `wait` of the time before
-    it. The price is the catch-up on the steps idle so far, or on `wait`
-    of them before that: a dear probe fires later than `wait`, and pays
-    the catch-up on every step skipped by then."""
+    """[] bool: `wait` plain steps have passed, stretched by the probe's
+    price over `probe_price` plain steps where that exceeds one, so a probe
+    costs at most `probe_price` / `wait` of the time before it. The price
+    is the catch-up on max(idle, wait) steps: a dear probe fires late and
+    pays the catch-up on every step skipped by then."""
     plain = self.target_ms[0]
-    return state.idle * plain >= state.wait * jnp.maximum(plain, self.probe_ms(
-        jnp.maximum(state.idle, state.wait)) / self.probe_price)
+    price = self.probe_ms(jnp.maximum(state.idle, state.wait))
+    return state.idle * plain >= state.wait * jnp.maximum(
+        plain, price / self.probe_price)
 
   def _pays_back(self, state: AutoState, active: jax.Array,
                  remaining: jax.Array | None) -> jax.Array:
