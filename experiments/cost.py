@@ -3,18 +3,18 @@
 Shape letters (`specjax.shapes`): B batch, P padded prompt, S cache size, T
 tokens per forward.
 
-c = (median time of one jitted single-token decode step of the draft) /
-(the same for the target), on the same B prompts, prefilled so attention
-reads a warm cache of realistic length. The cache is donated and rolled back
-inside the step, so repeats neither copy nor grow it. The target's
-verification pass (T = γ+1 tokens) is timed the same way: Leviathan et al.'s
-predicted speedup assumes it costs one target forward. Separate calls
-include a dispatch overhead the compiled decoding loop does not pay; it is
-negligible for real models and dominant for tiny ones.
+c = (median time of one single-token decode step of the draft) / (the same
+for the target), on the same B prompts, prefilled so attention reads a warm
+cache of realistic length, each step timed as one more iteration of a
+compiled loop of them, as the decoding loop runs it (`hardware.looped_ms`).
+The cache is donated and rolled back inside the loop, so repeats neither
+copy nor grow it. The target's verification pass (T = γ+1 tokens) is timed
+the same way: Leviathan et al.'s predicted speedup assumes it costs one
+target forward.
 
 The memory-bandwidth roofline of a decode step is the target's weight bytes
 per token divided by the bandwidth of a large-array read (a jitted sum over
-`READ_BYTES`), timed in the same round-robin as the forwards.
+`READ_BYTES`), timed after the forwards.
 """
 
 from __future__ import annotations
@@ -54,10 +54,9 @@ def measure_cost(target: Any, draft: Any | None,
       steps[(name, g + 1)] = forward_step(model, prompts, cache_size, g + 1)
   weight_bytes = {name: getattr(model, "weight_bytes_per_token", None)
                   for name, model in models.items()}
+  ms = hardware.looped_ms(steps, repeats)
   if weight_bytes["target"]:
-    steps["read"] = read_step()
-  # Each timed right after a call of its own, as a generation runs them.
-  ms = hardware.median_ms(steps, repeats, settle=1)
+    ms.update(hardware.median_ms({"read": read_step()}, repeats))
   out = {"batch_size": len(prompts), "repeats": repeats}
   for name in models:
     forward = ms[(name, 1)]

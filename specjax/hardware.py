@@ -13,6 +13,8 @@ Timing, for every benchmark and tuning step: `median_ms` times steps
 interleaved round-robin, so load changes on a shared machine spread over
 every candidate instead of biasing whichever ran during a busy spell (and,
 with `settle`, each right after a call of its own, as a loop runs it);
+`looped_ms` times one more iteration of a step's compiled loop, as a
+generation pays it;
 `settled_ms` repeats such passes, one candidate's steps at a time, until
 two agree and keeps each step's least, for one-time choices;
 `timed_call` times a whole generate call as a user runs it, and its
@@ -35,10 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Call", "DATASHEETS", "TIMED", "agree_ms", "cpu_id",
-           "cpu_model", "cpu_simd", "default_dtype", "machine", "machine_key",
-           "median_ms", "nominal_rates", "num_cores", "resolve_dtype",
-           "settled_ms", "source_version", "timed_call", "warm_up"]
+__all__ = ["Call", "DATASHEETS", "LOOPED", "TIMED", "agree_ms", "cpu_id",
+           "cpu_model", "cpu_simd", "default_dtype", "looped_ms", "machine",
+           "machine_key", "median_ms", "nominal_rates", "num_cores",
+           "resolve_dtype", "settled_ms", "source_version", "timed_call",
+           "warm_up"]
 
 # SIMD extensions that change which code is fastest, or which code runs.
 _SIMD = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
@@ -200,10 +203,14 @@ def machine_key() -> str:
           f"{jax.default_backend()}|jax={jax.__version__}")
 
 
-# How the tuning steps time a step (`median_ms(settle=1)`, `settled_ms`),
-# part of the keys of the measurements they cache: a cached measurement
-# timed otherwise is not read.
+# How the tuning steps time a step, part of the keys of the measurements
+# they cache (a measurement timed otherwise is not read): one-time choices
+# each step right after a call of its own (`settled_ms`), forward tables
+# as one more iteration of a compiled loop (`looped_ms`).
 TIMED = "each-after-itself"
+LOOPED = "one-more-in-a-loop"
+# `looped_ms` times at least this long a difference of two calls.
+_LOOP_MS = 20.0
 
 
 def median_ms(steps: Mapping[str, Callable[[], Any]], repeats: int,
@@ -235,6 +242,53 @@ def median_ms(steps: Mapping[str, Callable[[], Any]], repeats: int,
       jax.block_until_ready(step())
       times[name].append(time.perf_counter() - start)
   return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def looped_ms(steps: Mapping[Any, Callable[[int], Any]], repeats: int,
+              warmup: int = 1) -> dict[Any, float]:
+  """Median ms of one more iteration of each step's compiled loop.
+
+  A generation runs its forwards in one compiled loop, dispatched once,
+  out of which XLA hoists what no iteration changes (a packed matrix
+  dequantised for a product too wide for the kernel). A forward timed as
+  a call of its own pays both every time: a fifth of a `generate` step
+  of the 1.5B blocks at B = 64. So each timing is (t(1 + k) - t(1)) / k,
+  a call of 1 + k iterations less the call of 1 right before it, k such
+  that k iterations take at least `_LOOP_MS`. A step's calls run back to
+  back, after untimed ones of its own, so that no timed iteration follows
+  another step's (a one-token forward right after a wider one runs
+  slower, `median_ms`).
+
+  Args:
+    steps: name -> a function of n running n iterations in one call.
+    repeats: timings per step.
+    warmup: untimed calls of each step(1) first (compilation).
+
+  Returns:
+    name -> median ms of an iteration (at least 1e-6: a loop of a tiny
+    model can cost less than the timings' noise).
+  """
+  def spans_ms(step, more):
+    """ms of step(1), then of step(1 + more)."""
+    spans = []
+    for n in (1, 1 + more):
+      start = time.perf_counter()
+      jax.block_until_ready(step(n))
+      spans.append(1e3 * (time.perf_counter() - start))
+    return spans
+
+  out = {}
+  for name, step in steps.items():
+    for _ in range(warmup):
+      jax.block_until_ready(step(1))
+    once, twice = spans_ms(step, 1)
+    # An iteration's rough cost, not below 1% of a call's (a noisy
+    # difference must not make k huge).
+    more = int(np.ceil(_LOOP_MS / max(twice - once, once / 100)))
+    spans = [spans_ms(step, more) for _ in range(repeats)]
+    out[name] = max(statistics.median((b - a) / more for a, b in spans),
+                    1e-6)
+  return out
 
 
 def agree_ms(a: Mapping[Any, float], b: Mapping[Any, float],

@@ -64,9 +64,10 @@ def pytest_configure(config):
 
 
 def _scripted_ms(steps, repeats, warmup=2, settle=0):
-  """Stands in for `hardware.median_ms` in the default suite: runs each
-  step once (so every code path still compiles and executes) and returns
-  a fixed, distinct time per step name instead of a measurement."""
+  """Stands in for `hardware.median_ms` and `looped_ms` in the default
+  suite: runs each step once (so every code path still compiles and
+  executes) and returns a fixed, distinct time per step name instead of
+  a measurement."""
   del repeats, warmup, settle
   import jax  # pylint: disable=g-import-not-at-top
   out = {}
@@ -80,11 +81,12 @@ def _scripted_ms(steps, repeats, warmup=2, settle=0):
 def _no_timing_in_the_default_suite(request, monkeypatch):
   """The default suite times no forward: tuning steps and experiment cost
   ratios read `_scripted_ms`. Tests marked `slow` or `real_models` time
-  for real, and a test may patch `median_ms` itself."""
+  for real, and a test may patch the timers itself."""
   if not any(request.node.get_closest_marker(m)
              for m in ("slow", "real_models")):
     from specjax import hardware  # pylint: disable=g-import-not-at-top
     monkeypatch.setattr(hardware, "median_ms", _scripted_ms)
+    monkeypatch.setattr(hardware, "looped_ms", _scripted_ms)
 
 
 HF_ARCHS = ("llama", "mistral", "qwen2", "gemma3")

@@ -146,20 +146,19 @@ def test_measure_caches_per_machine_and_shape(tmp_path):
 
 
 class _Timings:
-  """Stands in for `hardware.median_ms` and `forward_step`: each timing
+  """Stands in for `hardware.looped_ms` and `forward_step`: each timing
   returns the next scripted pass ({T: ms}) for the chunks it is asked to
   time, and counts the timings."""
 
   def __init__(self, monkeypatch, *passes):
     self.passes = list(passes)
     self.calls = []
-    monkeypatch.setattr(cost, "forward_step", lambda *a: lambda: None)
-    monkeypatch.setattr(cost.hardware, "median_ms", self)
+    monkeypatch.setattr(cost, "forward_step", lambda *a: lambda n=1: None)
+    monkeypatch.setattr(cost.hardware, "looped_ms", self)
     monkeypatch.setattr(cost, "_DUE", {})  # as in a new process
 
-  def __call__(self, steps, repeats, settle=0):
+  def __call__(self, steps, repeats):
     del repeats
-    assert settle == 1  # each T timed after a forward of its own
     self.calls.append(sorted(steps))
     times = self.passes.pop(0)
     return {t: float(times[t]) for t in steps}

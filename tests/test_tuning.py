@@ -140,6 +140,25 @@ def test_settle_times_each_step_after_a_call_of_its_own(monkeypatch):
   assert max(hardware.median_ms(steps, 3, warmup=0, settle=1).values()) < 20
 
 
+def test_looped_ms_times_one_more_iteration_of_a_loop(monkeypatch):
+  """A call of n iterations that costs 30 ms once (what XLA hoists out of
+  a loop, and the dispatch) and 5 ms per iteration: timed as calls, 35 ms;
+  as one more iteration, 5 ms."""
+  import time  # pylint: disable=g-import-not-at-top
+  from specjax import hardware  # pylint: disable=g-import-not-at-top
+  monkeypatch.undo()  # the real timers, not the suite's stand-ins
+  seen = []
+
+  def step(n=1):
+    seen.append(n)
+    time.sleep(0.03 + 0.005 * n)
+
+  assert hardware.median_ms({"s": step}, 3, warmup=0)["s"] > 33
+  assert 4 < hardware.looped_ms({"s": step}, 3)["s"] < 8
+  # Several more iterations (4 take the 20 ms a difference needs), not 1.
+  assert seen[-2] == 1 and seen[-1] >= 3
+
+
 def test_a_slow_moment_does_not_decide(monkeypatch):
   """`settled_ms` takes passes until two agree and keeps each step's least:
   a pass that caught the machine busy for one step is outvoted. Each pass

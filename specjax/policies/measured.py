@@ -37,11 +37,11 @@ def table_key(model: LanguageModel, batch: int, cache_size: int,
               chunks: Sequence[int]) -> str:
   """The key of `model`'s cost table at B, S and chunk lengths T: this
   machine's, then the model's own (`CostGeometry.key`), and how it was
-  timed (`hardware.TIMED`)."""
+  timed (`hardware.LOOPED`)."""
   geometry = declared(model).cost_geometry()
   return (f"{hardware.machine_key()}|{geometry.key}|B={batch}|"
           f"S={cache_size}|T={','.join(map(str, chunks))}|"
-          f"timed={hardware.TIMED}")
+          f"timed={hardware.LOOPED}")
 
 
 def check_entry(entry: Any) -> None:

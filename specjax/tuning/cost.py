@@ -43,12 +43,22 @@ READ_BYTES = 1 << 30
 
 
 @functools.partial(jax.jit, donate_argnums=(2,))
-def _forward(model, tokens, cache):
-  """tokens [B, T] at the cache's lengths -> [B] argmax; cache unchanged."""
+def _forwards(model, tokens, cache, n):
+  """n forwards of tokens [B, T] at the cache's lengths in one compiled
+  loop -> the last one's [B] argmax; the cache unchanged. Iteration i
+  reads the tokens shifted by i, so that only what a generation's loop
+  holds fixed (the weights) is invariant in it."""
   start = cache.lengths
-  out, cache = model(tokens, cache)  # [B, T] -> logits [B, T, V]
-  logits = model_output(out).logits
-  return sampling.argmax(logits[:, -1]), cache.rollback(start)
+  vocab = model.vocab_size - 1
+
+  def body(i, carry):
+    _, cache = carry
+    out, cache = model((tokens - 1 + i) % vocab + 1, cache)  # [B, T, V]
+    logits = model_output(out).logits
+    return sampling.argmax(logits[:, -1]), cache.rollback(start)
+
+  first = jnp.zeros(tokens.shape[:1], jnp.int32)
+  return jax.lax.fori_loop(0, n, body, (first, cache))
 
 
 @jax.jit
@@ -57,24 +67,28 @@ def _prefill(model, tokens, lengths, cache):
 
 
 def compiled_forward_hlo(model: Any, tokens: jax.Array, cache: Any) -> str:
-  """The optimised HLO text of the forward `forward_step` runs."""
-  return _forward.lower(model, tokens, cache).compile().as_text()
+  """The optimised HLO text of the loop `forward_step` runs."""
+  return _forwards.lower(model, tokens, cache,
+                         jnp.int32(1)).compile().as_text()
 
 
 def forward_step(model: Any, prompts: Sequence[Sequence[int]],
-                 cache_size: int, num_tokens: int) -> Callable[[], jax.Array]:
-  """A callable running one jitted forward of `num_tokens` tokens per row.
+                 cache_size: int, num_tokens: int
+                 ) -> Callable[..., jax.Array]:
+  """A callable running jitted forwards of `num_tokens` tokens per row.
 
   Args:
     model: a `LanguageModel`.
-    prompts: B prompts; they are prefilled first, so attention reads a warm
-      cache of realistic length.
+    prompts: B prompts; they are prefilled first, so attention reads a
+      warm cache of realistic length.
     cache_size: S.
     num_tokens: T (1 for a decode step, γ+1 for a verification pass).
 
   Returns:
-    A function of no arguments returning the step's [B] argmax tokens; each
-    call donates the cache and gets it back rolled back, unchanged.
+    A function of n (default 1) running n forwards in one compiled loop,
+    as a generation runs them (`hardware.looped_ms` times one more), and
+    returning the last one's [B] argmax tokens; each call donates the
+    cache and gets it back rolled back, unchanged.
   """
   tokens, lengths, _ = padding.prepare_prompts(
       prompts, model.vocab_size, max_new_tokens=1, cache_size=cache_size)
@@ -87,8 +101,9 @@ def forward_step(model: Any, prompts: Sequence[Sequence[int]],
       model.vocab_size - 1) + 1  # [B, T]
   state = {"cache": cache}
 
-  def step():
-    out, state["cache"] = _forward(model, chunk, state["cache"])
+  def step(n: int = 1):
+    out, state["cache"] = _forwards(model, chunk, state["cache"],
+                                    jnp.int32(n))
     return out
 
   return step
@@ -102,7 +117,7 @@ def read_step(num_bytes: int = READ_BYTES) -> Callable[[], jax.Array]:
 
 
 # A table is the per-T mean of its last `PASSES` passes (a pass times every
-# chunk, `repeats` round-robin calls each, and keeps each chunk's median),
+# chunk, `repeats` timings each, and keeps each chunk's median),
 # taken at different moments. Two passes agree when every T's times are
 # within `AGREE` of each other. A process times a table once more at its
 # first read and whenever it is due; a pass more than `DRIFT` away from
@@ -164,11 +179,10 @@ def measure(model: Any, *, batch: int, chunks: Sequence[int],
   generation will use, or the verify pass's cost relative to a one-token
   step comes out wrong.
 
-  Each T is timed right after an untimed forward of its own
-  (`hardware.median_ms`'s `settle`), as a generation's plain steps and
-  its verification passes run in runs of their own: timed after a wider
-  forward, a one-token step can cost a third more than it does in a
-  generation, and a policy priced by that drafts where it loses.
+  Each T is timed as one more forward of a compiled loop of them
+  (`hardware.looped_ms`), as a generation runs its plain steps and its
+  verification passes: neither a call's dispatch, nor what XLA hoists
+  out of the loop, nor a wider forward just before it is priced in.
   """
   chunks = tuple(sorted(set(int(t) for t in chunks)))
   path = store.path_for("cost", cache_dir)
@@ -190,7 +204,7 @@ def measure(model: Any, *, batch: int, chunks: Sequence[int],
   prompts = [[(7 * i + b) % (model.vocab_size - 1) + 1
               for i in range(prompt_tokens)] for b in range(batch)]
   steps = {t: forward_step(model, prompts, cache_size, t) for t in chunks}
-  timed = lambda: hardware.median_ms(steps, repeats, settle=1)
+  timed = lambda: hardware.looped_ms(steps, repeats)
   new = [timed()]
   if passes and not hardware.agree_ms(new[0], cached.forward_ms, DRIFT):
     passes = []  # the machine has changed
