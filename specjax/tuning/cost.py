@@ -79,8 +79,8 @@ def forward_step(model: Any, prompts: Sequence[Sequence[int]],
 
   Args:
     model: a `LanguageModel`.
-    prompts: B prompts; they are prefilled first, so attention reads a
-      warm cache of realistic length.
+    prompts: B prompts; they are prefilled first, so attention reads a warm
+      cache of realistic length.
     cache_size: S.
     num_tokens: T (1 for a decode step, γ+1 for a verification pass).
 
