@@ -251,8 +251,8 @@ def looped_ms(steps: Mapping[Any, Callable[[int], Any]], repeats: int,
   A generation runs its forwards in one compiled loop, dispatched once,
   out of which XLA hoists what no iteration changes (a packed matrix
   dequantised for a product too wide for the kernel). A forward timed as
-  a call of its own pays both every time: a fifth of a `generate` step
-  of the 1.5B blocks at B = 64. So each timing is (t(1 + k) - t(1)) / k,
+  a call of its own pays both every time (BENCHMARKS.md "Never slower"
+  has what that cost). So each timing is (t(1 + k) - t(1)) / k,
   a call of 1 + k iterations less the call of 1 right before it, k such
   that k iterations take at least `_LOOP_MS`. A step's calls run back to
   back, after untimed ones of its own, so that no timed iteration follows
