@@ -568,7 +568,7 @@ def run(config: Any) -> list[dict]:
     target, tokenizer = _load(config, config.target, 0)
     draft, _ = _load(config, config.draft, 1)
     drafter = (drafters.DraftModel(draft) if config.drafter == "model"
-               else drafters.PromptLookup(target.vocab_size))
+               else drafters.PromptLookup().for_target(target, tokenizer))
     results, seen = [], set()
     for batch in config.batch_sizes:
       prompts = _prompts(config, tokenizer, batch, target.vocab_size)

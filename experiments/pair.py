@@ -231,7 +231,7 @@ def make_drafter(name: str, config: Any, pair: Pair) -> Any:
         drafters.JumpForward(vocab_size=pair.target.vocab_size),
         make_drafter(inner, config, pair))
   kind, exit_layer = drafter_kind(name)
-  lookup = drafters.PromptLookup(vocab_size=pair.target.vocab_size)
+  lookup = drafters.PromptLookup().for_target(pair.target, pair.tokenizer)
   if kind == "lookup":
     return lookup
   if kind == "fallback":

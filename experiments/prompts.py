@@ -392,11 +392,13 @@ class ByteTokenizer:
     vocab_size: 258.
     bos_id: 256.
     eos_ids: (257,).
+    special_ids: (256, 257).
   """
 
   vocab_size = 258
   bos_id = 256
   eos_ids = (257,)
+  special_ids = (256, 257)
 
   def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
     ids = list(text.encode("utf-8"))

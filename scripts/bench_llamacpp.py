@@ -99,9 +99,9 @@ def specjax_rows(target_name: str, prompts: Sequence[Sequence[int]],
       max(len(p) for p in prompts), tokens, reserve=gamma + 2))
   for quantize in quantizations:
     quantize = None if quantize == "fp32" else quantize
-    target, _ = registry.load_pretrained(target_name, quantize=quantize,
-                                         progress=False)
-    lookup = drafters.PromptLookup(vocab_size=target.vocab_size)
+    target, tokenizer = registry.load_pretrained(
+        target_name, quantize=quantize, progress=False)
+    lookup = drafters.PromptLookup().for_target(target, tokenizer)
     modes = {"autoregressive": lambda p, n, t=target: decode.generate(
         t, [p], max_new_tokens=n, **common),
              f"lookup γ={gamma}": lambda p, n, t=target: (

@@ -87,10 +87,12 @@ __all__ = ["Prepared", "SamplingConfig", "SpeculativeDecoder",
 class TextTokenizer(Protocol):
   """What a decoder asks of its tokenizer (`specjax.tokenizer.Tokenizer`
   has it all): `encode` for text prompts, `decode` for `texts`, `eos_ids`
-  for the EOS default, `token_bytes` for `stop`, `regex` and
+  for the EOS default, `special_ids` for prompt lookup's control tokens
+  (`PromptLookup.control_ids`), `token_bytes` for `stop`, `regex` and
   `json_schema`."""
 
   eos_ids: Sequence[int]
+  special_ids: Sequence[int]
 
   def encode(self, text: str) -> list[int]: ...
 
@@ -404,7 +406,7 @@ class SpeculativeDecoder:
   def _drafter(self, target: LanguageModel, draft: Any) -> Drafter:
     """The placed draft as a `Drafter` that knows the target."""
     drafter = draft if isinstance(draft, Drafter) else DraftModel(draft)
-    drafter = drafter.for_target(target)
+    drafter = drafter.for_target(target, self.tokenizer)
     if drafter.vocab_size != target.vocab_size:
       raise ValueError(
           f"Draft and target vocabularies differ: draft has "

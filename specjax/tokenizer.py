@@ -204,6 +204,14 @@ class Tokenizer:
     return self.backend.get_vocab_size(with_added_tokens=True)
 
   @property
+  def special_ids(self) -> tuple[int, ...]:
+    """The control tokens' ids (added tokens marked special: a chat
+    template's `<|im_start|>`, `<|im_end|>`, ...), ascending."""
+    return tuple(sorted(
+        i for i, t in self.backend.get_added_tokens_decoder().items()
+        if t.special))
+
+  @property
   def eos_id(self) -> int | None:
     """The model's declared end-of-sequence id."""
     return self.eos_ids[0] if self.eos_ids else None
@@ -275,8 +283,7 @@ class Tokenizer:
           return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode("utf-8")
 
-    special = {i for i, t in self.backend.get_added_tokens_decoder().items()
-               if t.special}
+    special = set(self.special_ids)
     out = []
     for i in range(self.vocab_size):
       piece = None if i in special else self.backend.id_to_token(i)

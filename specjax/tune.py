@@ -45,8 +45,8 @@ def main(argv):
         f"{roofline.flops / 1e9:.0f} GFLOP/s")
   if not _TARGET.value:
     return
-  target, _ = registry.load_pretrained(_TARGET.value)
-  drafter = drafters.PromptLookup(target.vocab_size)
+  target, tokenizer = registry.load_pretrained(_TARGET.value)
+  drafter = drafters.PromptLookup().for_target(target, tokenizer)
   if _DRAFT.value:
     drafter = drafters.DraftModel(registry.load_pretrained(_DRAFT.value)[0])
   size = _CACHE.value or padding.default_cache_size(

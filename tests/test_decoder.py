@@ -22,6 +22,8 @@ class _Chars:
   """A tokenizer stand-in over the tiny pair's 128 ids: id i is the
   character chr(i), one byte."""
 
+  special_ids = ()
+
   def __init__(self, eos_ids=()):
     self.eos_ids = tuple(eos_ids)
 
@@ -139,6 +141,15 @@ def test_prompt_lookup_needs_no_vocabulary_size(pair, baseline):
   assert lookup.vocab_size is None
   assert lookup.for_target(target).vocab_size == target.vocab_size
   assert drafters.PromptLookup(7).for_target(target).vocab_size == 7
+  # The control tokens: the tokenizer's where none were given.
+  chat = _Chars()
+  chat.special_ids = (5, 3)
+  assert lookup.for_target(target).control_ids is None
+  assert lookup.for_target(target, chat).control_ids == (3, 5)
+  assert drafters.PromptLookup(control_ids=()).for_target(
+      target, chat).control_ids == ()
+  assert drafters.Fallback(lookup, drafters.DraftModel(pair[1])).for_target(
+      target, chat).first.control_ids == (3, 5)
   for out in (
       SpeculativeDecoder(target, drafter=lookup, gamma=3).generate(
           PROMPTS, max_new_tokens=MAX_NEW),

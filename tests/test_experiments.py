@@ -736,11 +736,14 @@ def test_jump_drafter_needs_a_grammar():
   bench.validate_config(config)
   assert not validation.is_tree_drafter("jump+lookup")
   assert validation.is_tree_drafter("lookup")
-  pair = types.SimpleNamespace(target=types.SimpleNamespace(vocab_size=258))
+  pair = types.SimpleNamespace(target=types.SimpleNamespace(vocab_size=258),
+                               tokenizer=prompts_lib.ByteTokenizer())
   drafter = pair_lib.make_drafter("jump+lookup", config, pair)
   assert isinstance(drafter, drafters.Fallback)
   assert isinstance(drafter.first, drafters.JumpForward)
   assert isinstance(drafter.second, drafters.PromptLookup)
+  # Lookup stops before the tokenizer's control tokens.
+  assert drafter.second.control_ids == (256, 257)
   assert drafter.components == ("jump", "lookup")
 
 

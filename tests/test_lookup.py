@@ -7,19 +7,25 @@ import numpy as np
 import pytest
 
 from specjax.drafters.lookup import ngram_match
+from specjax.drafters.lookup import ngram_matches
 from specjax.drafters.lookup import PromptLookup
 
 
-def _reference(row, length, gamma, max_ngram, min_ngram):
-  """Python loops: the latest earlier occurrence of the longest suffix."""
+def _reference(row, length, gamma, max_ngram, min_ngram, control=()):
+  """Python loops: the latest earlier occurrence of the longest suffix not
+  followed by a control token; its continuation up to the first one."""
   ctx = list(row[:length])
   for n in range(max_ngram, min_ngram - 1, -1):
     if length < n:
       continue
     suffix = ctx[length - n:]
     for s in range(length - n - 1, -1, -1):  # latest first
-      if ctx[s:s + n] == suffix:
+      if ctx[s:s + n] == suffix and ctx[s + n] not in control:
         follow = ctx[s + n:s + n + gamma]
+        for i, token in enumerate(follow):
+          if token in control:
+            follow = follow[:i]
+            break
         return follow, len(follow)
   return [], 0
 
@@ -48,14 +54,51 @@ def test_matches_brute_force(seed):
   vocab = 3 + seed  # small vocabularies repeat n-grams often
   context = rng.integers(0, vocab, (batch, size)).astype(np.int32)
   length = rng.integers(1, size, batch).astype(np.int32)
-  for max_ngram, min_ngram in ((3, 1), (4, 2), (2, 2)):
+  for max_ngram, min_ngram, control in ((3, 1, ()), (4, 2, ()),
+                                        (2, 2, ()), (3, 1, (0,)),
+                                        (2, 1, (1, 2))):
     tokens, num = ngram_match(context, length, gamma=gamma,
-                              max_ngram=max_ngram, min_ngram=min_ngram)
+                              max_ngram=max_ngram, min_ngram=min_ngram,
+                              control_ids=control)
     for b in range(batch):
       want, n = _reference(context[b], length[b], gamma, max_ngram,
-                           min_ngram)
-      assert int(num[b]) == n, (b, max_ngram, min_ngram)
+                           min_ngram, control)
+      assert int(num[b]) == n, (b, max_ngram, min_ngram, control)
       assert np.asarray(tokens[b, :n]).tolist() == want
+
+
+def test_a_turns_end_is_no_match():
+  # A chat reply that opens a fence (9) after a prompt whose code opened
+  # and closed one: the latest earlier 9 is the closing fence, followed by
+  # the end of the turn (control 1) and the next turn's header (2, 3).
+  # The continuation drafted is the opening fence's (4, 5, 6), and one
+  # that reaches a control token stops before it.
+  prompt = [7, 9, 4, 5, 6, 9, 1, 2, 3, 9]
+  context = np.array([prompt + [0]], np.int32)
+  length = np.array([len(prompt)], np.int32)
+  match = lambda control: [np.asarray(x)[0].tolist() for x in ngram_match(
+      context, length, gamma=4, max_ngram=3, min_ngram=1,
+      control_ids=control)]
+  assert match(()) == [[1, 2, 3, 9], 4]
+  assert match((1, 2)) == [[4, 5, 6, 9], 4]
+  # An opening fence whose continuation runs into the turn's end: it
+  # stops before the 1.
+  context = np.array([[7, 9, 4, 1, 2, 3, 9, 0]], np.int32)
+  length = np.array([7], np.int32)
+  assert match((1, 2)) == [[4, 1, 2, 3], 1]
+
+
+def test_tree_candidates_stop_before_control_tokens():
+  # ngram_matches (the trie's candidates) by the same rule: the 9 followed
+  # by the control token 1 is no candidate; the others' continuations
+  # stop before a 1.
+  context = np.array([[9, 4, 1, 9, 1, 3, 9, 5, 6, 9]], np.int32)
+  tokens, known = ngram_matches(context, np.array([10], np.int32), gamma=3,
+                                max_ngram=1, min_ngram=1, count=3,
+                                control_ids=(1,))
+  got = {tuple(np.asarray(tokens)[0, k, :int(known[0, k])])
+         for k in range(3) if known[0, k]}
+  assert got == {(5, 6, 9), (4,)}
 
 
 def test_invalid_ngram_sizes():

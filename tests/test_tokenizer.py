@@ -70,6 +70,10 @@ def test_special_ids(pair):
   im_end = theirs.convert_tokens_to_ids("<|im_end|>")
   endoftext = theirs.convert_tokens_to_ids("<|endoftext|>")
   assert set(ours.eos_ids) == {im_end, endoftext}, name
+  # The control tokens: transformers' added tokens marked special.
+  special = {i for i, t in theirs.added_tokens_decoder.items() if t.special}
+  assert set(ours.special_ids) == special, name
+  assert {im_end, endoftext} <= special, name
 
 
 @pytest.mark.parametrize("text", PROMPTS)

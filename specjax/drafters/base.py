@@ -83,11 +83,13 @@ class Drafter:
     """
     raise NotImplementedError
 
-  def for_target(self, target: Any) -> "Drafter":
+  def for_target(self, target: Any, tokenizer: Any = None) -> "Drafter":
     """This drafter with what it learns from `target` (a `LanguageModel`)
-    filled in, e.g. `PromptLookup()`'s vocabulary size; the decoders call
-    it before they check vocabularies. The default returns it as is."""
-    del target
+    and the decoder's tokenizer (None without one) filled in, e.g.
+    `PromptLookup()`'s vocabulary size and control tokens; the decoders
+    call it before they check vocabularies. The default returns it as
+    is."""
+    del target, tokenizer
     return self
 
   def init_guess(self, prompts: jax.Array, prompt_lengths: jax.Array,
@@ -146,8 +148,9 @@ class TargetVocabulary:
   """A model-free drafter whose `vocab_size` (a static field, None by
   default) is the target's: `for_target` fills it in."""
 
-  def for_target(self, target: Any) -> Drafter:
+  def for_target(self, target: Any, tokenizer: Any = None) -> Drafter:
     """This drafter with V = the target's when none was given."""
+    del tokenizer
     if self.vocab_size is not None:
       return self
     return self.replace(vocab_size=target.vocab_size)

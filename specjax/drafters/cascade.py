@@ -102,10 +102,11 @@ class Cascade(Drafter):
   def vocab_size(self) -> int:
     return self.model.vocab_size
 
-  def for_target(self, target) -> "Cascade":
+  def for_target(self, target, tokenizer=None) -> "Cascade":
     """Its drafter filled in from its own model, which it drafts for."""
     del target
-    return self.replace(drafter=self.drafter.for_target(self.model))
+    return self.replace(drafter=self.drafter.for_target(self.model,
+                                                        tokenizer))
 
   @property
   def components(self) -> tuple[str, ...]:

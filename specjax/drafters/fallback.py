@@ -67,9 +67,9 @@ class Fallback(Drafter):
     return (self.first.vocab_size if self.first.vocab_size is not None
             else self.second.vocab_size)
 
-  def for_target(self, target) -> "Fallback":
-    return self.replace(first=self.first.for_target(target),
-                        second=self.second.for_target(target))
+  def for_target(self, target, tokenizer=None) -> "Fallback":
+    return self.replace(first=self.first.for_target(target, tokenizer),
+                        second=self.second.for_target(target, tokenizer))
 
   @property
   def components(self) -> tuple[str, ...]:

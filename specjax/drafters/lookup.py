@@ -12,6 +12,13 @@ matches, the up to G tokens that followed it are proposed (Saxena 2023,
 model runs: `num_forwards` is 0. A row with no match proposes nothing
 (`num_drafted` 0), so its step is a plain target step.
 
+A continuation stops before a control token (`control_ids`: a chat
+template's, `Tokenizer.special_ids`), and an occurrence followed by one is
+no match: in a chat prompt they mark the ends of turns, which the reply
+being drafted does not repeat. Without that the first step of every chat
+reply that opens a code fence proposes the prompt's own closing fence's
+continuation, `<|im_end|>` and the next turn's header.
+
 The drafter is deterministic: q is one-hot at each proposed token, so the
 proposal omits q and the rejection sampler accepts token x with
 probability p(x) and, on a rejection, draws from p with x removed and
@@ -38,8 +45,28 @@ __all__ = ["LookupState", "PromptLookup", "ngram_match", "ngram_matches",
            "trie"]
 
 
+def _control(tokens: jax.Array, control_ids: tuple[int, ...]
+             ) -> jax.Array:
+  """[...] bool: which of `tokens` [...] are among `control_ids`."""
+  if not control_ids:
+    return jnp.zeros(tokens.shape, bool)
+  return jnp.any(tokens[..., None] == jnp.asarray(control_ids, tokens.dtype),
+                 axis=-1)
+
+
+def _before_control(tokens: jax.Array, known: jax.Array,
+                    control_ids: tuple[int, ...]) -> jax.Array:
+  """`known` [...] cut before the first control token of `tokens`
+  [..., G]."""
+  control = _control(tokens, control_ids)  # [..., G]
+  clear = jnp.where(jnp.any(control, -1), jnp.argmax(control, -1),
+                    tokens.shape[-1])
+  return jnp.minimum(known, clear)
+
+
 def ngram_match(context: jax.Array, length: jax.Array, *, gamma: int,
-                max_ngram: int, min_ngram: int
+                max_ngram: int, min_ngram: int,
+                control_ids: tuple[int, ...] = ()
                 ) -> tuple[jax.Array, jax.Array]:
   """Proposes the continuation of the latest earlier match of the suffix.
 
@@ -49,6 +76,8 @@ def ngram_match(context: jax.Array, length: jax.Array, *, gamma: int,
     gamma: G, the most tokens proposed (static).
     max_ngram: the longest suffix tried first (static).
     min_ngram: the shortest suffix tried (static).
+    control_ids: ids a continuation stops before; an occurrence followed
+      by one is no match (static).
 
   Returns:
     tokens [B, G] int32 (junk past the count) and num_drafted [B] int32 in
@@ -66,8 +95,10 @@ def ngram_match(context: jax.Array, length: jax.Array, *, gamma: int,
     for i in range(n):  # context[b, s + i] == suffix[b, i] for all i < n
       shifted = jnp.roll(context, -i, axis=1)  # [B, S]: context[b, s + i]
       match &= shifted == suffix[:, i:i + 1]
-    # An earlier occurrence, followed by at least one known token.
+    # An earlier occurrence, followed by at least one known token, not a
+    # control token.
     match &= (starts + n < length[:, None]) & (length[:, None] >= n)
+    match &= ~_control(jnp.roll(context, -n, axis=1), control_ids)
     latest = jnp.max(jnp.where(match, starts, -1), axis=1)  # [B]
     take = (best < 0) & (latest >= 0)
     best = jnp.where(take, latest, best)
@@ -75,11 +106,13 @@ def ngram_match(context: jax.Array, length: jax.Array, *, gamma: int,
   first = best + best_n  # [B] first proposed position
   tokens = text.window(context, first, gamma)  # [B, G]
   num = jnp.where(best >= 0, jnp.clip(length - first, 0, gamma), 0)
+  num = _before_control(tokens, num, control_ids)
   return tokens.astype(jnp.int32), num.astype(jnp.int32)
 
 
 def ngram_matches(context: jax.Array, length: jax.Array, *, gamma: int,
-                  max_ngram: int, min_ngram: int, count: int
+                  max_ngram: int, min_ngram: int, count: int,
+                  control_ids: tuple[int, ...] = ()
                   ) -> tuple[jax.Array, jax.Array]:
   """The continuations of the `count` best earlier matches of the suffix.
 
@@ -87,7 +120,8 @@ def ngram_matches(context: jax.Array, length: jax.Array, *, gamma: int,
   recency (the order `ngram_match` picks its one match in).
 
   Args:
-    context, length, gamma, max_ngram, min_ngram: as in `ngram_match`.
+    context, length, gamma, max_ngram, min_ngram, control_ids: as in
+      `ngram_match`.
     count: K, matches kept (static).
 
   Returns:
@@ -100,7 +134,7 @@ def ngram_matches(context: jax.Array, length: jax.Array, *, gamma: int,
   for n in range(min_ngram, max_ngram + 1):
     suffix = text.window(context, length - n, n)  # [B, n]
     match = (follow >= n) & (follow < length[:, None]) & (
-        length[:, None] >= n)
+        length[:, None] >= n) & ~_control(context, control_ids)
     for i in range(n):  # context[b, c - n + i] == suffix[b, i]
       match &= jnp.roll(context, n - i, axis=1) == suffix[:, i:i + 1]
     rank = jnp.where(match, n * size + follow, rank)
@@ -110,6 +144,7 @@ def ngram_matches(context: jax.Array, length: jax.Array, *, gamma: int,
           jnp.pad(c, (0, gamma)), s, gamma))(starts))(context, where)
   known = jnp.where(best >= 0, jnp.clip(length[:, None] - where, 0, gamma),
                     0)
+  known = _before_control(tokens, known, control_ids)
   return tokens.astype(jnp.int32), known.astype(jnp.int32)
 
 
@@ -168,12 +203,18 @@ class PromptLookup(TargetVocabulary, Drafter):
       takes the target's: the decoders fill it in (`for_target`).
     max_ngram: longest suffix looked up first.
     min_ngram: shortest suffix looked up.
+    control_ids: ids a continuation stops before, and that no match may
+      be followed by (see the module docstring). None (the default) takes
+      the tokenizer's control tokens where a decoder has a tokenizer
+      (`for_target`), else none; () none.
   """
 
   vocab_size: int | None = flax.struct.field(pytree_node=False,
                                              default=None)
   max_ngram: int = flax.struct.field(pytree_node=False, default=3)
   min_ngram: int = flax.struct.field(pytree_node=False, default=1)
+  control_ids: tuple[int, ...] | None = flax.struct.field(
+      pytree_node=False, default=None)
 
   components = ("lookup",)
   supports_trees = True
@@ -187,6 +228,17 @@ class PromptLookup(TargetVocabulary, Drafter):
       raise ValueError(f"PromptLookup needs max_ngram >= min_ngram, got "
                        f"max_ngram={self.max_ngram!r}, min_ngram="
                        f"{self.min_ngram!r}.")
+    if self.control_ids is not None:
+      object.__setattr__(self, "control_ids",
+                         tuple(sorted({int(i) for i in self.control_ids})))
+
+  def for_target(self, target, tokenizer=None) -> "PromptLookup":
+    """V = the target's where none was given, and the control tokens the
+    tokenizer names (`special_ids`) where none were."""
+    lookup = super().for_target(target, tokenizer)
+    if lookup.control_ids is None and tokenizer is not None:
+      lookup = lookup.replace(control_ids=tuple(tokenizer.special_ids))
+    return lookup
 
   def init(self, prompts, prompt_lengths, first_token, cache_size):
     """Context = prompt then the target's first token, in [B, S]."""
@@ -201,7 +253,8 @@ class PromptLookup(TargetVocabulary, Drafter):
       return self._tree(state, gamma, num_nodes), state
     tokens, num = ngram_match(state.context, state.length, gamma=gamma,
                               max_ngram=self.max_ngram,
-                              min_ngram=self.min_ngram)
+                              min_ngram=self.min_ngram,
+                              control_ids=self.control_ids or ())
     return Proposal(tokens=tokens, q=None, num_drafted=capped(num, limit),
                     num_forwards=jnp.int32(0)), state
 
@@ -211,7 +264,8 @@ class PromptLookup(TargetVocabulary, Drafter):
     count = num_nodes // gamma
     tokens, known = ngram_matches(
         state.context, state.length, gamma=gamma, max_ngram=self.max_ngram,
-        min_ngram=self.min_ngram, count=count)
+        min_ngram=self.min_ngram, count=count,
+        control_ids=self.control_ids or ())
     nodes = pad_nodes(trie(tokens, known), num_nodes)
     return Proposal(q=None, num_forwards=jnp.int32(0), tree_depth=gamma,
                     **nodes)
