@@ -15,9 +15,9 @@ model runs: `num_forwards` is 0. A row with no match proposes nothing
 A continuation stops before a control token (`control_ids`: a chat
 template's, `Tokenizer.special_ids`), and an occurrence followed by one is
 no match: in a chat prompt they mark the ends of turns, which the reply
-being drafted does not repeat. Without that the first step of every chat
-reply that opens a code fence proposes the prompt's own closing fence's
-continuation, `<|im_end|>` and the next turn's header.
+being drafted does not repeat. Without that, a reply that opens a code
+fence after a prompt whose code closed one is drafted, at its first step,
+what followed the closing fence: `<|im_end|>` and the next turn's header.
 
 The drafter is deterministic: q is one-hot at each proposed token, so the
 proposal omits q and the rejection sampler accepts token x with
