@@ -29,6 +29,7 @@ from specjax import speculate
 from specjax import streaming
 from specjax.drafters.base import Drafter
 from specjax.models import LanguageModel
+from specjax.models.protocol import declared
 from specjax.policies.base import GammaPolicy
 from specjax.step_types import SpecState
 from specjax.step_types import SpecStats
@@ -258,6 +259,11 @@ def speculative_loop(target: LanguageModel, drafter: Drafter, prompts,
   `stream_id`: a `specjax.streaming` stream or None."""
   if params.acceptance.synthetic:
     params = params.with_text(synthetic_text(key))
+  # What a pass of the widest verification would dequantise, once per
+  # call: XLA hoists it out of the loop, but not out of an adaptive
+  # step's width branches (`DeclaredModel.for_branches`).
+  target = declared(target).for_branches(
+      prompts.shape[0] * (max(policy.max_gamma, num_nodes or 0) + 1))
   state = init_spec_state(target, drafter, prompts, lengths, params, key,
                           policy=policy, max_new_tokens=max_new_tokens,
                           cache_size=cache_size, tokens_cap=tokens_cap)

@@ -269,3 +269,32 @@ def test_hybrid_plan_sends_one_row_of_a_packed_matrix_to_the_kernel(rows):
   hlo = jax.jit(lambda x, w: matmul.project(x, w, plan)).lower(
       x, w).as_text()
   assert "specjax_smallm_quant" in hlo
+
+
+def test_a_wide_pass_reads_the_packed_head_dequantised_once():
+  """Past the kernel's rows the packed head is multiplied through XLA.
+  `for_branches` dequantises it once, before a generation's loop, so
+  that an adaptive step's width branches share it (XLA does not hoist it
+  out of a branch); narrower passes, and a float head, leave the model as
+  it is. The products and a generation's tokens are the same."""
+  target, draft = tiny.tiny_pair(seed=2)
+  q = target.quantize("int4").with_plan(cpu.plan("out_in/kernel"))
+  name = "embed" if q.config.tie_embeddings else "lm_head"
+  assert quantized.is_quantized(q.params[name])
+  limit = q.plan.kernel_max_rows
+  assert q.for_branches(limit) is q
+  assert target.for_branches(limit + 1) is target
+  wide = q.for_branches(limit + 1)
+  np.testing.assert_array_equal(wide.params[name].dense,
+                                quantized.dequantize(q.params[name]))
+  assert wide.params[name].nbytes == q.params[name].nbytes
+  hidden = jax.random.normal(jax.random.PRNGKey(0),
+                             (limit + 1, q.config.hidden_size))
+  logits = jax.jit(lambda m, h: m.logits(h))
+  np.testing.assert_array_equal(logits(wide, hidden), logits(q, hidden))
+  # Nine rows of γ + 1 = 4: 36 rows a pass, past the kernel's 32.
+  prompts = [[5 + i, 17, 99, 3] for i in range(9)]
+  want = decode.generate(q, prompts, max_new_tokens=6)
+  got = decode.speculative_generate(q, draft.quantize("int8"), prompts,
+                                    gamma=3, max_new_tokens=6)
+  np.testing.assert_array_equal(got.tokens, want.tokens)

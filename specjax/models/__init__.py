@@ -129,6 +129,22 @@ class Model(Decoder, DeclaredModel):
         num_experts=c.num_experts, experts_per_token=c.num_experts_per_tok,
         expert_bytes=moe.expert_bytes(c, self.params))
 
+  def for_branches(self, rows: int) -> "Model":
+    """With the packed output head dequantised once (`quantized.
+    with_dense`) where a pass of `rows` rows multiplies it outside the
+    kernel (more than the plan's `kernel_max_rows`, float activations):
+    XLA hoists that dequantisation out of a generation's loop, not out of
+    an adaptive step's width branches, which otherwise each paid it
+    (BENCHMARKS.md, "Never slower"). Products of fewer rows still read
+    the packed rows."""
+    name = "embed" if self.config.tie_embeddings else "lm_head"
+    head = self.params.get(name)
+    if (not quantized.is_quantized(head) or head.act_bits
+        or head.dense is not None or rows <= self.plan.kernel_max_rows):
+      return self
+    return self.replace(params={**self.params,
+                                name: quantized.with_dense(head)})
+
   @property
   def module(self) -> Transformer:
     return Transformer(self.config, param_dtype=self.dtype, plan=self.plan)

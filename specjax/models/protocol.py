@@ -207,6 +207,14 @@ class DeclaredModel:
     the model, once, and no attention; `CostGeometry.of_arrays`)."""
     return CostGeometry.of_arrays(self)
 
+  def for_branches(self, rows: int) -> LanguageModel:
+    """This model as the branches of a program that each run a pass of at
+    most `rows` rows should share it (`specjax.verify.verify_within`):
+    with what XLA would hoist out of a loop body, but not out of a
+    branch, computed once before them. The default: the model itself."""
+    del rows
+    return self
+
 
 @dataclasses.dataclass(frozen=True)
 class _Defaults(DeclaredModel):
@@ -216,6 +224,10 @@ class _Defaults(DeclaredModel):
 
   def cost_geometry(self) -> CostGeometry:
     return CostGeometry.of_arrays(self.model)
+
+  def for_branches(self, rows: int) -> LanguageModel:
+    del rows
+    return self.model
 
 
 def declared(model: LanguageModel) -> DeclaredModel:

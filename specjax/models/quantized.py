@@ -107,6 +107,9 @@ class QuantizedMatrix:
       (a K-quant super-block: S = 256 / G), or None: s[o, n] =
       super_scales[o, n // S] * scales[o, n] in float32.
     super_mins: [O, N // S] float16 for integer mins, or None.
+    dense: [O, I] float32, the matrix dequantised once for products that
+      do not read the packed rows (`with_dense`), or None: each such
+      product dequantises it.
     fmt: one of `FORMATS` (static).
     bits: bits per code, 4, 5, 6 or 8 (static).
     group: G (static).
@@ -126,6 +129,7 @@ class QuantizedMatrix:
   mins: jax.Array | None = None
   super_scales: jax.Array | None = None
   super_mins: jax.Array | None = None
+  dense: jax.Array | None = None
   fmt: str = flax.struct.field(pytree_node=False)
   bits: int = flax.struct.field(pytree_node=False)
   group: int = flax.struct.field(pytree_node=False)
@@ -152,7 +156,7 @@ class QuantizedMatrix:
   def nbytes(self) -> int:
     """Bytes of the packed arrays (what a product reads)."""
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-               for x in jax.tree.leaves(self))
+               for x in jax.tree.leaves(self.replace(dense=None)))
 
   def astype(self, dtype: Any) -> "QuantizedMatrix":
     """The same codes dequantising to `dtype` (scales are kept)."""
@@ -218,6 +222,13 @@ def dequantize(w: QuantizedMatrix) -> jax.Array:
                           w.super_scales, w.super_mins)
 
 
+def with_dense(w: QuantizedMatrix) -> QuantizedMatrix:
+  """`w` carrying its dequantised matrix (`dense`), computed here once:
+  for the products of a program's branches, out of which XLA does not
+  hoist the dequantisation it hoists out of a loop body."""
+  return w.replace(dense=dequantize(w))
+
+
 def quantize_activations(x: jax.Array) -> jax.Array:
   """x [..., I] float32 -> the float32 values of its int8 quantization.
 
@@ -257,7 +268,7 @@ def matmul(x: jax.Array, w: QuantizedMatrix, out_dtype: Any = None,
     return out.reshape(*lead, w.rows).astype(out_dtype or x.dtype)
   if w.act_bits:
     x = quantize_activations(x.astype(jnp.float32)).astype(x.dtype)
-  wf = dequantize(w).astype(x.dtype)  # [O, I]
+  wf = (dequantize(w) if w.dense is None else w.dense).astype(x.dtype)
   out = jax.lax.dot_general(x, wf, (((x.ndim - 1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
   return out.astype(out_dtype or x.dtype)
