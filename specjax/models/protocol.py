@@ -208,10 +208,11 @@ class DeclaredModel:
     return CostGeometry.of_arrays(self)
 
   def for_branches(self, rows: int) -> LanguageModel:
-    """This model as the branches of a program that each run a pass of at
-    most `rows` rows should share it (`specjax.verify.verify_within`):
-    with what XLA would hoist out of a loop body, but not out of a
-    branch, computed once before them. The default: the model itself."""
+    """This model as a generation whose passes have at most `rows` rows
+    should hold it before its loop (`specjax.loops.speculative_loop`):
+    with what XLA would hoist out of a loop body, but not out of the
+    width branches of an adaptive step (`specjax.verify.verify_within`),
+    computed once. The default: the model itself."""
     del rows
     return self
 
